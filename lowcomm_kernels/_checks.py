@@ -1,0 +1,117 @@
+"""Input validation shared by every op. Each check names the offending argument and runs
+before anything is written, so a rejected call leaves every buffer untouched."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float64)
+WIRE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def tensor(name: str, t: object, *, dtypes: Iterable[torch.dtype] | None = None,
+           contiguous: bool = True, dim: int | None = None) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TypeError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of {names}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-dimensional, got shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()}); call .contiguous() first")
+    return t
+
+
+def same_device(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
+
+
+def same_numel(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.numel() != ref.numel():
+            raise ValueError(
+                f"{name} has {t.numel()} elements (shape {tuple(t.shape)}) but {ref_name} has "
+                f"{ref.numel()} (shape {tuple(ref.shape)})")
+
+
+def same_dtype(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
+    for name, t in others.items():
+        if t is not None and t.dtype != ref.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.device != b.device or a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, a1 = _span(a)
+    b0, b1 = _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def no_alias(pairs: Iterable[tuple[str, torch.Tensor | None, str, torch.Tensor | None]]) -> None:
+    """Reject any pair of (name, tensor) whose memory overlaps."""
+    for an, a, bn, b in pairs:
+        if a is not None and b is not None and overlaps(a, b):
+            raise ValueError(f"{an} and {bn} share memory; they must be distinct buffers")
+
+
+def distinct(named: dict[str, torch.Tensor | None]) -> None:
+    items = [(n, t) for n, t in named.items() if t is not None]
+    no_alias((an, a, bn, b) for i, (an, a) in enumerate(items) for bn, b in items[i + 1:])
+
+
+def scalar(name: str, value: object, *, lo: float | None = None, hi: float | None = None,
+           lo_open: bool = False, hi_open: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    v = float(value)
+    if not math.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    if lo is not None and (v < lo or (lo_open and v == lo)):
+        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}, got {v}")
+    if hi is not None and (v > hi or (hi_open and v == hi)):
+        raise ValueError(f"{name} must be {'<' if hi_open else '<='} {hi}, got {v}")
+    return v
+
+
+def integer(name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+            value = int(value.item())
+        else:
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if lo is not None and value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
+    return int(value)
+
+
+def index(name: str, idx: object, *, n: int, device: torch.device, strictly_increasing: bool) -> torch.Tensor:
+    """idx: 1-D contiguous int64 on `device`, every entry in [0, n); optionally sorted and unique."""
+    t = tensor(name, idx, dtypes=(torch.int64,), dim=1)
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the data is on {device}")
+    if t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= n:
+            raise ValueError(f"{name} has entries outside [0, {n}): min {lo}, max {hi}")
+        if strictly_increasing and t.numel() > 1 and not bool((t[1:] > t[:-1]).all()):
+            raise ValueError(f"{name} must be strictly increasing (sorted, no duplicates), "
+                             "as mask_indices returns it")
+    return t

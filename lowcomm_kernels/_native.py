@@ -1,0 +1,127 @@
+"""Loads the torch-free csrc libraries (``liblowcomm_cpu``, ``liblowcomm_cuda``) through ctypes.
+
+The C ABI (csrc/include/lowcomm/abi.h is the source of truth) takes raw pointers, element counts
+and scalars; dtypes travel as small integer codes (``DTYPE_CODE``). Every entry point returns 0 on
+success and a non-zero code for an unsupported dtype combination. The CUDA entry points carry the
+same arguments plus a trailing ``cudaStream_t``; their scalar outputs are device pointers.
+
+When the CPU library is missing (a source checkout that was never built, a platform without a
+compiler), the package still imports and every op runs on the ``ref`` backend: one warning says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import os
+import warnings
+
+import torch
+
+from . import _config
+
+DTYPE_CODE = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}
+
+_c_int, _c_i64, _c_dbl, _vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+
+# name -> argtypes (the CUDA variants, ``lc_cuda_<name>``, append a stream pointer).
+SIGNATURES: dict[str, list] = {
+    # dtype, wire_dtype, g, x, delta, snapshot|NULL, n, nonfinite*
+    "lc_pack": [_c_int, _c_int, _vp, _vp, _vp, _vp, _c_i64, _vp],
+    # dtype, avg_dtype, g, u, delta_avg, x, x_sent|NULL, n, lr, momentum, nesterov, alpha, beta, lam
+    "lc_outer_merge": [_c_int, _c_int, _vp, _vp, _vp, _vp, _vp, _c_i64,
+                       _c_dbl, _c_dbl, _c_int, _c_dbl, _c_dbl, _c_dbl],
+    # dtype, avg_dtype, g, u, delta_avg, x, x_sent, n, lr, momentum, nesterov, out(double[2])
+    "lc_taylor_norms": [_c_int, _c_int, _vp, _vp, _vp, _vp, _vp, _c_i64, _c_dbl, _c_dbl, _c_int, _vp],
+    # n, k, adds(int64[4]), muls(int64[4]), shift, bitmask, out(int64[k])
+    "lc_mask_perm": [_c_i64, _c_i64, _vp, _vp, _c_int, _c_i64, _vp],
+    # dtype, x, idx, k, out
+    "lc_sparse_gather": [_c_int, _vp, _vp, _c_i64, _vp],
+    # dtype, avg_dtype, x, idx, k, avg, sent, beta
+    "lc_sparse_scatter_merge": [_c_int, _c_int, _vp, _vp, _c_i64, _vp, _vp, _c_dbl],
+    # dtype, buf, offsets(int64[nseg+1]), nseg, ord, out(double[nseg])
+    "lc_fragment_norms": [_c_int, _vp, _vp, _c_i64, _c_int, _vp],
+    # dst, src, nbytes: memcpy with non-temporal stores (the benchmarks' roofline row)
+    "lc_copy_nt": [_vp, _vp, _c_i64],
+}
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _locate(libname: str) -> str | None:
+    """Path of an installed library. find_spec triggers scikit-build-core's rebuild in an
+    editable install and returns the right path in a normal one (BUILD-NOTES.md)."""
+    try:
+        spec = importlib.util.find_spec(f"lowcomm_kernels.{libname}")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin and os.path.exists(spec.origin):
+        return spec.origin
+    here = os.path.dirname(os.path.abspath(__file__))
+    for name in os.listdir(here):
+        if name.startswith(libname) and name.endswith(".so"):
+            return os.path.join(here, name)
+    return None
+
+
+def _bind(lib: ctypes.CDLL, prefix: str, extra: list) -> ctypes.CDLL:
+    for name, argtypes in SIGNATURES.items():
+        full = name.replace("lc_", prefix, 1)
+        if not hasattr(lib, full):
+            continue  # the CUDA library implements only the ops where it pays
+        fn = getattr(lib, full)
+        fn.argtypes = argtypes + extra
+        fn.restype = ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_lib() -> ctypes.CDLL | None:
+    if _config.native_disabled():
+        return None
+    path = _config.native_library_path() or _locate("liblowcomm_cpu")
+    if path is None:
+        warnings.warn("lowcomm_kernels: the native CPU library (liblowcomm_cpu) was not found, so every "
+                      "op runs on the slow 'ref' backend. Reinstall with `pip install .` to build it.",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as exc:
+        warnings.warn(f"lowcomm_kernels: could not load {path} ({exc}); ops run on the 'ref' backend.",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return _bind(lib, "lc_", [])
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_lib() -> ctypes.CDLL | None:
+    if _config.native_disabled() or not torch.cuda.is_available():
+        return None
+    path = _locate("liblowcomm_cuda")
+    if path is None:
+        return None  # optional: built only with LOWCOMM_WITH_CUDA=ON
+    try:
+        lib = ctypes.CDLL(path)
+    except OSError as exc:
+        warnings.warn(f"lowcomm_kernels: could not load {path} ({exc}); the 'cuda' backend is off.",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    return _bind(lib, "lc_cuda_", [_vp])
+
+
+def cuda_has(name: str) -> bool:
+    lib = cuda_lib()
+    return lib is not None and hasattr(lib, name.replace("lc_", "lc_cuda_", 1))
+
+
+def check(rc: int, name: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"native {name} failed with code {rc} (unsupported dtype combination?)")
+
+
+def stream_ptr(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
