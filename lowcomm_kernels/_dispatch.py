@@ -29,17 +29,20 @@ def triton_interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
 
 
-def available(backend: str, device: torch.device) -> bool:
+def available(backend: str, device: torch.device, entry: str | None = None) -> bool:
+    """Can `backend` run on `device`? `entry` names the op's C ABI function (``lc_pack``): a native
+    library without it (an older build) cannot run that op."""
     if backend == "ref":
         return True
     if backend == "cpu":
-        return device.type == "cpu" and _native.cpu_lib() is not None
+        lib = _native.cpu_lib()
+        return device.type == "cpu" and lib is not None and (entry is None or hasattr(lib, entry))
     if backend == "triton":
         if not triton_importable():
             return False
         return device.type == "cuda" or (device.type == "cpu" and triton_interpreted())
     if backend == "cuda":
-        return device.type == "cuda" and _native.cuda_lib() is not None
+        return device.type == "cuda" and (_native.cuda_has(entry) if entry else _native.cuda_lib() is not None)
     return False
 
 
@@ -48,18 +51,21 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return [b for b in _config.BACKENDS if available(b, device)]
 
 
-def resolve(backend: str | None, device: torch.device) -> str:
+# Under torch.compile the choice is evaluated once at trace time and baked in as a constant
+# (it reads the environment and loads libraries, which dynamo must not trace).
+@torch.compiler.assume_constant_result
+def resolve(backend: str | None, device: torch.device, entry: str | None = None) -> str:
     """The backend that runs a call on `device` (see the module docstring)."""
     chosen = backend if backend is not None else _config.backend_override()
     if chosen is None:
         if device.type == "cpu":
-            return "cpu" if available("cpu", device) else "ref"
+            return "cpu" if available("cpu", device, entry) else "ref"
         if device.type == "cuda":
             return "triton" if available("triton", device) else "ref"
         return "ref"
     if chosen not in _config.BACKENDS:
         raise ValueError(f"backend must be one of {_config.BACKENDS}, got {chosen!r}")
-    if not available(chosen, device):
+    if not available(chosen, device, entry):
         why = {
             "cpu": "the native library did not load (see the warning at import) or the data is not on the CPU",
             "triton": "Triton is not importable, or the data is on the CPU without TRITON_INTERPRET=1",

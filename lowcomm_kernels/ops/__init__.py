@@ -1,0 +1,17 @@
+"""The fused sync ops. Importing this module registers ``torch.ops.lowcomm.*``.
+
+Each op lives in its own module: the ``*_ref`` specification, the launcher that picks a backend,
+the registered custom op with its fake, and the public function that validates its arguments.
+"""
+
+from .fragment_norms import fragment_norms, fragment_norms_ref
+from .mask_indices import mask_indices, mask_indices_ref, mask_keys
+from .outer_merge import outer_merge_, outer_merge_ref, taylor_norms_ref
+from .pack import pack, pack_ref
+from .sparse import sparse_gather, sparse_gather_ref, sparse_scatter_merge_, sparse_scatter_merge_ref
+
+__all__ = [
+    "fragment_norms", "fragment_norms_ref", "mask_indices", "mask_indices_ref", "mask_keys",
+    "outer_merge_", "outer_merge_ref", "taylor_norms_ref", "pack", "pack_ref", "sparse_gather",
+    "sparse_gather_ref", "sparse_scatter_merge_", "sparse_scatter_merge_ref",
+]

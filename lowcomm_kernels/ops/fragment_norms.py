@@ -1,0 +1,87 @@
+"""fragment_norms: one norm per segment of a flat buffer, in one launch.
+
+    out[i] = ‖buf[offsets[i] : offsets[i+1]]‖_ord,   ord ∈ {1, 2}
+
+Used to rank fragments (CoCoDC's R_p = ‖Δ̄_p‖₂ / I_p, or the L1 score of the reference code).
+Accumulates in float64 in a fixed order (fixed-size blocks, partials summed in block order), so
+the result is bit-identical from call to call whatever the thread count. Output dtype = buf's.
+Reads buf once: n*s bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _checks, _dispatch
+from ..profiling import nvtx_range
+from ._common import code, compiling, cpu_call, cuda_call, ptr
+
+ORDS = (1, 2)
+
+
+def fragment_norms_ref(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2) -> torch.Tensor:
+    flat = buf.reshape(-1).double()
+    bounds = offsets.tolist()
+    norms = [torch.linalg.vector_norm(flat[a:b], ord=ord) for a, b in zip(bounds[:-1], bounds[1:])]
+    if not norms:
+        return torch.empty(0, dtype=buf.dtype, device=buf.device)
+    return torch.stack(norms).to(buf.dtype)
+
+
+def _norms_launch(buf: torch.Tensor, offsets: torch.Tensor, ord: int, out: torch.Tensor, backend: str) -> None:
+    nseg = offsets.numel() - 1
+    if nseg <= 0:
+        return
+    with nvtx_range("fragment_norms"):
+        if backend == "ref":
+            out.copy_(fragment_norms_ref(buf, offsets, ord=ord))
+            return
+        acc = torch.empty(nseg, dtype=torch.float64, device=buf.device)
+        if backend == "cpu":
+            cpu_call("lc_fragment_norms", code(buf), ptr(buf), ptr(offsets), nseg, ord, ptr(acc))
+        elif backend == "cuda":
+            cuda_call("lc_fragment_norms", buf.device, code(buf), ptr(buf), ptr(offsets), nseg, ord, ptr(acc))
+        elif backend == "triton":
+            from ..triton_kernels.fragment_norms import launch_fragment_norms
+            launch_fragment_norms(buf, offsets, ord, acc)
+        else:  # pragma: no cover
+            raise ValueError(f"unknown backend {backend!r}")
+        out.copy_(acc)
+
+
+@torch.library.custom_op("lowcomm::fragment_norms", mutates_args=())
+def _norms_op(buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str) -> torch.Tensor:
+    out = torch.empty(max(offsets.numel() - 1, 0), dtype=buf.dtype, device=buf.device)
+    _norms_launch(buf, offsets, ord, out, backend)
+    return out
+
+
+@_norms_op.register_fake
+def _(buf, offsets, ord, backend):
+    return buf.new_empty(max(offsets.shape[0] - 1, 0))
+
+
+def fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2,
+                   backend: str | None = None) -> torch.Tensor:
+    """Norms of the K segments [offsets[i], offsets[i+1]) of `buf` (flattened).
+
+    buf: fp32/fp64 contiguous. offsets: 1-D int64 of K+1 non-decreasing entries in [0, buf.numel()],
+    on buf's device. ord: 1 or 2. Returns a (K,) tensor of buf's dtype."""
+    _checks.tensor("buf", buf, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor("offsets", offsets, dtypes=(torch.int64,), dim=1)
+    _checks.same_device("buf", buf, offsets=offsets)
+    if isinstance(ord, bool) or ord not in ORDS:
+        raise ValueError(f"ord must be 1 or 2, got {ord!r}")
+    if offsets.numel() == 0:
+        raise ValueError("offsets must hold at least one entry (K+1 boundaries for K segments)")
+    b = _dispatch.resolve(backend, buf.device, "lc_fragment_norms")
+    if compiling():  # the value checks below need real data; they run in every eager call
+        return torch.ops.lowcomm.fragment_norms(buf, offsets, ord, b)
+    if offsets.numel() > 1 and not bool((offsets[1:] >= offsets[:-1]).all()):
+        raise ValueError("offsets must be non-decreasing")
+    lo, hi = int(offsets.min()), int(offsets.max())
+    if lo < 0 or hi > buf.numel():
+        raise ValueError(f"offsets must lie in [0, {buf.numel()}] (buf.numel()), got min {lo}, max {hi}")
+    out = torch.empty(offsets.numel() - 1, dtype=buf.dtype, device=buf.device)
+    _norms_launch(buf, offsets, ord, out, b)
+    return out

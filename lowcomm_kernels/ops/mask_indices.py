@@ -1,0 +1,122 @@
+"""mask_indices: LOSCAR's shared random coordinate subset S_r, with no RNG state and no traffic.
+
+S = sorted{ π(0), …, π(k−1) } where π is a keyed bijection of [0, n) derived from (seed, round):
+every worker computes the same k distinct indices from the same four integers, each index
+independently (so it is parallel), on any backend and machine.
+
+π: with b = max(1, ⌈log2 n⌉) and m = 2^b − 1, a bijection P of [0, 2^b) made of four rounds of
+    x <- (x + a_j) & m;  x <- (x · c_j) & m   (c_j odd);  x <- x ^ (x >> s)   (s = ⌈b/2⌉)
+(each step is invertible mod 2^b), restricted to [0, n) by cycle walking: π(i) = P(i), P(P(i)), …
+until the value is < n. Since 2^b < 2n, a walk takes < 2 steps on average. The round keys come
+from splitmix64 over (seed, round), computed exactly in Python integers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _checks, _dispatch
+from ..profiling import nvtx_range
+from ._common import compiling, cpu_call, cuda_call, ptr
+
+ROUNDS = 4
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def mask_keys(seed: int, round: int, n: int) -> tuple[list[int], list[int], int, int]:
+    """(adds, muls, shift, bitmask) of the permutation for (seed, round) over [0, n)."""
+    bits = max(1, (n - 1).bit_length())
+    bitmask = (1 << bits) - 1
+    s = _splitmix64(_splitmix64(seed & _M64) ^ (round & _M64))
+    adds, muls = [], []
+    for _ in range(ROUNDS):
+        s = _splitmix64(s)
+        adds.append(s & bitmask)
+        s = _splitmix64(s)
+        muls.append((s & bitmask) | 1)
+    return adds, muls, max(1, (bits + 1) // 2), bitmask
+
+
+def _permute_once(x: torch.Tensor, adds: list[int], muls: list[int], shift: int, bitmask: int) -> torch.Tensor:
+    for a, c in zip(adds, muls):
+        x = (x + a) & bitmask
+        x = (x * c) & bitmask  # int64 products wrap mod 2^64; the low b bits are exact
+        x = x ^ (x >> shift)
+    return x
+
+
+def mask_perm_ref(n: int, k: int, keys: tuple[list[int], list[int], int, int],
+                  device: torch.device | str | None = None) -> torch.Tensor:
+    """π(0..k−1), unsorted, in plain torch."""
+    adds, muls, shift, bitmask = keys
+    x = _permute_once(torch.arange(k, dtype=torch.int64, device=device), adds, muls, shift, bitmask)
+    out_of_range = x >= n
+    while bool(out_of_range.any()):
+        x = torch.where(out_of_range, _permute_once(x, adds, muls, shift, bitmask), x)
+        out_of_range = x >= n
+    return x
+
+
+def mask_indices_ref(seed: int, round: int, n: int, k: int, *,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """The specification: sorted π(0..k−1) for the permutation keyed by (seed, round)."""
+    return torch.sort(mask_perm_ref(n, k, mask_keys(seed, round, n), device)).values
+
+
+def _mask_perm_launch(n: int, k: int, keys, out: torch.Tensor, backend: str) -> None:
+    if k == 0:
+        return
+    adds, muls, shift, bitmask = keys
+    if backend == "ref":
+        out.copy_(mask_perm_ref(n, k, keys, out.device))
+    elif backend in ("cpu", "cuda"):
+        a = torch.tensor(adds, dtype=torch.int64, device=out.device)
+        c = torch.tensor(muls, dtype=torch.int64, device=out.device)
+        if backend == "cpu":
+            cpu_call("lc_mask_perm", n, k, ptr(a), ptr(c), shift, bitmask, ptr(out))
+        else:
+            cuda_call("lc_mask_perm", out.device, n, k, ptr(a), ptr(c), shift, bitmask, ptr(out))
+    elif backend == "triton":
+        from ..triton_kernels.mask_indices import launch_mask_perm
+        launch_mask_perm(n, k, adds, muls, shift, bitmask, out)
+    else:  # pragma: no cover
+        raise ValueError(f"unknown backend {backend!r}")
+
+
+@torch.library.custom_op("lowcomm::mask_indices", mutates_args=())
+def _mask_indices_op(seed: int, round: int, n: int, k: int, device: torch.device, backend: str) -> torch.Tensor:
+    out = torch.empty(k, dtype=torch.int64, device=device)
+    _mask_perm_launch(n, k, mask_keys(seed, round, n), out, backend)
+    return torch.sort(out).values
+
+
+@_mask_indices_op.register_fake
+def _(seed, round, n, k, device, backend):
+    return torch.empty(k, dtype=torch.int64, device=device)
+
+
+def mask_indices(seed: int, round: int, n: int, k: int, *, device: torch.device | str | None = None,
+                 backend: str | None = None) -> torch.Tensor:
+    """Sorted int64 tensor of exactly k distinct indices in [0, n), the same everywhere for the same
+    (seed, round, n, k). 0 <= k <= n; seed and round are non-negative ints (hashed to 64 bits)."""
+    seed = _checks.integer("seed", seed, lo=0)
+    round = _checks.integer("round", round, lo=0)
+    n = _checks.integer("n", n, lo=0, hi=(1 << 62))
+    k = _checks.integer("k", k, lo=0)
+    if k > n:
+        raise ValueError(f"k must be <= n, got k={k} > n={n}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    b = _dispatch.resolve(backend, dev, "lc_mask_perm")
+    if compiling():
+        return torch.ops.lowcomm.mask_indices(seed, round, n, k, dev, b)
+    with nvtx_range("mask_indices"):
+        out = torch.empty(k, dtype=torch.int64, device=dev)
+        _mask_perm_launch(n, k, mask_keys(seed, round, n), out, b)
+        return torch.sort(out).values

@@ -1,0 +1,112 @@
+"""pack: the send side of a dense fragment sync, in one pass over memory.
+
+    delta    = g - x          written in the wire dtype (fp32, fp64 or bf16, round-to-nearest-even)
+    snapshot = x              (x_sent, kept for the delay-corrected merge; optional)
+    nonfinite = #{i : delta[i] is not finite}   (of the value written, 0-d int64)
+
+Reads g, x; writes delta (+ snapshot). Bytes: n*(2*s + s_wire [+ s]) for element size s.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _checks, _dispatch
+from ..profiling import nvtx_range
+from ._common import code, compiling, cpu_call, cuda_call, ptr
+
+
+def pack_ref(g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = None,
+             snapshot: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The specification, in plain torch (float64-capable)."""
+    delta = (g - x).to(wire_dtype or g.dtype)
+    nonfinite = (~torch.isfinite(delta)).sum(dtype=torch.int64)
+    return delta, (x.clone() if snapshot else None), nonfinite
+
+
+def _pack_launch(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None,
+                 backend: str) -> torch.Tensor:
+    """Fill `delta` (and `snapshot`); return the non-finite count. Allocates only that scalar."""
+    nonfinite = torch.zeros((), dtype=torch.int64, device=g.device)
+    if g.numel() == 0:
+        return nonfinite
+    with nvtx_range("pack"):
+        if backend == "ref":
+            d, _, nf = pack_ref(g, x, wire_dtype=delta.dtype, snapshot=False)
+            delta.view(-1).copy_(d.view(-1))
+            if snapshot is not None:
+                snapshot.view(-1).copy_(x.view(-1))
+            nonfinite.copy_(nf)
+        elif backend == "cpu":
+            cpu_call("lc_pack", code(g), code(delta), ptr(g), ptr(x), ptr(delta), ptr(snapshot),
+                     g.numel(), ptr(nonfinite))
+        elif backend == "cuda":
+            cuda_call("lc_pack", g.device, code(g), code(delta), ptr(g), ptr(x), ptr(delta), ptr(snapshot),
+                      g.numel(), ptr(nonfinite))
+        elif backend == "triton":
+            from ..triton_kernels.pack import launch_pack
+            launch_pack(g, x, delta, snapshot, nonfinite)
+        else:  # pragma: no cover - resolve() rejects unknown names
+            raise ValueError(f"unknown backend {backend!r}")
+    return nonfinite
+
+
+@torch.library.custom_op("lowcomm::pack", mutates_args=("delta", "snapshot"))
+def _pack_op(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None,
+             backend: str) -> torch.Tensor:
+    return _pack_launch(g, x, delta, snapshot, backend)
+
+
+@_pack_op.register_fake
+def _(g, x, delta, snapshot, backend):
+    return g.new_empty((), dtype=torch.int64)
+
+
+def pack(g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = None,
+         delta_out: torch.Tensor | None = None, snapshot_out: torch.Tensor | None | bool = None,
+         backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Pseudo-gradient and snapshot of one fragment, fused.
+
+    Args:
+        g: global parameters, fp32/fp64, any shape, contiguous.
+        x: local parameters, same shape/dtype/device as g.
+        wire_dtype: dtype of delta (g.dtype, or bfloat16). Defaults to delta_out's dtype or g.dtype.
+        delta_out: optional preallocated delta (same numel as g, wire dtype); must not alias g or x.
+        snapshot_out: a preallocated snapshot buffer, None to allocate one, or False to skip it.
+        backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
+    Returns:
+        (delta, snapshot or None, nonfinite) with nonfinite a 0-d int64 tensor.
+    """
+    _checks.tensor("g", g, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
+    _checks.same_device("g", g, x=x)
+    _checks.same_dtype("g", g, x=x)
+    _checks.same_numel("g", g, x=x)
+    if wire_dtype is None:
+        wire_dtype = delta_out.dtype if isinstance(delta_out, torch.Tensor) else g.dtype
+    if wire_dtype not in (g.dtype, torch.bfloat16):
+        raise TypeError(f"wire_dtype must be {g.dtype} (g's dtype) or torch.bfloat16, got {wire_dtype}")
+    if delta_out is None:
+        delta_out = torch.empty(g.shape, dtype=wire_dtype, device=g.device)
+    else:
+        _checks.tensor("delta_out", delta_out, dtypes=(wire_dtype,))
+        _checks.same_device("g", g, delta_out=delta_out)
+        _checks.same_numel("g", g, delta_out=delta_out)
+    if snapshot_out is False:
+        snapshot = None
+    elif snapshot_out is None or snapshot_out is True:
+        snapshot = torch.empty_like(x)
+    else:
+        snapshot = _checks.tensor("snapshot_out", snapshot_out, dtypes=(x.dtype,))
+        _checks.same_device("g", g, snapshot_out=snapshot)
+        _checks.same_numel("g", g, snapshot_out=snapshot)
+    # g and x may alias each other (delta = 0); outputs may alias nothing.
+    _checks.no_alias([("delta_out", delta_out, "g", g), ("delta_out", delta_out, "x", x),
+                      ("snapshot_out", snapshot, "g", g), ("snapshot_out", snapshot, "x", x),
+                      ("delta_out", delta_out, "snapshot_out", snapshot)])
+    b = _dispatch.resolve(backend, g.device, "lc_pack")
+    if compiling():
+        nonfinite = torch.ops.lowcomm.pack(g, x, delta_out, snapshot, b)
+    else:
+        nonfinite = _pack_launch(g, x, delta_out, snapshot, b)
+    return delta_out, snapshot, nonfinite

@@ -1,0 +1,181 @@
+"""Byte-level corpora: the Python standard library's own source (default) or the user's text.
+
+The default corpus needs no download: every Python installation carries its standard library's
+``.py`` files. Files are split into train and validation by a hash of their path relative to the
+corpus root, so the split is the same on every machine and run and no file is in both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Skipped inside the stdlib: tests (huge generated data files, non-representative), third-party
+# site-packages, caches and IDLE's test data.
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
+TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".c", ".h", ".cpp", ".json", ".toml", ".cfg", ".ini", ".sh")
+
+
+class CorpusError(ValueError):
+    """Raised for a missing, empty or unusable corpus; the CLI prints it as one line."""
+
+
+def stdlib_root() -> Path:
+    """Directory holding the running interpreter's standard library source."""
+    path = sysconfig.get_paths().get("stdlib") or os.path.dirname(os.__file__)
+    root = Path(path)
+    if not (root / "os.py").is_file():  # some distributions move it; os.__file__ is authoritative
+        root = Path(os.path.dirname(os.__file__))
+    return root
+
+
+def is_validation(relpath: str, val_fraction: float) -> bool:
+    """True when the file goes to validation: first 8 bytes of sha256(relpath) / 2^64 < val_fraction.
+
+    ``relpath`` uses '/' separators so the split is identical across operating systems.
+    """
+    h = int.from_bytes(hashlib.sha256(relpath.encode("utf-8")).digest()[:8], "big")
+    return h / 2.0**64 < val_fraction
+
+
+def list_files(root: Path, suffixes: tuple[str, ...], skip_dirs: frozenset[str] = frozenset()) -> list[Path]:
+    """Sorted files under ``root`` (or ``[root]`` for a file) with one of ``suffixes``."""
+    if root.is_file():
+        return [root]
+    out: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs and not d.startswith("."))
+        out.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(suffixes))
+    return out
+
+
+@dataclass
+class Corpus:
+    """Train and validation byte streams (uint8 tensors) and the files behind them."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    train_files: list[str]
+    val_files: list[str]
+    source: str
+
+    def describe(self) -> str:
+        return (
+            f"{self.source}: {len(self.train_files)} train files ({self.train.numel() / 1e6:.2f} MB), "
+            f"{len(self.val_files)} val files ({self.val.numel() / 1e6:.2f} MB)"
+        )
+
+
+def _read_concat(paths: list[Path], limit: int | None) -> torch.Tensor:
+    chunks: list[bytes] = []
+    total = 0
+    for p in paths:
+        try:
+            data = p.read_bytes()
+        except OSError:
+            continue  # unreadable file (permissions, broken link): skip rather than fail the run
+        if not data:
+            continue
+        chunks.append(data + b"\n")
+        total += len(data) + 1
+        if limit is not None and total >= limit:
+            break
+    buf = b"".join(chunks)
+    if limit is not None:
+        buf = buf[:limit]
+    return torch.frombuffer(bytearray(buf), dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+
+
+def load_corpus(
+    path: str | os.PathLike | None = None,
+    *,
+    val_fraction: float = 0.1,
+    max_train_bytes: int | None = 4_000_000,
+    max_val_bytes: int | None = 400_000,
+    min_bytes: int = 1024,
+) -> Corpus:
+    """Load a corpus and split it by file.
+
+    path: None for the Python standard library, else a text file or a folder of text files
+    (``TEXT_SUFFIXES``). A single file cannot be split by file, so its last ``val_fraction`` of
+    bytes becomes validation. Raises :class:`CorpusError` when the path is missing, holds no text,
+    or either split is shorter than ``min_bytes``.
+    """
+    if not 0.0 < val_fraction < 1.0:
+        raise CorpusError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    if path is None:
+        root, suffixes, skip, source = stdlib_root(), (".py",), _STDLIB_SKIP_DIRS, "python-stdlib"
+    else:
+        root = Path(path).expanduser()
+        suffixes, skip, source = TEXT_SUFFIXES, frozenset({"__pycache__", ".git"}), str(root)
+        if not root.exists():
+            raise CorpusError(f"--data path does not exist: {root}")
+    if root.is_file():
+        data = _read_concat([root], None)
+        if data.numel() < 2 * min_bytes:
+            raise CorpusError(f"corpus {root} has {data.numel()} bytes; need at least {2 * min_bytes}")
+        cut = int(data.numel() * (1 - val_fraction))
+        train, val = data[:cut], data[cut:]
+        if max_train_bytes is not None:
+            train = train[:max_train_bytes]
+        if max_val_bytes is not None:
+            val = val[:max_val_bytes]
+        return Corpus(train, val, [root.name], [root.name + " (tail)"], source)
+    files = list_files(root, suffixes, skip)
+    if not files:
+        raise CorpusError(f"corpus folder {root} holds no text files ({', '.join(suffixes)})")
+    rel = [p.relative_to(root).as_posix() for p in files]
+    val_files = [p for p, r in zip(files, rel) if is_validation(r, val_fraction)]
+    train_files = [p for p, r in zip(files, rel) if not is_validation(r, val_fraction)]
+    if not train_files or not val_files:
+        raise CorpusError(
+            f"corpus folder {root} has {len(files)} file(s): too few to split by file "
+            f"(train {len(train_files)}, val {len(val_files)}); add files or pass a single file"
+        )
+    train = _read_concat(train_files, max_train_bytes)
+    val = _read_concat(val_files, max_val_bytes)
+    for name, t in (("train", train), ("validation", val)):
+        if t.numel() < min_bytes:
+            raise CorpusError(f"corpus {root}: {name} split has {t.numel()} bytes; need at least {min_bytes}")
+    return Corpus(
+        train,
+        val,
+        [p.relative_to(root).as_posix() for p in train_files],
+        [p.relative_to(root).as_posix() for p in val_files],
+        source,
+    )
+
+
+def worker_shard(data: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Contiguous 1/world_size slice of the byte stream for ``rank`` (disjoint across ranks)."""
+    n = data.numel() // world_size
+    return data[rank * n : (rank + 1) * n]
+
+
+def sample_batch(
+    data: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows: x (B, T) int64 bytes and y = x shifted by one (next-byte targets)."""
+    if data.numel() <= seq_len + 1:
+        raise CorpusError(f"shard of {data.numel()} bytes is shorter than seq_len + 1 = {seq_len + 1}")
+    starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=generator)
+    idx = starts[:, None] + torch.arange(seq_len + 1)
+    window = data[idx].long()
+    return window[:, :-1], window[:, 1:]
+
+
+def eval_batches(data: torch.Tensor, n_batches: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed validation batches: evenly spaced windows, the same for every method and run."""
+    n_windows = n_batches * batch_size
+    if data.numel() <= seq_len + 1:
+        raise CorpusError(f"validation split of {data.numel()} bytes is shorter than seq_len + 1")
+    starts = torch.linspace(0, data.numel() - seq_len - 2, n_windows).long()
+    idx = starts[:, None] + torch.arange(seq_len + 1)
+    window = data[idx].long()
+    x, y = window[:, :-1], window[:, 1:]
+    return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, n_windows, batch_size)]

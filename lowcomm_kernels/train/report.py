@@ -1,0 +1,200 @@
+"""Results of training runs: the comparison table, JSON and plots.
+
+A run records one :class:`EvalPoint` per evaluation. Everything in the table is derived from these
+points, so the JSON holds all a reader needs to recompute it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class EvalPoint:
+    """State of a run after ``step`` inner steps.
+
+    wall_s: training wall-clock since the first step (evaluation time excluded).
+    bytes_sent: payload bytes this worker has put on the (emulated) WAN so far (rank 0's count).
+    exposed_s: seconds rank 0 spent blocked waiting for communication so far.
+    val_loss: mean next-byte cross-entropy (nats) of the worker-averaged parameters on the
+    fixed validation batches.
+    """
+
+    step: int
+    wall_s: float
+    bytes_sent: float
+    exposed_s: float
+    val_loss: float
+
+
+@dataclass
+class RunResult:
+    name: str
+    method: str
+    config: dict
+    points: list[EvalPoint] = field(default_factory=list)
+    train_wall_s: float = 0.0
+    bytes_sent: float = 0.0
+    exposed_s: float = 0.0
+    syncs: int = 0
+    num_params: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def final_loss(self) -> float:
+        return self.points[-1].val_loss if self.points else math.nan
+
+    @property
+    def best_loss(self) -> float:
+        return min((p.val_loss for p in self.points), default=math.nan)
+
+    def first_reaching(self, target: float) -> EvalPoint | None:
+        """First evaluation with val_loss <= target (None if never reached)."""
+        return next((p for p in self.points if p.val_loss <= target), None)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["final_loss"] = self.final_loss
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunResult:
+        d = dict(d)
+        d.pop("final_loss", None)
+        d["points"] = [EvalPoint(**p) for p in d.get("points", [])]
+        return cls(**d)
+
+
+def auto_target(results: list[RunResult]) -> float:
+    """The lowest validation loss that every run reached: max over runs of each run's best loss.
+
+    With this target every method has a finite 'steps to target', and the method that got there
+    first is the one that learns fastest up to the level the slowest method attains.
+    """
+    losses = [r.best_loss for r in results if r.points]
+    return max(losses) if losses else math.nan
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def comparison_rows(results: list[RunResult], target: float) -> list[dict]:
+    """One dict per run with the table's fields (numbers, not strings)."""
+    rows = []
+    for r in results:
+        hit = r.first_reaching(target)
+        rows.append(
+            {
+                "method": r.name,
+                "steps_to_target": hit.step if hit else None,
+                "wall_to_target_s": hit.wall_s if hit else None,
+                "bytes_to_target": hit.bytes_sent if hit else None,
+                "final_val_loss": r.final_loss,
+                "final_val_ppl": math.exp(r.final_loss) if math.isfinite(r.final_loss) else math.nan,
+                "wall_clock_s": r.train_wall_s,
+                "bytes_sent_per_worker": r.bytes_sent,
+                "exposed_comm_s": r.exposed_s,
+                "exposed_comm_frac": r.exposed_s / r.train_wall_s if r.train_wall_s > 0 else 0.0,
+                "syncs": r.syncs,
+            }
+        )
+    return rows
+
+
+TABLE_HEADER = (
+    "method",
+    "steps to target",
+    "wall to target",
+    "bytes to target",
+    "final val loss",
+    "final ppl",
+    "wall-clock",
+    "bytes sent/worker",
+    "exposed comm",
+    "syncs",
+)
+
+
+def _opt(value: float | None, fmt: str) -> str:
+    return "not reached" if value is None else fmt.format(value)
+
+
+def format_table(results: list[RunResult], target: float) -> str:
+    """Markdown table (also readable as plain text in a terminal)."""
+    lines = [
+        f"target validation loss: {target:.4f} nats/byte (ppl {math.exp(target):.3f})",
+        "",
+        "| " + " | ".join(TABLE_HEADER) + " |",
+        "|" + "|".join("---" for _ in TABLE_HEADER) + "|",
+    ]
+    for row in comparison_rows(results, target):
+        cells = [
+            row["method"],
+            _opt(row["steps_to_target"], "{:d}"),
+            _opt(row["wall_to_target_s"], "{:.1f} s"),
+            "not reached" if row["bytes_to_target"] is None else fmt_bytes(row["bytes_to_target"]),
+            f"{row['final_val_loss']:.4f}",
+            f"{row['final_val_ppl']:.3f}",
+            f"{row['wall_clock_s']:.1f} s",
+            fmt_bytes(row["bytes_sent_per_worker"]),
+            f"{row['exposed_comm_s']:.2f} s ({100 * row['exposed_comm_frac']:.0f}%)",
+            str(row["syncs"]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+
+
+def plot_curves(results: list[RunResult], out_dir: Path, target: float | None = None, prefix: str = "") -> list[Path]:
+    """val loss vs steps, vs wall-clock and vs bytes sent: three PNGs, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: never needs a display
+    import matplotlib.pyplot as plt
+
+    written = []
+    axes_def = (
+        ("steps", "inner steps", lambda p: p.step, False),
+        ("wallclock", "training wall-clock (s)", lambda p: p.wall_s, False),
+        ("bytes", "bytes sent per worker", lambda p: p.bytes_sent, True),
+    )
+    for key, label, getx, logx in axes_def:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for r in results:
+            pts = [p for p in r.points if not (logx and p.bytes_sent <= 0)]
+            if not pts:
+                continue
+            ax.plot([getx(p) for p in pts], [p.val_loss for p in pts], marker=".", label=r.name)
+        if target is not None and math.isfinite(target):
+            ax.axhline(target, color="grey", ls=":", lw=1, label="target")
+        if logx:
+            ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"{prefix}val_loss_vs_{key}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (0 for a single value)."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return math.nan, math.nan
+    return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)

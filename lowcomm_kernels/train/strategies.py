@@ -1,0 +1,93 @@
+"""Build the runtime's strategy for a :class:`TrainSpec` and read its metrics uniformly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .spec import TrainSpec
+
+_WIRE = {"fp32": None, "bf16": torch.bfloat16}
+
+
+@dataclass
+class StrategyMetrics:
+    """What the table needs from any method: payload bytes this worker sent, seconds it was
+    blocked on communication, completed syncs, and method-specific extras (JSON-safe)."""
+
+    bytes_sent: float = 0.0
+    exposed_s: float = 0.0
+    syncs: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, strategy: Any) -> StrategyMetrics:
+        m = strategy.metrics
+        extra: dict = {"compute_s": float(getattr(m, "compute_s", 0.0))}
+        skipped = getattr(m, "num_skipped", None)
+        if skipped is not None:
+            extra["skipped_syncs"] = int(skipped)
+        records = getattr(m, "syncs", None)
+        if isinstance(records, list) and records:
+            staleness = [r.staleness for r in records if getattr(r, "staleness", None) is not None]
+            if staleness:
+                extra["mean_staleness"] = float(sum(staleness) / len(staleness))
+            frags = [r.fragment for r in records if getattr(r, "fragment", None) is not None]
+            if frags:
+                counts: dict[str, int] = {}
+                for f in frags:
+                    counts[str(f)] = counts.get(str(f), 0) + 1
+                extra["syncs_per_fragment"] = counts
+        return cls(float(m.bytes_sent), float(m.exposed_comm_s), int(m.num_syncs), extra)
+
+
+def build_strategy(spec: TrainSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any, rank: int) -> Any:
+    """The runtime strategy for ``spec.method`` (not 'dp', which the harness implements itself)."""
+    import lowcomm_kernels.runtime as rt
+
+    common: dict[str, Any] = {
+        "process_group": group,
+        "wan": rt.WAN(spec.latency_s, spec.bandwidth_bytes_per_s),
+        "wire_dtype": _WIRE[spec.wire_dtype],
+    }
+    outer = {"outer_lr": spec.outer_lr, "outer_momentum": spec.outer_momentum}
+    if spec.method == "diloco":
+        return rt.DiLoCo(model, optimizer, sync_every=spec.sync_every, **outer, **common)
+    stream = {
+        "sync_every": spec.sync_every,
+        "num_fragments": spec.num_fragments,
+        "fragment_sync_delay": spec.fragment_sync_delay,
+    }
+    if spec.method == "streaming":
+        return rt.StreamingDiLoCo(
+            model, optimizer, fragment_update_alpha=spec.fragment_update_alpha, **stream, **outer, **common
+        )
+    if spec.method == "cocodc":
+        return rt.CoCoDC(
+            model,
+            optimizer,
+            lam=spec.lam,
+            lam_mode=spec.lam_mode,
+            gamma=spec.gamma,
+            syncs_per_period=spec.syncs_per_period,
+            score=spec.score,
+            **stream,
+            **outer,
+            **common,
+        )
+    if spec.method == "loscar":
+        local = spec.resolved_local_steps()
+        overlap = spec.resolved_overlap_steps()
+        return rt.LOSCAR(
+            model,
+            optimizer,
+            density=spec.density,
+            local_steps=local,
+            overlap_steps=overlap,
+            merge=spec.merge,
+            seed=spec.seed,
+            **common,
+        )
+    raise ValueError(f"no runtime strategy for method {spec.method!r}")
