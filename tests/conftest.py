@@ -1,0 +1,193 @@
+"""Shared test plumbing: the tolerance table, the seeded `rng`, backend parametrization, markers.
+
+Tolerances come from the maths, not from trial and error (STYLE.md §3):
+
+* **elementwise** ops compute each output from a handful of O(1) inputs with at most ~8 roundings
+  (outer_merge: the SGD step, then g_new + β·v − λ·v·v·D and the α mix). Each rounding is at most
+  ½ ulp of an O(1) intermediate, and a backend may fuse (FMA) or reorder them, so two correct
+  implementations differ by at most ~8·eps relative to the inputs' scale: rtol = atol = 8·eps
+  (fp64 ≈ 1.8e-15, fp32 ≈ 9.5e-7 — the "~1e-6 relative" of STYLE.md).
+* **reductions** of n non-negative terms (‖·‖₁, ‖·‖₂²) accumulated in fp64 in different orders
+  differ by a relative error that grows like √n·eps_acc for random rounding (and blocked/pairwise
+  summation stays well under that); the result is then rounded once to the output dtype:
+  rtol = 8·√n·eps_fp64 + eps_out.
+* **bf16 wire**: the spec rounds the exact difference (computed in g's dtype) once to bf16, so a
+  correct backend is *bit-identical* to ``(g - x).to(torch.bfloat16)``; the 2⁻⁸ relative bound of
+  one bf16 rounding (~4e-3, "~1e-2") is what a consumer of the wire value may assume.
+
+``rng`` gives every test fresh random inputs: the seed is drawn per test and printed in the
+failure report (rerun with ``--seed N``). Property tests use hypothesis' own derandomized draws.
+
+``TRITON_INTERPRET`` is removed from the environment here, so the op tests run the backends a user
+gets on a CPU; ``tests/ops/test_triton_interpret.py`` sets it for itself.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import secrets
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+# Before lowcomm_kernels is imported anywhere: Triton decides interpretation when kernels are
+# decorated, and _dispatch would offer the 'triton' backend on CPU tensors with it set.
+os.environ.pop("TRITON_INTERPRET", None)
+
+from lowcomm_kernels import _dispatch  # noqa: E402
+
+EPS = {dt: torch.finfo(dt).eps for dt in (torch.float64, torch.float32, torch.bfloat16)}
+
+#: kind -> dtype -> (rtol, atol); reductions add the √n term in `tolerance`.
+TOL: dict[str, dict[torch.dtype, tuple[float, float]]] = {
+    "elementwise": {dt: (8 * EPS[dt], 8 * EPS[dt]) for dt in (torch.float64, torch.float32)},
+    "reduction": {dt: (EPS[dt], 0.0) for dt in (torch.float64, torch.float32)},
+    # one round-to-nearest to bf16: |err| <= 2^-9 relative (eps_bf16 = 2^-7 is the ulp of 1).
+    "wire_bf16": {torch.bfloat16: (2.0 ** -8, 0.0)},
+}
+
+
+def tolerance(kind: str, dtype: torch.dtype, n: int = 1) -> tuple[float, float]:
+    """(rtol, atol) for comparing a backend with the reference (see the module docstring)."""
+    rtol, atol = TOL[kind][dtype]
+    if kind == "reduction":
+        rtol += 8 * math.sqrt(max(n, 1)) * EPS[torch.float64]
+    return rtol, atol
+
+
+class Checks:
+    """Assertion helpers, handed to tests through the session-scoped `close` fixture (a fixture
+    rather than an import: pytest imports each conftest under the bare name ``conftest``)."""
+
+    TOL = TOL
+    EPS = EPS
+    tolerance = staticmethod(tolerance)
+
+    @staticmethod
+    def assert_close(actual: torch.Tensor, expected: torch.Tensor, kind: str = "elementwise",
+                     n: int | None = None, msg: str = "") -> None:
+        assert actual.dtype == expected.dtype, f"{msg}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{msg}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+        rtol, atol = tolerance(kind, expected.dtype, n if n is not None else expected.numel())
+        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True,
+                                   msg=lambda m: f"{msg} [{kind}, rtol={rtol:.2g}, atol={atol:.2g}]\n{m}")
+
+    @staticmethod
+    def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+        """A copy of every byte of `t`'s whole storage (a write anywhere in it shows up)."""
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).clone()
+
+    @classmethod
+    def assert_rejected(cls, call: Callable[[], object], exc: type[Exception] | tuple[type[Exception], ...],
+                        arg: str | Sequence[str], buffers: Sequence[torch.Tensor | None] = ()) -> None:
+        """`call()` raises `exc` whose message starts with the argument's name (or one of `arg`),
+        and no byte of any buffer in `buffers` (their whole storages) changed."""
+        names = [arg] if isinstance(arg, str) else list(arg)
+        live = [b for b in buffers if isinstance(b, torch.Tensor) and b.device.type != "meta"]
+        before = [cls.storage_bytes(b) for b in live]
+        with pytest.raises(exc) as info:
+            call()
+        text = str(info.value)
+        assert any(re.match(rf"{re.escape(nm)}\b", text) for nm in names), \
+            f"the error does not start with the argument name {names}: {text!r}"
+        for i, (b, bb) in enumerate(zip(live, before)):
+            assert torch.equal(cls.storage_bytes(b), bb), f"buffer #{i} was written by a rejected call ({text})"
+
+
+@pytest.fixture(scope="session")
+def close() -> type[Checks]:
+    return Checks
+
+
+# ---- rng: fresh inputs per test, seed in the report -------------------------------------------
+
+_SEED_KEY = pytest.StashKey[int]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--seed", type=int, default=None,
+                     help="seed for the `rng` fixture (default: a fresh random seed per test)")
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> torch.Generator:
+    """A torch.Generator seeded freshly for this test (or with --seed)."""
+    seed = request.config.getoption("--seed")
+    if seed is None:
+        seed = secrets.randbits(63)
+    request.node.stash[_SEED_KEY] = seed
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    seed = item.stash.get(_SEED_KEY, None)
+    if report.failed and seed is not None:
+        report.sections.append(("rng seed", f"rng seed {seed}: rerun with --seed {seed}"))
+
+
+# ---- backends and markers ----------------------------------------------------------------------
+
+#: public op -> the C ABI entry its native backends need (dispatch checks the same name).
+NATIVE_ENTRY = {
+    "pack": "lc_pack", "outer_merge_": "lc_outer_merge", "mask_indices": "lc_mask_perm",
+    "sparse_gather": "lc_sparse_gather", "sparse_scatter_merge_": "lc_sparse_scatter_merge",
+    "fragment_norms": "lc_fragment_norms",
+}
+
+
+def backends_for(op: str | None, device: str = "cpu") -> list[str]:
+    """Backends that can run `op` on `device` now (evaluated at collection time, so a freshly built
+    native library is picked up by the next pytest run)."""
+    dev = torch.device(device)
+    entry = NATIVE_ENTRY.get(op) if op else None
+    return [b for b in _dispatch.available_backends(dev) if _dispatch.available(b, dev, entry)]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "op(name): the op a test exercises; parametrizes `backend` "
+                                       "(and `device`) over the backends that can run it")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`backend` (with `device` if the test asks for it) is parametrized over every backend that
+    can run the test's op (its `op` marker): CPU always, CUDA when a GPU is present (marked gpu)."""
+    if "backend" not in metafunc.fixturenames:
+        return
+    marker = metafunc.definition.get_closest_marker("op")
+    op = marker.args[0] if marker else None
+    if "device" in metafunc.fixturenames:
+        params = [pytest.param("cpu", b, id=f"cpu-{b}") for b in backends_for(op, "cpu")]
+        if torch.cuda.is_available():
+            params += [pytest.param("cuda", b, id=f"cuda-{b}", marks=pytest.mark.gpu)
+                       for b in backends_for(op, "cuda")]
+        metafunc.parametrize(("device", "backend"), params)
+    else:
+        metafunc.parametrize("backend", backends_for(op, "cpu"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_triton_interpret(request: pytest.FixtureRequest):
+    """Keep TRITON_INTERPRET unset in every test module but the Triton-interpreter file, even if
+    that file set it at import (module scope: hypothesis rejects function-scoped autouse fixtures)."""
+    if request.node.path.name == "test_triton_interpret.py":
+        yield
+        return
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    yield
+    if saved is not None:
+        os.environ["TRITON_INTERPRET"] = saved

@@ -1,0 +1,165 @@
+"""pack: every backend against pack_ref, the bf16 wire rounding, the non-finite count, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowcomm_kernels.ops import pack, pack_ref
+
+pytestmark = pytest.mark.op("pack")
+
+SIZES = [0, 1, 7, 1000003]
+
+
+def _inputs(n: int, dtype: torch.dtype, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.randn(n, generator=rng, dtype=torch.float64).to(dtype)
+    x = torch.randn(n, generator=rng, dtype=torch.float64).to(dtype)
+    return g, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("n", SIZES)
+def test_matches_ref(backend, n, dtype, rng, close):
+    g, x = _inputs(n, dtype, rng)
+    g0, x0 = g.clone(), x.clone()
+    delta, snap, nonfinite = pack(g, x, backend=backend)
+    ref_delta, ref_snap, ref_nf = pack_ref(g0, x0)
+    close.assert_close(delta, ref_delta, msg="delta")
+    assert torch.equal(snap, ref_snap), "the snapshot is a copy: bit-exact"
+    assert n == 0 or snap.data_ptr() != x.data_ptr()
+    assert nonfinite.dtype == torch.int64 and nonfinite.dim() == 0 and int(nonfinite) == int(ref_nf) == 0
+    assert torch.equal(g, g0) and torch.equal(x, x0), "inputs are read-only"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("n", [1, 7, 1000003])
+def test_bf16_wire_is_one_exact_rounding(backend, n, dtype, rng, close):
+    """delta on the bf16 wire is g - x (exact in g's dtype) rounded once to nearest-even: bit-equal
+    to torch's conversion; and within one bf16 rounding of the exact difference."""
+    g, x = _inputs(n, dtype, rng)
+    # Also exercise ties and values near bf16 boundaries: differences that are bf16 halfway points.
+    if n >= 7:
+        g[:4] = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8), 3e38], dtype=dtype)
+        x[:4] = 0.0
+    delta, _, nonfinite = pack(g, x, wire_dtype=torch.bfloat16, snapshot_out=False, backend=backend)
+    expected = (g - x).to(torch.bfloat16)
+    assert delta.dtype == torch.bfloat16
+    assert torch.equal(delta.view(torch.int16), expected.view(torch.int16)), "not round-to-nearest-even"
+    exact = g.double() - x.double()
+    finite = torch.isfinite(delta)
+    rel = ((delta.double() - exact).abs() / exact.abs().clamp_min(1e-300))[finite]
+    rtol, _ = close.tolerance("wire_bf16", torch.bfloat16)
+    assert rel.numel() == 0 or float(rel.max()) <= rtol
+    assert int(nonfinite) == int((~finite).sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_preallocated_outputs_and_no_snapshot(backend, dtype, rng, close):
+    g, x = _inputs(1000, dtype, rng)
+    g, x = g.view(10, 100), x.view(10, 100)  # any shape: treated as flat
+    delta_out = torch.full((1000,), 7.0, dtype=dtype)
+    snap_out = torch.full((1000,), 7.0, dtype=dtype)
+    delta, snap, _ = pack(g, x, delta_out=delta_out, snapshot_out=snap_out, backend=backend)
+    assert delta is delta_out and snap is snap_out
+    close.assert_close(delta, (g - x).reshape(-1), msg="delta")
+    assert torch.equal(snap, x.reshape(-1))
+    delta2, snap2, _ = pack(g, x, snapshot_out=False, backend=backend)
+    assert snap2 is None and torch.equal(delta2, delta.view(10, 100))
+
+
+def test_g_may_alias_x(backend):
+    g = torch.randn(33, dtype=torch.float64)
+    delta, snap, nf = pack(g, g, backend=backend)
+    assert torch.equal(delta, torch.zeros_like(g)) and torch.equal(snap, g) and int(nf) == 0
+
+
+@pytest.mark.parametrize("wire", [None, torch.bfloat16], ids=["wire=g", "wire=bf16"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_nonfinite_counts_the_written_delta(backend, dtype, wire, rng):
+    n = 4099
+    g, x = _inputs(n, dtype, rng)
+    picks = torch.randperm(n, generator=rng)[:40]
+    g[picks[:10]] = float("nan")
+    g[picks[10:20]] = float("inf")
+    x[picks[20:30]] = float("-inf")
+    x[picks[30:35]] = float("inf")
+    g[picks[30:35]] = float("inf")  # inf - inf = nan
+    want = 35
+    if dtype == torch.float64 and wire is torch.bfloat16:
+        g[picks[35:40]] = 1e39  # finite in fp64, overflows to inf on the bf16 wire
+        want = 40
+    delta, _, nonfinite = pack(g, x, wire_dtype=wire, backend=backend)
+    assert int(nonfinite) == want == int((~torch.isfinite(delta)).sum())
+    assert int(pack_ref(g, x, wire_dtype=wire)[2]) == want
+
+
+# ---- bad input: a ValueError/TypeError naming the argument, and nothing written ----------------
+
+def _poisoned(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full((n,), 12345.0, dtype=dtype)
+
+
+def _bad_cases(dtype: torch.dtype):
+    n = 16
+    g = torch.randn(n, dtype=dtype)
+    x = torch.randn(n, dtype=dtype)
+    other = torch.float32 if dtype == torch.float64 else torch.float64
+    big = torch.randn(2 * n, dtype=dtype)
+    storage = torch.randn(3 * n, dtype=dtype)
+    meta = torch.empty(n, dtype=dtype, device="meta")
+    d, s = _poisoned(n, dtype), _poisoned(n, dtype)
+    yield "g not a tensor", dict(g=g.tolist(), x=x), TypeError, "g"
+    yield "g int", dict(g=g.long(), x=x), TypeError, "g"
+    yield "g fp16", dict(g=g.half(), x=x.half()), TypeError, "g"
+    yield "x dtype", dict(g=g, x=x.to(other)), TypeError, "x"
+    yield "x device", dict(g=g, x=meta), ValueError, "x"
+    yield "x numel", dict(g=g, x=x[:n - 1]), ValueError, "x"
+    yield "g strided", dict(g=big[::2], x=x), ValueError, "g"
+    yield "x strided", dict(g=g, x=big[::2]), ValueError, "x"
+    yield "x transposed", dict(g=g.view(4, 4), x=x.view(4, 4).t()), ValueError, "x"
+    yield "wire fp16", dict(g=g, x=x, wire_dtype=torch.float16), TypeError, "wire_dtype"
+    yield "wire other float", dict(g=g, x=x, wire_dtype=other), TypeError, "wire_dtype"
+    yield "delta_out dtype", dict(g=g, x=x, delta_out=_poisoned(n, other), wire_dtype=dtype), TypeError, "delta_out"
+    yield "delta_out fp16", dict(g=g, x=x, delta_out=_poisoned(n, torch.float16)), TypeError, \
+        ("delta_out", "wire_dtype")
+    yield "delta_out numel", dict(g=g, x=x, delta_out=_poisoned(n + 1, dtype)), ValueError, "delta_out"
+    yield "delta_out device", dict(g=g, x=x, delta_out=torch.empty(n, dtype=dtype, device="meta")), \
+        ValueError, "delta_out"
+    yield "delta_out strided", dict(g=g, x=x, delta_out=_poisoned(2 * n, dtype)[::2]), ValueError, "delta_out"
+    yield "delta_out not tensor", dict(g=g, x=x, delta_out=[0.0] * n), TypeError, "delta_out"
+    yield "snapshot_out dtype", dict(g=g, x=x, delta_out=d, snapshot_out=_poisoned(n, other)), TypeError, \
+        "snapshot_out"
+    yield "snapshot_out numel", dict(g=g, x=x, delta_out=d, snapshot_out=_poisoned(n - 1, dtype)), ValueError, \
+        "snapshot_out"
+    yield "snapshot_out device", dict(g=g, x=x, delta_out=d, snapshot_out=torch.empty(n, dtype=dtype,
+                                                                                  device="meta")), \
+        ValueError, "snapshot_out"
+    yield "snapshot_out strided", dict(g=g, x=x, delta_out=d, snapshot_out=_poisoned(2 * n, dtype)[::2]), \
+        ValueError, "snapshot_out"
+    yield "delta_out is g", dict(g=g, x=x, delta_out=g), ValueError, "delta_out"
+    yield "delta_out is x", dict(g=g, x=x, delta_out=x, snapshot_out=s), ValueError, "delta_out"
+    yield "snapshot_out is x", dict(g=g, x=x, delta_out=d, snapshot_out=x), ValueError, "snapshot_out"
+    yield "snapshot_out is g", dict(g=g, x=x, delta_out=d, snapshot_out=g), ValueError, "snapshot_out"
+    yield "delta_out is snapshot_out", dict(g=g, x=x, delta_out=d, snapshot_out=d), ValueError, \
+        ("delta_out", "snapshot_out")
+    # partial overlap: views of one storage that share some elements
+    yield "delta_out overlaps x", dict(g=g, x=storage[:n], delta_out=storage[n // 2:n // 2 + n]), ValueError, \
+        "delta_out"
+    yield "snapshot_out overlaps g", dict(g=storage[n:2 * n], x=x, delta_out=d,
+                                          snapshot_out=storage[n + 3:2 * n + 3]), ValueError, "snapshot_out"
+    yield "backend unknown", dict(g=g, x=x, backend="gpu"), ValueError, "backend"
+    yield "backend cuda on cpu", dict(g=g, x=x, backend="cuda"), ValueError, "backend"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_bad_input_rejected_and_nothing_written(backend, dtype, close):
+    for what, kwargs, exc, arg in _bad_cases(dtype):
+        kwargs.setdefault("backend", backend)
+        g, x = kwargs.pop("g"), kwargs.pop("x")
+        buffers = [t for t in (g, x, kwargs.get("delta_out"), kwargs.get("snapshot_out"))
+                   if isinstance(t, torch.Tensor)]
+        try:
+            close.assert_rejected(lambda: pack(g, x, **kwargs), exc, arg, buffers)
+        except AssertionError as e:
+            raise AssertionError(f"case {what!r}: {e}") from e
