@@ -1,0 +1,50 @@
+"""Launch geometry shared by the Triton kernels.
+
+On a GPU a program handles ``GPU_BLOCK`` elements: 2048 fp32 = 16 per thread with 4 warps, enough
+for 128-bit loads and few enough registers for the 5-stream merge kernel. Under
+``TRITON_INTERPRET=1`` (CPU tensors) every program is a Python-level numpy evaluation, so the cost
+is per program, not per element (1M elements: ~0.05 s with 65536 per program, ~3 s with 256;
+BUILD-NOTES.md): there one program takes up to ``INTERPRET_BLOCK`` elements.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+GPU_BLOCK = 2048
+GPU_WARPS = 4
+INTERPRET_BLOCK = 65536
+_MIN_BLOCK = 16  # tl.arange needs a power of two; tiny blocks would only add programs
+
+
+def interpreted(t: torch.Tensor) -> bool:
+    """True when a launch on `t` runs in Triton's interpreter (dispatch allows CPU tensors only
+    under TRITON_INTERPRET=1, so the device decides without reading the environment here)."""
+    return t.device.type != "cuda"
+
+
+def block_size(t: torch.Tensor, n: int) -> int:
+    """Elements per program for an elementwise pass over n elements of `t`'s device.
+
+    Fixed on a GPU (one compiled variant); on the interpreter the smallest power of two covering
+    n, capped at INTERPRET_BLOCK (no compilation there, so varying it costs nothing)."""
+    if not interpreted(t):
+        return GPU_BLOCK
+    return max(_MIN_BLOCK, min(INTERPRET_BLOCK, triton.next_power_of_2(max(n, 1))))
+
+
+def num_warps(t: torch.Tensor) -> int:
+    return GPU_WARPS if not interpreted(t) else 1
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def finite_max(dtype: torch.dtype) -> float:
+    """Largest finite value of a float dtype: |v| <= it is false exactly for inf and NaN."""
+    return float(torch.finfo(dtype).max)

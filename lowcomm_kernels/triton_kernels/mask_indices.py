@@ -1,0 +1,77 @@
+"""Triton mask_perm: the first k images of mask_indices' keyed permutation π of [0, n).
+
+With b = max(1, ⌈log2 n⌉), m = 2^b − 1 (``bitmask``) and s = ⌈b/2⌉ (``shift``), one application
+of the bijection P of [0, 2^b) is four rounds of
+
+    x <- (x + a_j) & m ;  x <- (x · c_j) & m  (c_j odd) ;  x <- x ^ (x >> s)
+
+and π(i) = the first of P(i), P(P(i)), … that is < n (cycle walking). Every index is computed
+independently, so this is one elementwise launch. Bit-identical to ``mask_perm_ref``: int64
+products wrap mod 2^64 on every backend and only their low b <= 62 bits are kept; all values stay
+non-negative, so ``>>`` is a logical shift.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import block_size, num_warps
+
+ROUNDS = 4
+
+
+@triton.jit
+def _permute_once(x, a0, a1, a2, a3, c0, c1, c2, c3, shift, bitmask):
+    """P(x): four add / odd-multiply / xorshift rounds, all mod 2^b."""
+    x = (x + a0) & bitmask
+    x = (x * c0) & bitmask
+    x = x ^ (x >> shift)
+    x = (x + a1) & bitmask
+    x = (x * c1) & bitmask
+    x = x ^ (x >> shift)
+    x = (x + a2) & bitmask
+    x = (x * c2) & bitmask
+    x = x ^ (x >> shift)
+    x = (x + a3) & bitmask
+    x = (x * c3) & bitmask
+    x = x ^ (x >> shift)
+    return x
+
+
+@triton.jit
+def _mask_perm_kernel(out_ptr, n: tl.int64, k: tl.int64,
+                      a0: tl.int64, a1: tl.int64, a2: tl.int64, a3: tl.int64,
+                      c0: tl.int64, c1: tl.int64, c2: tl.int64, c3: tl.int64,
+                      shift: tl.int64, bitmask: tl.int64, BLOCK: tl.constexpr):
+    """out[i] = π(i) for i < k (int64): P applied to i, then re-applied while the value is >= n.
+
+    The block walks until its last lane lands in [0, n); finished lanes keep their value
+    (a walk takes < 2 steps on average since 2^b < 2n)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < k
+    x = _permute_once(i, a0, a1, a2, a3, c0, c1, c2, c3, shift, bitmask)
+    walking = mask & (x >= n)
+    while tl.max(walking.to(tl.int32), axis=0) > 0:
+        x = tl.where(walking, _permute_once(x, a0, a1, a2, a3, c0, c1, c2, c3, shift, bitmask), x)
+        walking = mask & (x >= n)
+    tl.store(out_ptr + i, x, mask=mask)
+
+
+def launch_mask_perm(n: int, k: int, adds: list[int], muls: list[int], shift: int, bitmask: int,
+                     out: torch.Tensor) -> None:
+    """Write π(0), …, π(k−1) (unsorted) into `out`, a contiguous int64 tensor of k elements.
+
+    adds, muls: the ROUNDS round keys from ``mask_keys`` (each in [0, bitmask], muls odd);
+    shift, bitmask: as in ``mask_keys``; 0 <= k <= n <= 2^62. Allocates nothing; k == 0 is a no-op.
+    """
+    if len(adds) != ROUNDS or len(muls) != ROUNDS:
+        raise ValueError(f"adds and muls must hold {ROUNDS} round keys each, got {len(adds)} and {len(muls)}")
+    if k == 0:
+        return
+    block = block_size(out, k)
+    a = [int(v) for v in adds]
+    c = [int(v) for v in muls]
+    _mask_perm_kernel[(triton.cdiv(k, block),)](
+        out, int(n), int(k), *a, *c, int(shift), int(bitmask), BLOCK=block, num_warps=num_warps(out))

@@ -1,0 +1,151 @@
+"""Triton outer_merge: the receive side of a dense fragment sync, and its normalized-λ reduction.
+
+Outer step, exactly ``torch.optim.SGD(lr=η, momentum=μ, nesterov, dampening=0)`` on g with
+gradient Δ̄ and momentum buffer u (ops/outer_merge.py ``outer_step_ref``):
+
+    u     <- μ·u + Δ̄                        (only when μ ≠ 0; otherwise u is not read or written)
+    step  =  Δ̄ + μ·u  if nesterov else u    (Δ̄ when μ = 0)
+    g_new =  g − η·step
+
+then the delay-compensated merge (ALGORITHMS.md, CoCoDC (a), with the sign fix):
+
+    v = x − x_sent,  D = g_new − x_sent
+    x <- (1−α)·(g_new + β·v − λ·v⊙v⊙D) + α·x
+
+Scalars arrive as fp64 and are rounded once to the data dtype, so fp32 data is computed in fp32
+(as torch does) and fp64 data keeps full precision on a GPU (the interpreter turns Python floats
+into fp32 constants, so there fp64 runs see fp32-rounded scalars; it is tested in fp32 only). The v/D terms are compiled out when
+β = λ = 0 (x_sent is then not read); when also α = 0, x is written but not read
+(x <- g_new; the reference computes 0·x, which differs only when x holds inf/NaN).
+
+Bytes (fp32, n elements): read g, Δ̄ [, u] [, x] [, x_sent]; write g, x [, u].
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import block_size, num_warps
+
+
+@triton.jit
+def _outer_step(g, u, d, lr, momentum, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr):
+    """(g_new, u_new) of torch.optim.SGD with dampening 0; u_new = u when there is no momentum."""
+    if HAS_MOMENTUM:
+        u = momentum * u + d
+        if NESTEROV:
+            step = d + momentum * u
+        else:
+            step = u
+    else:
+        step = d
+    return g - lr * step, u
+
+
+@triton.jit
+def _outer_merge_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, n,
+                        lr: tl.float64, momentum: tl.float64, alpha: tl.float64, beta: tl.float64,
+                        lam: tl.float64,
+                        HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_SENT: tl.constexpr,
+                        HAS_ALPHA: tl.constexpr, BLOCK: tl.constexpr):
+    """In place on (n,) g, u, x:
+
+        u <- μ·u + Δ̄ ;  g <- g − η·(Δ̄ + μ·u  |  u  |  Δ̄) ;
+        x <- (1−α)·(g + β·v − λ·v·v·(g − x_sent)) + α·x,   v = x − x_sent
+
+    Δ̄ (avg_ptr) is g's dtype or bf16, widened exactly. HAS_SENT compiles the β/λ terms in
+    (x_sent read), HAS_ALPHA the α mix (x read); HAS_MOMENTUM=False leaves u untouched.
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    dt = g.dtype
+    d = tl.load(avg_ptr + offs, mask=mask, other=0.0).to(dt)
+    mu = tl.cast(momentum, dt)
+    if HAS_MOMENTUM:
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0)
+    else:
+        u = d  # placeholder, neither used nor stored
+    g_new, u_new = _outer_step(g, u, d, tl.cast(lr, dt), mu, HAS_MOMENTUM, NESTEROV)
+    tl.store(g_ptr + offs, g_new, mask=mask)
+    if HAS_MOMENTUM:
+        tl.store(u_ptr + offs, u_new, mask=mask)
+    target = g_new
+    if HAS_SENT or HAS_ALPHA:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        if HAS_SENT:
+            sent = tl.load(sent_ptr + offs, mask=mask, other=0.0)
+            v = x - sent
+            # Same association as the reference: (g + β·v) − ((λ·v)·v)·D.
+            target = target + tl.cast(beta, dt) * v - tl.cast(lam, dt) * v * v * (g_new - sent)
+        a = tl.cast(alpha, dt)
+        target = (1.0 - a) * target + a * x
+    tl.store(x_ptr + offs, target, mask=mask)
+
+
+@triton.jit
+def _taylor_norms_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, out_ptr, n,
+                         lr: tl.float64, momentum: tl.float64,
+                         HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
+    """out[0] += Σ v²,  out[1] += Σ (v·v·D)²  over this program's block, in float64, with
+    v = x − x_sent and D = g_new − x_sent for the g_new the outer step would produce (computed in
+    registers; nothing is written but out). v and D are formed in the data dtype, then widened,
+    as in ``taylor_norms_ref``. One fp64 atomic per program and sum."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    dt = g.dtype
+    d = tl.load(avg_ptr + offs, mask=mask, other=0.0).to(dt)
+    if HAS_MOMENTUM:
+        u = tl.load(u_ptr + offs, mask=mask, other=0.0)
+    else:
+        u = d
+    g_new, u_new = _outer_step(g, u, d, tl.cast(lr, dt), tl.cast(momentum, dt), HAS_MOMENTUM, NESTEROV)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    sent = tl.load(sent_ptr + offs, mask=mask, other=0.0)
+    v = (x - sent).to(tl.float64)  # masked lanes: v = 0, so they add nothing
+    corr = v * v * (g_new - sent).to(tl.float64)
+    tl.atomic_add(out_ptr, tl.sum(v * v, axis=0))
+    tl.atomic_add(out_ptr + 1, tl.sum(corr * corr, axis=0))
+
+
+def launch_outer_merge(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
+                       x_sent: torch.Tensor | None, lr: float, momentum: float, nesterov: bool,
+                       alpha: float, beta: float, lam: float) -> None:
+    """Outer SGD/Nesterov step then merge, in place on g, u (only if momentum ≠ 0) and x.
+
+    g, u, x (and x_sent): contiguous, n elements, one fp32/fp64 dtype; delta_avg: n elements of
+    that dtype or bf16. λ is absolute (the caller resolves the normalized mode). x_sent may be
+    None only when beta == lam == 0. Allocates nothing; n == 0 is a no-op.
+    """
+    n = g.numel()
+    if n == 0:
+        return
+    has_sent = beta != 0.0 or lam != 0.0
+    if has_sent and x_sent is None:
+        raise ValueError("x_sent is required when beta or lam is non-zero")
+    block = block_size(g, n)
+    _outer_merge_kernel[(triton.cdiv(n, block),)](
+        g, u, delta_avg, x, x_sent if has_sent else x, n,
+        float(lr), float(momentum), float(alpha), float(beta), float(lam),
+        HAS_MOMENTUM=momentum != 0.0, NESTEROV=bool(nesterov), HAS_SENT=has_sent, HAS_ALPHA=alpha != 0.0,
+        BLOCK=block, num_warps=num_warps(g))
+
+
+def launch_taylor_norms(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
+                        x_sent: torch.Tensor, lr: float, momentum: float, nesterov: bool,
+                        out: torch.Tensor) -> None:
+    """Add [Σ v², Σ (v⊙v⊙D)²] into `out`, a float64 (2,) tensor zeroed by the caller.
+
+    Same operands as ``launch_outer_merge``; nothing but `out` is written. The sums use fp64
+    atomics, so on a GPU their last bits may vary between calls (they only set λ_eff's scale).
+    """
+    n = g.numel()
+    if n == 0:
+        return
+    block = block_size(g, n)
+    _taylor_norms_kernel[(triton.cdiv(n, block),)](
+        g, u, delta_avg, x, x_sent, out, n, float(lr), float(momentum),
+        HAS_MOMENTUM=momentum != 0.0, NESTEROV=bool(nesterov), BLOCK=block, num_warps=num_warps(g))

@@ -1,0 +1,59 @@
+"""Triton pack: the send side of a dense fragment sync, one pass over g and x.
+
+    delta[i]  = wire(g[i] − x[i])          (wire = fp32/fp64 = g's dtype, or bf16 rounded to nearest-even)
+    snapshot[i] = x[i]                     (optional)
+    nonfinite += #{ i : delta[i] is ±inf or NaN }   (counted on the value as written, so a bf16 overflow counts)
+
+Reads 2·n·s bytes, writes n·(s_wire [+ s]). The count is one integer atomic per program that saw a
+non-finite value (none in the normal case), so it is exact and order-independent.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import block_size, finite_max, num_warps
+
+
+@triton.jit
+def _pack_kernel(g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, n,
+                 HAS_SNAPSHOT: tl.constexpr, WIRE_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    """delta = (g − x).to(delta dtype); snapshot = x; nonfinite += count(!(|delta| <= WIRE_MAX)).
+
+    g, x: (n,) fp32/fp64; delta: (n,) of g's dtype or bf16; snapshot: (n,) of x's dtype (unused
+    when HAS_SNAPSHOT is False); nonfinite: 0-d int64. WIRE_MAX is the largest finite value of the
+    delta dtype: the comparison is false exactly for ±inf and NaN.
+    """
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    delta = (g - x).to(delta_ptr.dtype.element_ty)
+    tl.store(delta_ptr + offs, delta, mask=mask)
+    if HAS_SNAPSHOT:
+        tl.store(snapshot_ptr + offs, x, mask=mask)
+    # Widening bf16 -> g's dtype is exact, so the test sees the written value. Masked lanes hold 0.
+    bad = ~(tl.abs(delta.to(g.dtype)) <= WIRE_MAX)
+    count = tl.sum(bad.to(tl.int64), axis=0)
+    if count > 0:
+        tl.atomic_add(nonfinite_ptr, count)
+
+
+def launch_pack(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None,
+                nonfinite: torch.Tensor) -> None:
+    """Fill `delta` (and `snapshot`) from g and x; add the non-finite count into `nonfinite`.
+
+    g, x: contiguous fp32/fp64, n elements; delta: contiguous (n elements) of g's dtype or bf16;
+    snapshot: None or contiguous (n elements) of x's dtype; nonfinite: 0-d int64, zeroed by the
+    caller, incremented in place. All on one device. Allocates nothing; n == 0 is a no-op.
+    """
+    n = g.numel()
+    if n == 0:
+        return
+    block = block_size(g, n)
+    _pack_kernel[(triton.cdiv(n, block),)](
+        g, x, delta, snapshot if snapshot is not None else delta, nonfinite, n,
+        HAS_SNAPSHOT=snapshot is not None, WIRE_MAX=finite_max(delta.dtype), BLOCK=block,
+        num_warps=num_warps(g))
