@@ -57,7 +57,7 @@ class TrainSpec:
     syncs_per_period: str | int = "auto"  # N
     score: str = "l2_global"
     density: float = 0.25  # LOSCAR p
-    local_steps: int | None = None  # LOSCAR N_i; None -> sync_every // num_fragments
+    local_steps: int | None = None  # LOSCAR N_i; None -> sync_every // num_fragments - overlap
     overlap_steps: int | None = None  # LOSCAR Q; None -> fragment_sync_delay
     merge: str = "delay_corrected"
     worker_speeds: tuple[float, ...] | None = None  # relative step times (heterogeneous LOSCAR)
@@ -81,7 +81,11 @@ class TrainSpec:
         return self.name or METHOD_LABELS.get(self.method, self.method)
 
     def resolved_local_steps(self) -> int:
-        return self.local_steps if self.local_steps is not None else max(1, self.sync_every // self.num_fragments)
+        """LOSCAR's N. By default a round (N + Q steps) lasts H / K steps, so with density p = 1/K
+        LOSCAR sends as many bytes per H steps as Streaming DiLoCo (one full model)."""
+        if self.local_steps is not None:
+            return self.local_steps
+        return max(1, self.sync_every // self.num_fragments - self.resolved_overlap_steps())
 
     def resolved_overlap_steps(self) -> int:
         return self.overlap_steps if self.overlap_steps is not None else self.fragment_sync_delay

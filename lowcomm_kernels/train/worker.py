@@ -43,18 +43,18 @@ def lr_lambda(spec: TrainSpec):
 class GradAllReduce:
     """Data-parallel baseline: average gradients over ``group`` after every backward, blocking.
 
-    Each all-reduce is held until ``latency_s + nbytes / bandwidth`` after it was issued (the same
-    completion rule as the runtime's emulated WAN), so the baseline pays the WAN on every step.
-    nbytes is the fp32 payload each worker contributes (numel * 4), the same count the
-    runtime reports for its syncs. Metrics accumulate in ``self.metrics``.
+    Uses the runtime's own transport, so the all-reduce completes no earlier than the emulated WAN
+    allows (latency + ring wire bytes / bandwidth) and bytes are counted exactly as the runtime
+    counts its syncs (2(M-1)/M x payload per worker). Every second of the wait is exposed: the
+    next step needs the averaged gradient. Metrics accumulate in ``self.metrics``.
     """
 
     def __init__(self, model: torch.nn.Module, group: Any, latency_s: float, bandwidth: float) -> None:
+        from ..runtime.transport import WAN, Transport
+
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.group = group
-        self.latency_s = latency_s
-        self.bandwidth = bandwidth
-        self.world = dist.get_world_size(group)
+        self.transport = Transport(group, device=torch.device("cpu"), wan=WAN(latency_s, bandwidth))
+        self.world = self.transport.world
         self.flat = torch.zeros(sum(p.numel() for p in self.params))
         self.metrics = StrategyMetrics()
 
@@ -63,19 +63,14 @@ class GradAllReduce:
             offset = 0
             for p in self.params:
                 n = p.numel()
-                self.flat[offset : offset + n].copy_(p.grad.reshape(-1) if p.grad is not None else 0)
+                if p.grad is None:
+                    self.flat[offset : offset + n].zero_()
+                else:
+                    self.flat[offset : offset + n].copy_(p.grad.reshape(-1))
                 offset += n
-        nbytes = self.flat.numel() * self.flat.element_size()
-        t0 = time.perf_counter()
-        with nvtx_range("comm"):
-            dist.all_reduce(self.flat, group=self.group)
-        with nvtx_range("wait"):
-            remaining = self.latency_s + nbytes / self.bandwidth - (time.perf_counter() - t0)
-            if remaining > 0:
-                time.sleep(remaining)
-        # Every second of the collective is exposed: compute cannot proceed without the gradient.
-        self.metrics.exposed_s += time.perf_counter() - t0
-        self.metrics.bytes_sent += nbytes
+        handle = self.transport.all_reduce([self.flat], name=f"dp gradient {self.metrics.syncs}")
+        self.metrics.exposed_s += handle.wait()
+        self.metrics.bytes_sent += handle.wire_bytes
         self.metrics.syncs += 1
         with nvtx_range("merge"):
             self.flat.div_(self.world)
@@ -127,6 +122,7 @@ def train_one(
 
     report(step, val_loss | None) is called on rank 0 for the progress bar.
     """
+    t_setup = time.perf_counter()
     torch.manual_seed(spec.seed)  # identical initial model on every rank
     model = TinyLlama(spec.model)
     eval_model = TinyLlama(spec.model)
@@ -186,13 +182,11 @@ def train_one(
                 do_eval(step, t_start)
             elif rank == 0 and step % progress_every == 0:
                 report(step, None)
-        if strategy is not None and hasattr(strategy, "finish"):
-            strategy.finish()
         t_end = time.perf_counter()
     m = metrics_now()
     result.train_wall_s = t_end - t_start - eval_s
     result.bytes_sent, result.exposed_s, result.syncs = m.bytes_sent, m.exposed_s, m.syncs
-    result.extra = m.extra
+    result.extra = dict(m.extra, eval_s=eval_s, setup_s=t_start - t_setup)
     if prof is not None:
         os.makedirs(spec.profile_dir, exist_ok=True)
         prof.export_chrome_trace(os.path.join(spec.profile_dir, f"trace_rank{rank}.json"))

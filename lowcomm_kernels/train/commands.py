@@ -1,0 +1,162 @@
+"""The CLI's commands. ``cli.py`` parses; this module runs and writes the outputs.
+
+Input problems (bad knob values, missing or empty corpus) become :class:`UsageError` before any
+process is spawned, so the user sees one line and exit code 2; failures during a run exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..cli import PRESETS, UsageError, _parse_methods, out_dir, spec_from_args
+from .corpus import Corpus, CorpusError, load_corpus
+from .report import RunResult, auto_target, comparison_rows, format_table, plot_curves, write_json
+from .spec import TrainSpec
+
+
+def environment() -> dict:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def load_checked_corpus(data: str | None) -> Corpus:
+    try:
+        return load_corpus(data)
+    except CorpusError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def build_specs(args: argparse.Namespace, methods: list[str], preset: dict | None) -> list[TrainSpec]:
+    try:
+        return [spec_from_args(args, m, preset) for m in methods]
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+def run_and_report(
+    specs: list[TrainSpec], corpus: Corpus, out: Path, *, target: float | None, progress: bool, title: str
+) -> tuple[list[RunResult], float]:
+    """Launch, then write results.json, table.md and the three plots into ``out``; print the table."""
+    from .launcher import LaunchError, launch
+
+    t0 = time.perf_counter()
+    try:
+        results = launch(specs, corpus, progress=progress)
+    except LaunchError as exc:
+        if exc.details:
+            (out / "error.txt").write_text(exc.details)
+        print(f"error: run failed: {exc}" + (f" (traceback in {out / 'error.txt'})" if exc.details else ""), file=sys.stderr)
+        raise SystemExit(1) from None
+    elapsed = time.perf_counter() - t0
+    tgt = target if target is not None else auto_target(results)
+    table = format_table(results, tgt)
+    write_json(
+        out / "results.json",
+        {
+            "title": title,
+            "corpus": corpus.describe(),
+            "target_val_loss": tgt,
+            "rows": comparison_rows(results, tgt),
+            "runs": [r.to_dict() for r in results],
+            "elapsed_s": elapsed,
+            "environment": environment(),
+        },
+    )
+    (out / "table.md").write_text(f"# {title}\n\n{corpus.describe()}\n\n{table}\n")
+    plots = plot_curves(results, out, tgt)
+    print(f"\n{title} — {corpus.describe()}\n")
+    print(table)
+    print(f"\nwall-clock of the whole command: {elapsed:.0f} s; wrote {out / 'results.json'}, {out / 'table.md'}, "
+          + ", ".join(p.name for p in plots))
+    return results, tgt
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    if args.study:
+        from .studies import run_study
+
+        return run_study(args)
+    if args.task == "logreg":
+        from .logreg import run_logreg_compare
+
+        return run_logreg_compare(args)
+    methods = _parse_methods(args.methods)
+    specs = build_specs(args, methods, PRESETS["quick" if args.quick else "default"])
+    corpus = load_checked_corpus(args.data)
+    out = out_dir(args, "compare")
+    title = f"lowcomm compare{' --quick' if args.quick else ''}: {specs[0].workers} workers, {specs[0].steps} steps"
+    run_and_report(specs, corpus, out, target=args.target, progress=not args.no_progress, title=title)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    specs = build_specs(args, [args.method], PRESETS["default"])
+    corpus = load_checked_corpus(args.data)
+    out = out_dir(args, f"train-{args.method}")
+    title = f"lowcomm train --method {args.method}: {specs[0].workers} workers, {specs[0].steps} steps"
+    run_and_report(specs, corpus, out, target=args.target, progress=not args.no_progress, title=title)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .profile import run_profile
+
+    return run_profile(args)
+
+
+def _find_bench_dir(explicit: str | None) -> Path:
+    if explicit:
+        path = Path(explicit)
+        if not path.is_dir():
+            raise UsageError(f"--bench-dir {path} is not a folder")
+        return path
+    # The benchmarks live in the source checkout, beside the package (editable installs).
+    candidates = [Path(__file__).resolve().parents[2] / "bench", Path.cwd() / "bench"]
+    for c in candidates:
+        if c.is_dir() and any(c.glob("*.py")):
+            return c
+    raise UsageError(
+        "no bench/ folder found beside the package or in the current directory: the benchmarks ship "
+        "with the source checkout, not the wheel; run from a clone (pip install -e .) or pass --bench-dir"
+    )
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    bench = _find_bench_dir(args.bench_dir)
+    out = out_dir(args, "bench")
+    json_path = out / "benchmark.json"
+    cmd = [sys.executable, "-m", "pytest", str(bench), "-q", f"--benchmark-json={json_path}"]
+    if args.keyword:
+        cmd += ["-k", args.keyword]
+    print("running: " + " ".join(cmd), file=sys.stderr)
+    rc = subprocess.call(cmd, cwd=bench.parent)
+    if rc != 0:
+        print(f"error: benchmarks failed (pytest exit code {rc})", file=sys.stderr)
+        return 1
+    render = bench / "render_results.py"
+    if render.is_file():
+        rc = subprocess.call([sys.executable, str(render), str(json_path)], cwd=bench.parent)
+        if rc != 0:
+            print(f"error: {render} failed (exit code {rc})", file=sys.stderr)
+            return 1
+    else:
+        print(f"note: {render} not found; raw results are in {json_path}", file=sys.stderr)
+    print(f"benchmark JSON: {json_path}")
+    return 0
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    return {"compare": cmd_compare, "train": cmd_train, "profile": cmd_profile, "bench": cmd_bench}[args.command](args)
