@@ -1,0 +1,22 @@
+"""The overlapping runtime: DiLoCo, Streaming DiLoCo, CoCoDC and LOSCAR-SGD as drop-in wrappers
+around a model and its inner optimizer (see ``base`` for the loop API, ALGORITHMS.md for the maths).
+
+Modules, one concept each: ``fragments`` (flat buffers), ``transport`` (async collectives, WAN
+emulation, timeouts), ``metrics``, ``base`` (hooking, checkpoints, guard), ``dense`` (DiLoCo,
+Streaming DiLoCo), ``cocodc``, ``loscar``, ``topology`` (regions x data-parallel groups).
+"""
+
+from .base import CheckpointError, ConsistencyError, Strategy
+from .cocodc import CoCoDC
+from .dense import DiLoCo, StreamingDiLoCo
+from .fragments import FlatFragments, find_blocks, plan_fragments
+from .loscar import LOSCAR
+from .metrics import RuntimeMetrics, SyncRecord
+from .topology import region_groups
+from .transport import WAN, SyncError, Transport
+
+__all__ = [
+    "CheckpointError", "CoCoDC", "ConsistencyError", "DiLoCo", "FlatFragments", "LOSCAR", "RuntimeMetrics",
+    "Strategy", "StreamingDiLoCo", "SyncError", "SyncRecord", "Transport", "WAN", "find_blocks",
+    "plan_fragments", "region_groups",
+]

@@ -1,0 +1,172 @@
+"""CoCoDC (Zhu et al. 2025): Streaming DiLoCo + Taylor delay compensation + adaptive transmission.
+
+Merge (β = 1, λ): x ← g_new + v − λ_eff·v⊙v⊙D with v = x_now − x_sent, D = g_new − x_sent
+(``lam_mode="normalized"``: λ_eff = λ·‖v‖/‖v⊙v⊙D‖ per fragment; done inside ``outer_merge_``).
+
+Send slots: N syncs per period of H steps. Period P covers steps P·H+1 .. (P+1)·H; with s = t − P·H
+a slot falls after step t when ⌊s·N/H⌋ > ⌊(s−1)·N/H⌋ (N evenly spaced slots, the last at s = H).
+N is fixed per period: ``syncs_per_period=int``, or "auto": N = clamp(⌊γ·H·T_c/T_s⌋, K, ⌊H/τ⌋) from
+T_c (inner step) and T_s (fragment sync in flight) measured on every rank and averaged through the
+control all-reduce, so every rank computes the same N (N = K until a measurement has arrived).
+
+Which fragment at a slot, among those not in flight: (1) stale: last sent ≥ H steps ago, oldest
+first; (2) never sent, lowest index; (3) argmax_p R_p, ties to the lowest index. Scores:
+``l2_global``: R_p = ‖Δ̄_p‖₂ / I_p from the averaged pseudo-gradient of p's last sync, I_p = steps
+that sync covered (send step − previous send step of p); ``l1_local``: R_p = Σ_ranks ‖g_p − x_p‖₁,
+measured at each send for every fragment and all-reduced beside that sync. Both come from values
+identical on every rank, so every rank picks the same fragment.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .. import ops
+from .base import check_float, check_int
+from .dense import DenseStrategy, Pending
+
+SCORES = ("l2_global", "l1_local")
+
+
+class CoCoDC(DenseStrategy):
+    """See the module docstring. Requires τ·K ≤ H (each fragment fits once per period)."""
+
+    method = "cocodc"
+    needs_snapshot = True
+    local_keys = ("ts_last",)
+
+    def __init__(self, model, inner_optimizer, *, sync_every: int, num_fragments: int, fragment_sync_delay: int,
+                 lam: float = 0.5, lam_mode: str = "normalized", gamma: float = 0.4,
+                 syncs_per_period: str | int = "auto", score: str = "l2_global", outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True, **common: Any) -> None:
+        H = self.H = check_int("sync_every", sync_every, 1)
+        K = check_int("num_fragments", num_fragments, 1)
+        tau = check_int("fragment_sync_delay", fragment_sync_delay, 0)
+        if tau * K > H:
+            raise ValueError(f"fragment_sync_delay={tau} is too long: fragment_sync_delay x num_fragments "
+                             f"= {tau * K} must be <= sync_every={H} (the per-fragment period is H/K)")
+        self.n_max = H if tau == 0 else H // tau
+        lam = check_float("lam", lam, 0.0)
+        if lam_mode not in ("absolute", "normalized"):
+            raise ValueError(f"lam_mode must be 'absolute' or 'normalized', got {lam_mode!r}")
+        self.gamma = check_float("gamma", gamma, 0.0, lo_open=True)
+        if score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+        self.score = score
+        if syncs_per_period == "auto":
+            self.auto = True
+        else:
+            n = check_int("syncs_per_period", syncs_per_period, 1) if not isinstance(syncs_per_period, str) \
+                else None
+            if n is None:
+                raise ValueError(f"syncs_per_period must be 'auto' or an int, got {syncs_per_period!r}")
+            if not K <= n <= self.n_max:
+                raise ValueError(f"syncs_per_period={n} must lie in [num_fragments={K}, "
+                                 f"sync_every // fragment_sync_delay = {self.n_max}]")
+            self.auto = False
+        super().__init__(model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau, outer_lr=outer_lr,
+                         outer_momentum=outer_momentum, nesterov=nesterov, beta=1.0, lam=lam, lam_mode=lam_mode,
+                         **common)
+        self.K = K
+        self.N = K if self.auto else int(syncs_per_period)
+        self.last_send = [-1] * K  # step of the last send of each fragment (-1: never)
+        self.prev_send = [0] * K  # step of the send before it (start of the interval it covered)
+        self.scores = [0.0] * K
+        self.T_c = 0.0  # agreed (rank-averaged) inner-step time
+        self.T_s = 0.0  # agreed fragment-sync time in flight
+        self._tc_sum, self._tc_n = 0.0, 0  # local, since the last send
+        self._ts_last = 0.0  # local, last measured in-flight time
+        self.n_history: list[int] = []
+        self._offsets_all = self.frags.offsets.to(self.outer_dev)
+        self._init_buffers()
+
+    # ----- schedule ------------------------------------------------------------------------------
+    def _period_n(self) -> int:
+        if not self.auto or self.T_s <= 0 or self.T_c <= 0:
+            return self.N
+        return max(self.K, min(math.floor(self.gamma * self.H * self.T_c / self.T_s), self.n_max))
+
+    def choose(self, t: int) -> tuple[int, str] | None:
+        """The fragment for a send slot after step t (see the module docstring), or None."""
+        busy = {pd.fragment for pd in self.pending}
+        free = [p for p in range(self.K) if p not in busy]
+        if not free:
+            return None
+        stale = [p for p in free if self.last_send[p] >= 0 and t - self.last_send[p] >= self.H]
+        if stale:
+            return min(stale, key=lambda p: (self.last_send[p], p)), "stale"
+        never = [p for p in free if self.last_send[p] < 0]
+        if never:
+            return never[0], "never_sent"
+        best = max(free, key=lambda p: (self.scores[p], -p))
+        return best, "score"
+
+    def _sends_at(self, t: int) -> list[tuple[int, str]]:
+        s = (t - 1) % self.H + 1
+        if s == 1:
+            self.N = self._period_n()
+            self.n_history.append(self.N)
+        if (s * self.N) // self.H == ((s - 1) * self.N) // self.H:
+            return []
+        choice = self.choose(t)
+        if choice is None:
+            return []
+        p = choice[0]
+        self.prev_send[p] = max(self.last_send[p], 0)
+        self.last_send[p] = t
+        return [choice]
+
+    def _advance(self, t: int) -> None:
+        if self.step_count > 0 and self.metrics.step_compute_s:
+            self._tc_sum += self.metrics.step_compute_s[-1]
+            self._tc_n += 1
+        super()._advance(t)
+
+    # ----- values all-reduced beside each sync ---------------------------------------------------
+    def _control_extras(self, p: int, t: int) -> list[float]:
+        tc = self._tc_sum / self._tc_n if self._tc_n else 0.0
+        self._tc_sum, self._tc_n = 0.0, 0
+        extras = [tc, self._ts_last]
+        if self.score == "l1_local":
+            x_all = self.frags.flat if self.outer_dev == self.device else self.frags.flat.to(self.outer_dev)
+            diff, _, _ = ops.pack(self.g, x_all, snapshot_out=False)  # g − x for every fragment, one pass
+            extras += ops.fragment_norms(diff, self._offsets_all, ord=1).double().cpu().tolist()
+        return extras
+
+    def _on_result(self, pd: Pending, delta_avg: torch.Tensor, control: list[float]) -> None:
+        if pd.handle is not None:
+            self._ts_last = pd.handle.in_flight_s
+        if self.world > 0:
+            tc, ts = control[1] / self.world, control[2] / self.world
+            if tc > 0:
+                self.T_c = tc
+            if ts > 0:
+                self.T_s = ts
+        p = pd.fragment
+        if self.score == "l2_global":
+            d = delta_avg if delta_avg.dtype != torch.bfloat16 else delta_avg.to(self.g.dtype)
+            offs = torch.tensor([0, d.numel()], dtype=torch.int64, device=d.device)
+            norm = float(ops.fragment_norms(d, offs, ord=2)[0])
+            covered = max(1, pd.send_step - self._covered_from(pd))
+            self.scores[p] = norm / covered
+        else:
+            self.scores = list(control[3:3 + self.K])
+
+    def _covered_from(self, pd: Pending) -> int:
+        # prev_send was updated at send time; the pending sync is the latest send of its fragment.
+        return self.prev_send[pd.fragment] if self.last_send[pd.fragment] == pd.send_step else 0
+
+    # ----- checkpoint ----------------------------------------------------------------------------
+    def _schedule_state(self) -> dict[str, Any]:
+        return {"N": self.N, "last_send": list(self.last_send), "prev_send": list(self.prev_send),
+                "scores": list(self.scores), "T_c": self.T_c, "T_s": self.T_s, "ts_last": self._ts_last}
+
+    def _load_schedule_state(self, sd: dict[str, Any]) -> None:
+        self.N = int(sd["N"])
+        self.last_send = [int(v) for v in sd["last_send"]]
+        self.prev_send = [int(v) for v in sd["prev_send"]]
+        self.scores = [float(v) for v in sd["scores"]]
+        self.T_c, self.T_s, self._ts_last = float(sd["T_c"]), float(sd["T_s"]), float(sd["ts_last"])

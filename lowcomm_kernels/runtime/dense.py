@@ -1,0 +1,275 @@
+"""Dense fragment syncs (DiLoCo, Streaming DiLoCo; CoCoDC builds on this): send, overlap, apply.
+
+One sync of fragment p (ALGORITHMS.md), sent after inner step t and applied after step t + τ:
+
+    send   Δ_p, x_sent ← pack(g_p, x_p)               one pass; Δ in the wire dtype
+           all-reduce SUM of [Δ_p] and of a tiny fp64 control vector [non-finite count, ...]
+    ...    τ inner steps run while the collective is in flight
+    apply  Δ̄_p = ΣΔ_p / M; outer_merge_(g_p, u_p, Δ̄_p, x_p, x_sent): Nesterov outer step on
+           (g_p, u_p), then x_p ← (1−α)(g_new + β·v − λ·v⊙v⊙D) + α·x_p
+
+The apply step is fixed (t + τ) whatever the wall clock did, so training is deterministic; if the
+result is late the wait is counted as exposed communication. τ = 0 is blocking (DiLoCo).
+If the control vector says any rank had a non-finite Δ, every rank skips the outer step (g, u
+unchanged) and resets x_p ← g_p, so a poisoned worker restarts that fragment from the last global.
+All ranks start from rank 0's parameters (broadcast at construction), so g is identical everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from .base import Strategy, check_float, check_int, nvtx, tensor_hash
+from .metrics import SyncRecord
+from .transport import Handle, SyncError
+
+
+@dataclass
+class Pending:
+    """A sync that was sent and not yet applied (its result may already have arrived)."""
+
+    fragment: int
+    send_step: int
+    apply_step: int
+    delta: torch.Tensor  # wire dtype, summed in place by the all-reduce
+    x_sent: torch.Tensor | None  # snapshot of x_p at send (outer device); None when the merge needs none
+    control: torch.Tensor  # fp64 [non-finite count, strategy extras...], summed in place
+    handle: Handle | None  # None once restored from a checkpoint (already complete)
+    reason: str = "schedule"
+    pack_s: float = 0.0
+    exposed_s: float = 0.0  # accumulated by drain() before the apply
+    in_flight_s: float = 0.0
+    wire_bytes: int = 0
+
+    def nbytes(self) -> int:
+        n = self.delta.numel() * self.delta.element_size()
+        return n + (self.x_sent.numel() * self.x_sent.element_size() if self.x_sent is not None else 0)
+
+
+def broadcast_initial(strategy: Strategy) -> None:
+    """Every worker starts from group-rank 0's parameters (as DDP does at construction)."""
+    if strategy.world == 1:
+        return
+    src = dist.get_global_rank(strategy.group, 0)
+    work = dist.broadcast(strategy.frags.flat, src=src, group=strategy.group, async_op=True)
+    try:
+        work.wait()
+    except Exception as e:
+        raise SyncError(f"initial broadcast of the parameters from rank {src} failed: {e}") from e
+
+
+class DenseStrategy(Strategy):
+    """Shared engine; subclasses choose when to send which fragment (``_sends_at``) and the merge."""
+
+    needs_snapshot = False  # the merge reads x_sent (β or λ non-zero)
+    local_keys: tuple[str, ...] = ()  # schedule-state keys that legitimately differ between ranks
+
+    def __init__(self, model, inner_optimizer, *, num_fragments: int, fragment_sync_delay: int,
+                 outer_lr: float, outer_momentum: float, nesterov: bool = True, alpha: float = 0.0,
+                 beta: float = 0.0, lam: float = 0.0, lam_mode: str = "absolute", **common: Any) -> None:
+        super().__init__(model, inner_optimizer, num_fragments=num_fragments, **common)
+        self.tau = check_int("fragment_sync_delay", fragment_sync_delay, 0)
+        self.outer_lr = check_float("outer_lr", outer_lr, 0.0)
+        self.outer_momentum = check_float("outer_momentum", outer_momentum, 0.0, 1.0, hi_open=True)
+        if not isinstance(nesterov, bool):
+            raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
+        self.nesterov = nesterov
+        self.merge_kw = {"alpha": alpha, "beta": beta, "lam": lam, "lam_mode": lam_mode}
+
+    def _init_buffers(self) -> None:
+        """Call at the end of a subclass constructor, after all configuration checks passed."""
+        broadcast_initial(self)
+        self.g = self._outer_buffer()
+        self.g.copy_(self.frags.flat)
+        self.u = self._outer_buffer()
+        self.pending: list[Pending] = []
+        self.metrics.extra_memory_bytes = 2 * self.g.numel() * self.g.element_size()
+        self.applied_count = 0
+
+    # ----- schedule (subclasses) -----------------------------------------------------------------
+    def _sends_at(self, t: int) -> list[tuple[int, str]]:  # pragma: no cover - abstract
+        """(fragment, reason) pairs to send after inner step t, in order."""
+        raise NotImplementedError
+
+    def _control_extras(self, p: int, t: int) -> list[float]:
+        """Strategy values all-reduced beside fragment p's sync (e.g. CoCoDC timings, scores)."""
+        return []
+
+    def _on_result(self, pd: Pending, delta_avg: torch.Tensor, control: list[float]) -> None:
+        """Called with the averaged result before the merge (CoCoDC updates scores here)."""
+
+    def _schedule_state(self) -> dict[str, Any]:
+        return {}
+
+    def _load_schedule_state(self, sd: dict[str, Any]) -> None:
+        pass
+
+    # ----- engine --------------------------------------------------------------------------------
+    def _advance(self, t: int) -> None:
+        for pd in self.pending:  # note completion times for in-flight / T_s measurements
+            if pd.handle is not None:
+                pd.handle.poll()
+        self._apply_due(t)
+        for p, reason in self._sends_at(t):
+            self._send(p, t, reason)
+        self._apply_due(t)  # τ = 0: blocking, applied in the same step
+
+    def _apply_due(self, t: int) -> None:
+        while self.pending and self.pending[0].apply_step <= t:
+            self._apply(self.pending.pop(0), t)
+
+    def _send(self, p: int, t: int, reason: str) -> None:
+        if any(pd.fragment == p for pd in self.pending):
+            raise RuntimeError(f"fragment {p} is already in flight at step {t} (schedule bug)")
+        t0 = time.perf_counter()
+        with nvtx("pack"):
+            g_p = self.frags.slice(self.g, p)
+            x_p = self.frags.x(p)
+            x_src = x_p if self.outer_dev == self.device else x_p.to(self.outer_dev)
+            delta, snap, nonfinite = ops.pack(g_p, x_src, wire_dtype=self.wire_dtype,
+                                              snapshot_out=None if self.needs_snapshot else False)
+            extras = self._control_extras(p, t)
+            control = torch.empty(1 + len(extras), dtype=torch.float64, device=self.outer_dev)
+            control[0] = nonfinite  # device-side copy: no host sync
+            if extras:
+                control[1:] = torch.tensor(extras, dtype=torch.float64)
+            if self.outer_dev != self.device:
+                delta, control = delta.to(self.device), control.to(self.device)
+        pack_s = time.perf_counter() - t0
+        name = f"{self.method} sync of fragment {p} sent at step {t}"
+        handle = self.transport.all_reduce([delta, control], name=name,
+                                           payload_bytes=delta.numel() * delta.element_size())
+        pd = Pending(p, t, t + self.tau, delta, snap, control, handle, reason, pack_s,
+                     wire_bytes=handle.wire_bytes)
+        self.pending.append(pd)
+        inflight = sum(q.nbytes() for q in self.pending)
+        self.metrics.peak_inflight_bytes = max(self.metrics.peak_inflight_bytes, inflight)
+
+    def _wait(self, pd: Pending) -> None:
+        if pd.handle is not None and not pd.handle.waited:
+            pd.exposed_s += pd.handle.wait()
+            pd.in_flight_s = pd.handle.in_flight_s
+
+    def _drain(self) -> None:
+        for pd in self.pending:
+            self._wait(pd)
+
+    def _apply(self, pd: Pending, t: int) -> None:
+        self._wait(pd)
+        p = pd.fragment
+        control = pd.control.cpu().tolist()  # tiny; the skip decision must be known on the host
+        t0 = time.perf_counter()
+        skipped = self._nonfinite(control[0], f"{self.method} sync of fragment {p} sent at step {pd.send_step}")
+        with nvtx("merge"):
+            g_p, u_p, x_p = self.frags.slice(self.g, p), self.frags.slice(self.u, p), self.frags.x(p)
+            if skipped:
+                x_p.copy_(g_p.to(x_p.device))
+            else:
+                delta = pd.delta
+                if self.world > 1:
+                    delta.div_(self.world)  # gloo has no AVG; SUM then scale the received buffer
+                if self.outer_dev != self.device:
+                    delta, x_work = delta.to(self.outer_dev), x_p.to(self.outer_dev)
+                else:
+                    x_work = x_p
+                self._on_result(pd, delta, control)
+                ops.outer_merge_(g_p, u_p, delta, x_work, pd.x_sent, lr=self.outer_lr,
+                                 momentum=self.outer_momentum, nesterov=self.nesterov, **self.merge_kw)
+                if x_work is not x_p:
+                    x_p.copy_(x_work)
+        self.applied_count += 1
+        self._record(SyncRecord(fragment=p, send_step=pd.send_step, apply_step=t, bytes=pd.wire_bytes,
+                                in_flight_s=pd.in_flight_s, exposed_s=pd.exposed_s,
+                                staleness=t - pd.send_step, skipped=skipped, reason=pd.reason,
+                                pack_s=pd.pack_s, merge_s=time.perf_counter() - t0))
+
+    # ----- checkpoint / guard --------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {
+            "g": self.g.detach().cpu().clone(), "u": self.u.detach().cpu().clone(),
+            "applied_count": self.applied_count,
+            "pending": [{"fragment": pd.fragment, "send_step": pd.send_step, "apply_step": pd.apply_step,
+                         "delta": pd.delta.detach().cpu().clone(), "control": pd.control.detach().cpu().clone(),
+                         "x_sent": None if pd.x_sent is None else pd.x_sent.detach().cpu().clone(),
+                         "reason": pd.reason} for pd in self.pending],
+            "schedule": self._schedule_state(),
+        }
+
+    def _load_state(self, sd: dict[str, Any]) -> None:
+        self.g.copy_(sd["g"])
+        self.u.copy_(sd["u"])
+        self.applied_count = int(sd["applied_count"])
+        self.pending = []
+        for q in sd["pending"]:
+            x_sent = None if q["x_sent"] is None else q["x_sent"].to(self.outer_dev)
+            self.pending.append(Pending(int(q["fragment"]), int(q["send_step"]), int(q["apply_step"]),
+                                        q["delta"].to(self.device), x_sent, q["control"].to(self.device),
+                                        None, str(q["reason"])))
+        self._load_schedule_state(sd["schedule"])
+
+    def _guard_values(self) -> list[tuple[str, int]]:
+        vals = [(f"fragment {p} of g", tensor_hash(self.frags.slice(self.g, p)))
+                for p in range(self.frags.num_fragments)]
+        sched = repr((self.step_count, [(pd.fragment, pd.send_step, pd.apply_step) for pd in self.pending],
+                      sorted((k, v) for k, v in self._schedule_state().items() if k not in self.local_keys)))
+        vals.append(("schedule state", tensor_hash(torch.frombuffer(bytearray(sched.encode()), dtype=torch.uint8))))
+        return vals
+
+
+class DiLoCo(DenseStrategy):
+    """DiLoCo (Douillard et al. 2023): every ``sync_every`` inner steps, blocking, all parameters:
+    Δ̄ = mean_m (g − x_m); Nesterov outer step u ← μu + Δ̄, g ← g − η(Δ̄ + μu); x ← g.
+
+    One fragment (all parameters), τ = 0. Keywords shared by every strategy: process_group, wan,
+    wire_dtype, on_nonfinite ('skip' | 'raise'), timeout_s, outer_device ('model' | 'cpu'),
+    metrics_callback, guard_every (see ``Strategy``)."""
+
+    method = "diloco"
+
+    def __init__(self, model, inner_optimizer, *, sync_every: int, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True, **common: Any) -> None:
+        self.H = check_int("sync_every", sync_every, 1)
+        super().__init__(model, inner_optimizer, num_fragments=1, fragment_sync_delay=0, outer_lr=outer_lr,
+                         outer_momentum=outer_momentum, nesterov=nesterov, **common)
+        self._init_buffers()
+
+    def _sends_at(self, t: int) -> list[tuple[int, str]]:
+        return [(0, "schedule")] if t % self.H == 0 else []
+
+
+class StreamingDiLoCo(DenseStrategy):
+    """Streaming DiLoCo (Douillard et al. 2025): K layer-strided fragments; fragment p is sent after
+    inner steps t ≡ ⌊p·H/K⌋ (mod H), t ≥ 1, and applied τ = ``fragment_sync_delay`` steps later with
+    x ← α·x_now + (1−α)·g_new (α = ``fragment_update_alpha``; 0 = overwrite, torchft's default).
+    Requires τ < ⌊H/K⌋ (the per-fragment period), as torchft does, so a fragment's result is applied
+    before the next fragment is sent."""
+
+    method = "streaming_diloco"
+
+    def __init__(self, model, inner_optimizer, *, sync_every: int, num_fragments: int,
+                 fragment_sync_delay: int, fragment_update_alpha: float = 0.0, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True, **common: Any) -> None:
+        self.H = check_int("sync_every", sync_every, 1)
+        K = check_int("num_fragments", num_fragments, 1)
+        tau = check_int("fragment_sync_delay", fragment_sync_delay, 0)
+        if K > self.H:
+            raise ValueError(f"num_fragments={K} must be <= sync_every={self.H} (one send slot per fragment)")
+        if tau >= self.H // K:
+            raise ValueError(f"fragment_sync_delay={tau} must be < sync_every // num_fragments = "
+                             f"{self.H // K} (the per-fragment period), so each result lands before "
+                             "the next fragment is sent")
+        alpha = check_float("fragment_update_alpha", fragment_update_alpha, 0.0, 1.0)
+        super().__init__(model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau, outer_lr=outer_lr,
+                         outer_momentum=outer_momentum, nesterov=nesterov, alpha=alpha, **common)
+        self.offsets_in_period = [(p * self.H) // K for p in range(K)]
+        self._init_buffers()
+
+    def _sends_at(self, t: int) -> list[tuple[int, str]]:
+        r = t % self.H
+        return [(p, "schedule") for p, off in enumerate(self.offsets_in_period) if r == off]

@@ -1,0 +1,191 @@
+"""LOSCAR-SGD (Maziane et al. 2026): sparse, overlapped, delay-corrected local SGD.
+
+Round r on worker i (ALGORITHMS.md): from x_i run N_i local steps; y_i = x_i[S_r] is sent; run Q_i
+more steps while the all-reduce is in flight; z_i = x_i; then with m̄ = mean_i y_i[S_r]
+
+    delay_corrected:  x_i[j] ← m̄_j + (z_i[j] − y_i[j])   for j ∈ S_r
+    overwrite:        x_i[j] ← m̄_j                       for j ∈ S_r
+                      x_i[j] = z_i[j]                      for j ∉ S_r
+
+S_r = ``mask_indices(seed, r, d, k)``, k = ⌈density·d⌉: the same on every worker, fresh each round,
+derived from the shared seed so no indices travel. Only k-sized buffers are allocated per round
+(indices, the sent values y, the wire buffer); there is no global copy g.
+
+Heterogeneous workers: ``local_steps`` and ``overlap_steps`` may be per-rank lists. Every rank
+issues exactly one all-reduce (plus its tiny control vector) per round, in round order, so the
+collectives always pair up whatever each rank's step counts are: a faster rank simply waits at its
+merge (counted as exposed). A non-finite y on any rank makes every rank skip that round's merge
+(x keeps its local values; with ``on_nonfinite="raise"`` every rank raises).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import ops
+from .base import Strategy, check_float, check_int, nvtx, tensor_hash
+from .dense import broadcast_initial
+from .metrics import SyncRecord
+from .transport import Handle
+
+MERGES = {"delay_corrected": 1.0, "overwrite": 0.0}
+
+
+@dataclass
+class _SparsePending:
+    round: int
+    send_step: int
+    idx: torch.Tensor  # (k,) int64, sorted
+    sent: torch.Tensor  # (k,) y = x[S] at send
+    wire: torch.Tensor  # (k,) wire dtype, summed in place
+    control: torch.Tensor  # fp64 [non-finite count]
+    handle: Handle | None
+    pack_s: float = 0.0
+    exposed_s: float = 0.0
+    in_flight_s: float = 0.0
+    wire_bytes: int = 0
+
+
+def _per_rank(name: str, value: int | Sequence[int], world: int, rank: int, lo: int) -> tuple[int, list[int]]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != world:
+            raise ValueError(f"{name} lists {len(value)} values but the process group has {world} ranks "
+                             "(give one per rank, or a single int)")
+        vals = [check_int(f"{name}[{i}]", v, lo) for i, v in enumerate(value)]
+    else:
+        vals = [check_int(name, value, lo)] * world
+    return vals[rank], vals
+
+
+class LOSCAR(Strategy):
+    """See the module docstring. The inner optimizer is the user's (plain SGD in the paper)."""
+
+    method = "loscar"
+
+    def __init__(self, model, inner_optimizer, *, density: float, local_steps: int | Sequence[int],
+                 overlap_steps: int | Sequence[int], merge: str = "delay_corrected", seed: int = 0,
+                 **common: Any) -> None:
+        if isinstance(density, bool) or not isinstance(density, (int, float)) or not math.isfinite(density):
+            raise TypeError(f"density must be a finite real number, got {density!r}")
+        if not 0.0 < float(density) <= 1.0:
+            raise ValueError(f"density must lie in (0, 1], got {density}")
+        self.density = check_float("density", density, 0.0, 1.0, lo_open=True)
+        if merge not in MERGES:
+            raise ValueError(f"merge must be one of {tuple(MERGES)}, got {merge!r}")
+        self.merge = merge
+        self.seed = check_int("seed", seed, 0)
+        super().__init__(model, inner_optimizer, num_fragments=1, **common)
+        self.N_i, self.local_steps = _per_rank("local_steps", local_steps, self.world, self.rank, 1)
+        self.Q_i, self.overlap_steps = _per_rank("overlap_steps", overlap_steps, self.world, self.rank, 0)
+        self.d = self.frags.numel
+        self.k = max(1, math.ceil(self.density * self.d))
+        broadcast_initial(self)
+        self.round = 0
+        self.s = 0  # inner steps into the current round
+        self.inflight: _SparsePending | None = None
+        self.metrics.extra_memory_bytes = 0  # no persistent copy: only k-sized buffers per round
+
+    def _advance(self, t: int) -> None:
+        if self.inflight is not None and self.inflight.handle is not None:
+            self.inflight.handle.poll()
+        self.s += 1
+        if self.s == self.N_i:
+            self._send(t)
+        if self.s == self.N_i + self.Q_i:
+            self._apply(t)
+            self.round += 1
+            self.s = 0
+
+    def _send(self, t: int) -> None:
+        t0 = time.perf_counter()
+        x = self.frags.flat
+        with nvtx("pack"):
+            idx = ops.mask_indices(self.seed, self.round, self.d, self.k, device=x.device)
+            sent = ops.sparse_gather(x, idx)
+            wire = sent.to(self.wire_dtype, copy=True)  # all-reduced in place; `sent` is kept for the merge
+            control = (~torch.isfinite(sent)).sum().to(torch.float64).reshape(1)
+        pack_s = time.perf_counter() - t0
+        name = f"LOSCAR sync of round {self.round} sent at step {t}"
+        handle = self.transport.all_reduce([wire, control], name=name,
+                                           payload_bytes=wire.numel() * wire.element_size())
+        self.inflight = _SparsePending(self.round, t, idx, sent, wire, control, handle, pack_s,
+                                       wire_bytes=handle.wire_bytes)
+        nbytes = sum(b.numel() * b.element_size() for b in (idx, sent, wire, control))
+        self.metrics.peak_inflight_bytes = max(self.metrics.peak_inflight_bytes, nbytes)
+
+    def _wait(self) -> None:
+        pd = self.inflight
+        if pd is not None and pd.handle is not None and not pd.handle.waited:
+            pd.exposed_s += pd.handle.wait()
+            pd.in_flight_s = pd.handle.in_flight_s
+
+    def _drain(self) -> None:
+        self._wait()
+
+    def _apply(self, t: int) -> None:
+        self._wait()
+        pd = self.inflight
+        assert pd is not None
+        self.inflight = None
+        t0 = time.perf_counter()
+        skipped = self._nonfinite(float(pd.control.cpu()[0]), f"LOSCAR sync of round {pd.round} sent at step "
+                                  f"{pd.send_step}")
+        if not skipped:
+            with nvtx("merge"):
+                if self.world > 1:
+                    pd.wire.div_(self.world)
+                ops.sparse_scatter_merge_(self.frags.flat, pd.idx, pd.wire, pd.sent, beta=MERGES[self.merge])
+        self._record(SyncRecord(fragment=-1, send_step=pd.send_step, apply_step=t, bytes=pd.wire_bytes,
+                                in_flight_s=pd.in_flight_s, exposed_s=pd.exposed_s, staleness=t - pd.send_step,
+                                skipped=skipped, round=pd.round, pack_s=pd.pack_s,
+                                merge_s=time.perf_counter() - t0))
+
+    # ----- checkpoint / guard --------------------------------------------------------------------
+    @property
+    def heterogeneous(self) -> bool:
+        return len(set(self.local_steps)) > 1 or len(set(self.overlap_steps)) > 1
+
+    @property
+    def at_round_end(self) -> bool:
+        """True right after a round's merge: a consistent cut for checkpoints with heterogeneous ranks."""
+        return self.s == 0 and self.inflight is None
+
+    def _state(self) -> dict[str, Any]:
+        if self.heterogeneous and not self.at_round_end:
+            # Ranks with different step counts are in different rounds at the same step; a cut that
+            # is consistent across ranks exists only at round ends (each rank at its own step).
+            from .base import CheckpointError
+            raise CheckpointError("LOSCAR with per-rank local_steps/overlap_steps can be checkpointed only "
+                                  "at a round end (when strategy.at_round_end is True on every rank)")
+        pd = self.inflight
+        inflight = None if pd is None else {
+            "round": pd.round, "send_step": pd.send_step, "sent": pd.sent.detach().cpu().clone(),
+            "wire": pd.wire.detach().cpu().clone(), "control": pd.control.detach().cpu().clone()}
+        return {"round": self.round, "s": self.s, "seed": self.seed, "k": self.k, "inflight": inflight,
+                "local_steps": list(self.local_steps), "overlap_steps": list(self.overlap_steps)}
+
+    def _load_state(self, sd: dict[str, Any]) -> None:
+        if int(sd["seed"]) != self.seed or int(sd["k"]) != self.k:
+            from .base import CheckpointError
+            raise CheckpointError(f"checkpoint has seed={sd['seed']}, k={sd['k']} but this LOSCAR has "
+                                  f"seed={self.seed}, k={self.k}")
+        self.round, self.s = int(sd["round"]), int(sd["s"])
+        q = sd["inflight"]
+        if q is None:
+            self.inflight = None
+        else:
+            dev = self.frags.device
+            idx = ops.mask_indices(self.seed, int(q["round"]), self.d, self.k, device=dev)
+            self.inflight = _SparsePending(int(q["round"]), int(q["send_step"]), idx, q["sent"].to(dev),
+                                           q["wire"].to(dev), q["control"].to(dev), None)
+
+    def _guard_values(self) -> list[tuple[str, int]]:
+        sched = torch.tensor([self.round, self.seed, self.k, self.d], dtype=torch.int64)
+        idx = ops.mask_indices(self.seed, self.round, self.d, self.k, device=self.frags.device)
+        return [("LOSCAR round / seed / k", tensor_hash(sched)), (f"mask of round {self.round}", tensor_hash(idx))]
