@@ -68,10 +68,12 @@ class Checks:
 
     @staticmethod
     def assert_close(actual: torch.Tensor, expected: torch.Tensor, kind: str = "elementwise",
-                     n: int | None = None, msg: str = "") -> None:
+                     n: int | None = None, scale: float = 1.0, msg: str = "") -> None:
+        """`scale`: the magnitude of the largest intermediate (the table assumes O(1) inputs)."""
         assert actual.dtype == expected.dtype, f"{msg}: dtype {actual.dtype} != {expected.dtype}"
         assert actual.shape == expected.shape, f"{msg}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
         rtol, atol = tolerance(kind, expected.dtype, n if n is not None else expected.numel())
+        atol *= scale
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True,
                                    msg=lambda m: f"{msg} [{kind}, rtol={rtol:.2g}, atol={atol:.2g}]\n{m}")
 
@@ -141,17 +143,17 @@ NATIVE_ENTRY = {
 }
 
 
-def backends_for(op: str | None, device: str = "cpu") -> list[str]:
-    """Backends that can run `op` on `device` now (evaluated at collection time, so a freshly built
-    native library is picked up by the next pytest run)."""
+def backends_for(ops: Sequence[str], device: str = "cpu") -> list[str]:
+    """Backends that can run every op in `ops` on `device` now (evaluated at collection time, so a
+    freshly built native library is picked up by the next pytest run)."""
     dev = torch.device(device)
-    entry = NATIVE_ENTRY.get(op) if op else None
-    return [b for b in _dispatch.available_backends(dev) if _dispatch.available(b, dev, entry)]
+    return [b for b in _dispatch.available_backends(dev)
+            if all(_dispatch.available(b, dev, NATIVE_ENTRY[op]) for op in ops)]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "op(name): the op a test exercises; parametrizes `backend` "
-                                       "(and `device`) over the backends that can run it")
+    config.addinivalue_line("markers", "op(*names): the ops a test exercises; parametrizes `backend` "
+                                       "(and `device`) over the backends that can run them all")
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -160,15 +162,15 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" not in metafunc.fixturenames:
         return
     marker = metafunc.definition.get_closest_marker("op")
-    op = marker.args[0] if marker else None
+    ops = marker.args if marker else ()
     if "device" in metafunc.fixturenames:
-        params = [pytest.param("cpu", b, id=f"cpu-{b}") for b in backends_for(op, "cpu")]
+        params = [pytest.param("cpu", b, id=f"cpu-{b}") for b in backends_for(ops, "cpu")]
         if torch.cuda.is_available():
             params += [pytest.param("cuda", b, id=f"cuda-{b}", marks=pytest.mark.gpu)
-                       for b in backends_for(op, "cuda")]
+                       for b in backends_for(ops, "cuda")]
         metafunc.parametrize(("device", "backend"), params)
     else:
-        metafunc.parametrize("backend", backends_for(op, "cpu"))
+        metafunc.parametrize("backend", backends_for(ops, "cpu"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
