@@ -89,6 +89,7 @@ class LOSCAR(Strategy):
         self.round = 0
         self.s = 0  # inner steps into the current round
         self.inflight: _SparsePending | None = None
+        self.last_idx: torch.Tensor | None = None  # S_r of the last merged round (inspection, tests)
         self.metrics.extra_memory_bytes = 0  # no persistent copy: only k-sized buffers per round
 
     def _advance(self, t: int) -> None:
@@ -133,6 +134,7 @@ class LOSCAR(Strategy):
         pd = self.inflight
         assert pd is not None
         self.inflight = None
+        self.last_idx = pd.idx
         t0 = time.perf_counter()
         skipped = self._nonfinite(float(pd.control.cpu()[0]), f"LOSCAR sync of round {pd.round} sent at step "
                                   f"{pd.send_step}")
