@@ -1,0 +1,293 @@
+"""LOSCAR's setting: logistic regression, heterogeneous workers, sparse averaging (``--task logreg``).
+
+Datasets
+- ``breast_cancer``: scikit-learn's bundled Wisconsin breast-cancer data (569 x 30, real data
+  shipped inside the scikit-learn wheel), standardised.
+- ``a9a_synthetic``: a SYNTHETIC set shaped like LIBSVM's a9a (32,561 rows, 123 binary features,
+  exactly 14 ones per row from 14 one-hot groups, ~24% positives). a9a itself is a download, so we
+  generate a deterministic stand-in (numpy seed 0) with labels from a planted logistic model. Its
+  numbers are not a9a's numbers.
+
+Protocol (ALGORITHMS.md, LOSCAR-SGD): 4 workers with relative step times (1, 2, 3, 6). A round has
+a fixed wall-clock length R; a worker c x slower runs c x fewer steps in it: N_i = N / c_i local
+steps before sending, Q_i = Q / c_i while the sparse all-reduce is in flight. Variants:
+- delay-corrected: merge x[S] <- mean(y[S]) + (z[S] - y[S])
+- overwrite: x[S] <- mean(y[S])
+- blocking: no overlap (Q_i = 0): the worker idles while the sync is in flight, so in the same
+  round length it runs only N_i steps (then merges with nothing to correct).
+Time is counted in rounds (units of R); the collectives run over real gloo ranks but with no
+emulated latency, since R is the same for all variants by construction.
+Objective: regularised logistic loss f(x) = mean log(1 + exp(-y a.x)) + (l2/2)|x|^2 of the
+worker-averaged model on the whole training set, reported as the gap f - f* (f* by L-BFGS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+SPEEDS = (1, 2, 3, 6)
+DENSITIES = (0.001, 0.01, 0.1, 1.0)
+VARIANTS = ("delay_corrected", "overwrite", "blocking")
+DATASETS = ("breast_cancer", "a9a_synthetic")
+# breast_cancer: standardised 31 columns, |a|^2 ~ 31; a9a-shaped: 15 ones per row, |a|^2 = 15.
+LR = {"breast_cancer": 0.1, "a9a_synthetic": 0.3}
+
+
+@dataclass
+class LogregConfig:
+    rounds: int = 60
+    local_steps: int = 12  # N for the fastest worker (divisible by every speed)
+    overlap_steps: int = 6  # Q for the fastest worker
+    batch_size: int = 16
+    lr: dict | None = None  # per dataset; default LR below (about 1/L of a minibatch for each dataset)
+    l2: float = 1e-4
+    eval_every: int = 5
+
+
+def a9a_synthetic(n: int = 32561, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic a9a-shaped data: X (n, 123) float32 in {0, 1} with 14 ones per row, y in {-1, 1}."""
+    rng = np.random.default_rng(seed)
+    # 14 categorical groups whose sizes sum to 123 (a9a's one-hot encoding of the Adult census fields)
+    sizes = np.array([9, 16, 16, 7, 15, 6, 5, 2, 2, 3, 3, 4, 7, 28])
+    assert sizes.sum() == 123
+    X = np.zeros((n, 123), dtype=np.float32)
+    start = 0
+    for s in sizes:
+        p = rng.dirichlet(np.full(s, 0.5))  # skewed category frequencies, as in census data
+        X[np.arange(n), start + rng.choice(s, size=n, p=p)] = 1.0
+        start += s
+    w = rng.normal(0, 1.0, 123)
+    logits = X @ w
+    logits += np.quantile(-logits, 0.76) + rng.normal(0, 0.5, n)  # ~24% positives
+    y = np.where(logits > 0, 1.0, -1.0).astype(np.float32)
+    return X, y
+
+
+def load_dataset(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(X (n, d) float32 with a trailing bias column of ones, y (n,) float32 in {-1, 1})."""
+    if name == "breast_cancer":
+        from sklearn.datasets import load_breast_cancer
+
+        data = load_breast_cancer()
+        X = data.data.astype(np.float64)
+        X = ((X - X.mean(0)) / X.std(0)).astype(np.float32)
+        y = np.where(data.target == 1, 1.0, -1.0).astype(np.float32)
+    elif name == "a9a_synthetic":
+        X, y = a9a_synthetic()
+    else:
+        raise ValueError(f"unknown dataset {name!r}; choose from {DATASETS}")
+    X = np.concatenate([X, np.ones((X.shape[0], 1), np.float32)], axis=1)
+    return torch.from_numpy(X), torch.from_numpy(y)
+
+
+def objective(w: torch.Tensor, X: torch.Tensor, y: torch.Tensor, l2: float) -> torch.Tensor:
+    """f(w) = mean softplus(-y * X w) + l2/2 |w|^2 (float64 for an accurate gap)."""
+    w, X, y = w.double(), X.double(), y.double()
+    return torch.nn.functional.softplus(-y * (X @ w)).mean() + 0.5 * l2 * w.dot(w)
+
+
+def optimum(X: torch.Tensor, y: torch.Tensor, l2: float) -> float:
+    w = torch.zeros(X.shape[1], dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.LBFGS([w], lr=1.0, max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-15,
+                            history_size=50, line_search_fn="strong_wolfe")
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        f = objective(w, X, y, l2)
+        f.backward()
+        return f
+
+    for _ in range(5):
+        opt.step(closure)
+    return float(objective(w.detach(), X, y, l2))
+
+
+def run_one(cfg: LogregConfig, dataset: str, X: torch.Tensor, y: torch.Tensor, density: float, variant: str, seed: int,
+            rank: int, world: int, group: object, eval_group: object) -> list[tuple[int, float]]:
+    """One LOSCAR run on this rank; returns [(round, f(mean_i x_i))] (identical on all ranks)."""
+    from ..runtime import LOSCAR
+
+    speeds = SPEEDS if world == len(SPEEDS) else tuple(SPEEDS[i % len(SPEEDS)] for i in range(world))
+    local = [max(1, cfg.local_steps // c) for c in speeds]
+    overlap = [0 if variant == "blocking" else max(1, cfg.overlap_steps // c) for c in speeds]
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(X.shape[1], 1, bias=False)  # the bias is X's ones column
+    torch.nn.init.zeros_(model.weight)
+    opt = torch.optim.SGD(model.parameters(), lr=(cfg.lr or LR)[dataset], weight_decay=cfg.l2)
+    strategy = LOSCAR(model, opt, density=density, local_steps=local, overlap_steps=overlap,
+                      merge="overwrite" if variant == "overwrite" else "delay_corrected", seed=seed,
+                      process_group=group)
+    shard = torch.arange(rank, X.shape[0], world)  # iid split: interleaved rows
+    gen = torch.Generator().manual_seed(seed * 7919 + rank)
+    steps_per_round = local[rank] + overlap[rank]
+    curve = []
+
+    def record(r: int) -> None:
+        w = model.weight.detach().reshape(-1).clone()
+        dist.all_reduce(w, group=eval_group)
+        curve.append((r, float(objective(w / world, X, y, cfg.l2))))
+
+    with strategy:
+        record(0)
+        for r in range(1, cfg.rounds + 1):
+            for _ in range(steps_per_round):
+                i = shard[torch.randint(0, shard.numel(), (cfg.batch_size,), generator=gen)]
+                loss = torch.nn.functional.softplus(-y[i] * model(X[i]).reshape(-1)).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if r % cfg.eval_every == 0 or r == cfg.rounds:
+                record(r)
+    return curve
+
+
+def _worker(rank: int, world: int, port: int, cfg: LogregConfig, jobs: list, queue: object) -> None:
+    import traceback
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        data = {}
+        for i, (ds, density, variant, seed) in enumerate(jobs):
+            if ds not in data:
+                X, y = load_dataset(ds)
+                data[ds] = (X, y, optimum(X, y, cfg.l2) if rank == 0 else math.nan)
+            X, y, fstar = data[ds]
+            group, eval_group = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+            curve = run_one(cfg, ds, X, y, density, variant, seed, rank, world, group, eval_group)
+            dist.destroy_process_group(group)
+            dist.destroy_process_group(eval_group)
+            if rank == 0:
+                queue.put(("result", i, {"dataset": ds, "density": density, "variant": variant, "seed": seed,
+                                         "fstar": fstar, "curve": curve}))
+        dist.destroy_process_group()
+    except BaseException as exc:
+        queue.put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        raise
+
+
+def run_jobs(cfg: LogregConfig, jobs: list, workers: int, progress: bool) -> list[dict]:
+    import queue as queue_mod
+
+    import torch.multiprocessing as mp
+
+    from .launcher import LaunchError, free_port
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    pc = mp.start_processes(_worker, args=(workers, free_port(), cfg, jobs, q), nprocs=workers, join=False,
+                            start_method="spawn")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(jobs), desc="logreg runs", unit="run")
+    results: dict[int, dict] = {}
+    try:
+        while len(results) < len(jobs):
+            try:
+                msg = q.get(timeout=0.5)
+            except queue_mod.Empty:
+                if any(p.exitcode not in (None, 0) for p in pc.processes):
+                    raise LaunchError("a logreg worker died without reporting an error") from None
+                continue
+            if msg[0] == "error":
+                raise LaunchError(f"worker {msg[1]}: {msg[2]}", msg[3])
+            results[msg[1]] = msg[2]
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        for p in pc.processes:
+            if len(results) < len(jobs) and p.is_alive():
+                p.terminate()
+            p.join(timeout=30)
+    return [results[i] for i in range(len(jobs))]
+
+
+def summarise(results: list[dict]) -> str:
+    """Markdown: per dataset, final gap f - f* (mean +- std over seeds) per density x variant."""
+    from .report import mean_std
+
+    lines = []
+    for ds in dict.fromkeys(r["dataset"] for r in results):
+        lines += [f"### {ds}" + (" (SYNTHETIC a9a-shaped data, not a9a)" if ds == "a9a_synthetic" else ""), "",
+                  "| density p | " + " | ".join(VARIANTS) + " |", "|---|" + "---|" * len(VARIANTS)]
+        for p in dict.fromkeys(r["density"] for r in results if r["dataset"] == ds):
+            cells = []
+            for v in VARIANTS:
+                gaps = [r["curve"][-1][1] - r["fstar"] for r in results
+                        if r["dataset"] == ds and r["density"] == p and r["variant"] == v]
+                m, s = mean_std(gaps)
+                cells.append("n/a" if math.isnan(m) else f"{m:.4f} ± {s:.4f}")
+            lines.append(f"| {p:g} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(results: list[dict], path: object) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    datasets = list(dict.fromkeys(r["dataset"] for r in results))
+    densities = list(dict.fromkeys(r["density"] for r in results))
+    fig, axes = plt.subplots(len(datasets), len(densities), figsize=(3.2 * len(densities), 2.8 * len(datasets)),
+                             squeeze=False, sharex=True)
+    for a, ds in enumerate(datasets):
+        for b, p in enumerate(densities):
+            ax = axes[a][b]
+            for v in VARIANTS:
+                runs = [r for r in results if r["dataset"] == ds and r["density"] == p and r["variant"] == v]
+                if not runs:
+                    continue
+                rounds = [c[0] for c in runs[0]["curve"]]
+                gaps = np.array([[c[1] - r["fstar"] for c in r["curve"]] for r in runs])
+                ax.plot(rounds, np.maximum(gaps.mean(0), 1e-8), label=v)
+            ax.set_yscale("log")
+            ax.set_title(f"{ds}, p={p:g}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if a == len(datasets) - 1:
+                ax.set_xlabel("round (fixed wall-clock R)")
+            if b == 0:
+                ax.set_ylabel("f(x̄) − f*")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_logreg_compare(args: argparse.Namespace) -> int:
+    from ..cli import out_dir
+    from .commands import environment
+    from .report import write_json
+
+    cfg = LogregConfig(rounds=20 if args.quick else 60)
+    workers = args.workers or 4
+    seeds = args.seeds or (1 if args.quick else 3)
+    jobs = [(ds, p, v, s) for ds in DATASETS for p in DENSITIES for v in VARIANTS for s in range(seeds)]
+    out = out_dir(args, "compare-logreg")
+    t0 = time.perf_counter()
+    results = run_jobs(cfg, jobs, workers, not args.no_progress)
+    table = summarise(results)
+    header = (f"LOSCAR logistic regression: {workers} workers with relative step times {SPEEDS[:workers]}, "
+              f"{cfg.rounds} rounds, N={cfg.local_steps}, Q={cfg.overlap_steps} for the fastest worker, "
+              f"{seeds} seed(s); cells: final f(x̄) − f* (mean ± std)")
+    (out / "table.md").write_text(f"# {header}\n\nCommand: `lowcomm compare --task logreg"
+                                  f"{' --quick' if args.quick else ''}`\n\n{table}\n")
+    write_json(out / "results.json", {"config": cfg.__dict__, "lr": cfg.lr or LR, "speeds": SPEEDS, "runs": results,
+                                      "elapsed_s": time.perf_counter() - t0, "environment": environment()})
+    plot(results, out / "logreg_gap_vs_round.png")
+    print(header + "\n\n" + table)
+    print(f"wrote {out / 'table.md'}, {out / 'results.json'}, {out / 'logreg_gap_vs_round.png'} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    return 0

@@ -1,0 +1,193 @@
+"""The CoCoDC review's open questions as runnable studies (``lowcomm compare --study NAME``).
+
+Each study is a list of named configurations of the byte-level LM task, each run with several seeds
+(default 3) in one spawn of the workers. It writes ``<study>.md`` (a table of mean +- std over
+seeds), ``<study>.png`` (validation loss vs steps, mean with a +-1 std band) and ``results.json``.
+
+- ``matched``: equal sync counts. Streaming DiLoCo at K syncs per H (its default) and at 8 syncs per
+  H (sync_every halved, so each of the K=4 fragments goes twice per H), CoCoDC with N=8 and its
+  adaptive choice, CoCoDC with N=8 and round-robin choice (= Streaming DiLoCo at 8 + the Taylor
+  merge). Streaming@8 vs CoCoDC-RR@8 isolates delay compensation; CoCoDC-RR@8 vs CoCoDC@8 isolates
+  adaptive selection.
+- ``lambda``: CoCoDC's lambda in {0, 0.1, 0.5, 1.0}, absolute and normalized modes (lambda = 0 is the
+  same in both, run once), N fixed at 8 so only the merge changes.
+- ``gamma``: CoCoDC with syncs_per_period="auto" and gamma in {0.1, 0.2, 0.4, 0.8}: how many syncs the
+  measured T_c, T_s and gamma give, and what they buy.
+- ``overlap``: overlap depth tau in {1, 2, 5, 10} for Streaming DiLoCo and CoCoDC (N = K syncs so the
+  count does not change with tau).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .report import RunResult, auto_target, mean_std
+from .spec import TrainSpec
+
+# Shorter runs than `compare`: a study multiplies configurations by seeds.
+STUDY_PRESET = dict(steps=300, sync_every=50, fragment_sync_delay=5, eval_every=25, eval_batches=8)
+QUICK_PRESET = dict(steps=100, sync_every=25, fragment_sync_delay=2, eval_every=25, eval_batches=4)
+
+
+def _round_robin_available() -> bool:
+    from ..runtime import cocodc
+
+    return "round_robin" in getattr(cocodc, "SCORES", ())
+
+
+def matched(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
+    K, H = base.num_fragments, base.sync_every
+    n = 2 * K  # 8 with the default K = 4
+    configs = [
+        (f"Streaming DiLoCo, {K} syncs/H", base.with_(method="streaming")),
+        (f"Streaming DiLoCo, {n} syncs/H", base.with_(method="streaming", sync_every=max(base.fragment_sync_delay + 1, H // 2))),
+        (f"CoCoDC adaptive, {n} syncs/H", base.with_(method="cocodc", syncs_per_period=n)),
+    ]
+    if _round_robin_available():
+        configs.append((f"CoCoDC round-robin, {n} syncs/H", base.with_(method="cocodc", syncs_per_period=n, score="round_robin")))
+    return configs
+
+
+def lam(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
+    b = base.with_(method="cocodc", syncs_per_period=2 * base.num_fragments)
+    configs = [("lambda=0", b.with_(lam=0.0))]
+    for mode in ("absolute", "normalized"):
+        configs += [(f"lambda={v:g} {mode}", b.with_(lam=v, lam_mode=mode)) for v in (0.1, 0.5, 1.0)]
+    return configs
+
+
+def gamma(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
+    return [(f"gamma={g:g}", base.with_(method="cocodc", syncs_per_period="auto", gamma=g)) for g in (0.1, 0.2, 0.4, 0.8)]
+
+
+def overlap(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
+    configs = []
+    for tau in (1, 2, 5, 10):
+        if tau >= base.sync_every // base.num_fragments:  # a fragment's sync must land before its next send
+            continue
+        configs.append((f"Streaming DiLoCo tau={tau}", base.with_(method="streaming", fragment_sync_delay=tau)))
+        configs.append((f"CoCoDC tau={tau}", base.with_(method="cocodc", fragment_sync_delay=tau, syncs_per_period=base.num_fragments)))
+    return configs
+
+
+STUDIES: dict[str, Callable[[TrainSpec], list[tuple[str, TrainSpec]]]] = {
+    "matched": matched,
+    "lambda": lam,
+    "gamma": gamma,
+    "overlap": overlap,
+}
+
+
+def study_table(name: str, labels: list[str], results: list[RunResult], target: float) -> str:
+    """Markdown: per configuration, mean +- std over seeds of the headline numbers."""
+    lines = [
+        f"target validation loss {target:.4f} (the lowest loss every run reached)",
+        "",
+        "| configuration | seeds | final val loss | steps to target | wall-clock to target (s) | syncs | bytes sent/worker (MB) | exposed comm (s) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label in labels:
+        runs = [r for r in results if r.name == label]
+
+        def ms(values: list, fmt: str = "{:.4f}") -> str:
+            m, s = mean_std([v for v in values if v is not None])
+            return "n/a" if math.isnan(m) else f"{fmt.format(m)} ± {fmt.format(s)}"
+
+        hits = [r.first_reaching(target) for r in runs]
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    label,
+                    str(len(runs)),
+                    ms([r.final_loss for r in runs]),
+                    ms([h.step if h else None for h in hits], "{:.0f}"),
+                    ms([h.wall_s if h else None for h in hits], "{:.1f}"),
+                    ms([float(r.syncs) for r in runs], "{:.0f}"),
+                    ms([r.bytes_sent / 1e6 for r in runs], "{:.2f}"),
+                    ms([r.exposed_s for r in runs], "{:.2f}"),
+                ]
+            )
+            + " |"
+        )
+    return "\n".join(lines)
+
+
+def study_plot(name: str, labels: list[str], results: list[RunResult], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(7, 4.4))
+    for label in labels:
+        runs = [r for r in results if r.name == label and r.points]
+        if not runs:
+            continue
+        n = min(len(r.points) for r in runs)
+        steps = [p.step for p in runs[0].points[:n]]
+        losses = np.array([[p.val_loss for p in r.points[:n]] for r in runs])
+        m, s = losses.mean(0), losses.std(0, ddof=1) if len(runs) > 1 else np.zeros(n)
+        (line,) = ax.plot(steps[1:], m[1:], label=label)  # skip step 0 (initial loss ~5.5) for scale
+        ax.fill_between(steps[1:], (m - s)[1:], (m + s)[1:], color=line.get_color(), alpha=0.15)
+    ax.set_xlabel("inner steps")
+    ax.set_ylabel("validation loss (nats/byte), mean ± std")
+    ax.set_title(f"study: {name}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_study(args: argparse.Namespace) -> int:
+    from ..cli import UsageError, out_dir, spec_from_args
+    from .commands import environment, load_checked_corpus
+    from .launcher import LaunchError, launch
+    from .report import write_json
+
+    if args.study not in STUDIES:
+        raise UsageError(f"unknown study {args.study!r}; choose from {', '.join(STUDIES)}")
+    if args.task != "lm":
+        raise UsageError("--study runs on the language-model task (--task lm)")
+    try:
+        base = spec_from_args(args, "cocodc", QUICK_PRESET if args.quick else STUDY_PRESET)
+        configs = STUDIES[args.study](base)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+    seeds = args.seeds or 3
+    first_seed = base.seed
+    specs = [spec.with_(name=label, seed=first_seed + s) for label, spec in configs for s in range(seeds)]
+    labels = [label for label, _ in configs]
+    corpus = load_checked_corpus(args.data)
+    out = out_dir(args, f"study-{args.study}")
+    t0 = time.perf_counter()
+    try:
+        results = launch(specs, corpus, progress=not args.no_progress)
+    except LaunchError as exc:
+        print(f"error: study failed: {exc}", file=__import__("sys").stderr)
+        if exc.details:
+            (out / "error.txt").write_text(exc.details)
+        return 1
+    target = args.target if args.target is not None else auto_target(results)
+    table = study_table(args.study, labels, results, target)
+    cmd = f"lowcomm compare --study {args.study}" + (" --quick" if args.quick else "") + (f" --seeds {args.seeds}" if args.seeds else "")
+    note = ""
+    if args.study == "matched" and not _round_robin_available():
+        note = "\n\nCoCoDC round-robin is not available in this runtime (score='round_robin' missing); row omitted.\n"
+    header = (f"study `{args.study}`: {base.workers} workers, {base.steps} steps, H={base.sync_every}, "
+              f"K={base.num_fragments}, tau={base.fragment_sync_delay}, {seeds} seeds; {corpus.describe()}")
+    (out / f"{args.study}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{table}{note}\n")
+    study_plot(args.study, labels, results, out / f"{args.study}.png")
+    write_json(out / "results.json", {"study": args.study, "command": cmd, "target_val_loss": target,
+                                      "runs": [r.to_dict() for r in results], "elapsed_s": time.perf_counter() - t0,
+                                      "environment": environment()})
+    print(f"\n{header}\n\n{table}{note}")
+    print(f"\nwrote {out / (args.study + '.md')}, {out / (args.study + '.png')}, {out / 'results.json'} "
+          f"({time.perf_counter() - t0:.0f} s)")
+    return 0
