@@ -1,0 +1,102 @@
+"""``lowcomm profile``: a short 2-rank run under torch.profiler, drawn as a per-rank timeline.
+
+Each worker records a Chrome trace (``trace_rank<r>.json``, open it in chrome://tracing or
+https://ui.perfetto.dev) and the runtime's per-sync records (``syncs_rank<r>.json``). The picture
+(``timeline_rank<r>.png``, and ``timeline.png`` with every rank) has one row per phase, from the
+``lowcomm/*`` ranges that :func:`lowcomm_kernels.profiling.nvtx_range` emits:
+
+- compute: the harness's forward/backward/optimizer step (``lowcomm/compute``)
+- pack, merge, wait: the runtime's own ranges (wait = exposed communication)
+- comm in flight: from the issue of each all-reduce (``lowcomm/comm``) until its result was usable,
+  using the in-flight time the runtime measured for that sync (records paired with issues in send
+  order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+ROWS = ("compute", "pack", "comm in flight", "wait", "merge")
+COLORS = {"compute": "#4c72b0", "pack": "#dd8452", "comm in flight": "#55a868", "wait": "#c44e52", "merge": "#8172b3"}
+PROFILE_PRESET = dict(workers=2, steps=40, sync_every=20, fragment_sync_delay=3, eval_every=40, eval_batches=2)
+
+
+def load_intervals(trace_path: Path, syncs_path: Path | None) -> dict[str, list[tuple[float, float]]]:
+    """{row: [(start_s, duration_s)]} from one rank's Chrome trace, times relative to the first range."""
+    events = json.loads(trace_path.read_text())
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    spans: dict[str, list[tuple[float, float]]] = {r: [] for r in ROWS}
+    comm_starts: list[float] = []
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") != "X" or not name.startswith("lowcomm/"):
+            continue
+        phase = name.split("/", 1)[1]
+        start, dur = float(e["ts"]) / 1e6, float(e.get("dur", 0)) / 1e6
+        if phase == "comm":
+            comm_starts.append(start)
+        elif phase in spans:
+            spans[phase].append((start, dur))
+    comm_starts.sort()
+    if syncs_path is not None and syncs_path.is_file():
+        records = sorted(json.loads(syncs_path.read_text()), key=lambda r: (r["send_step"], r["fragment"]))
+        for start, rec in zip(comm_starts, records):
+            spans["comm in flight"].append((start, max(rec["in_flight_s"], 1e-4)))
+    else:  # no records: show the issue ranges only
+        spans["comm in flight"] = [(s, 1e-3) for s in comm_starts]
+    t0 = min((s for v in spans.values() for s, _ in v), default=0.0)
+    return {k: sorted((s - t0, d) for s, d in v) for k, v in spans.items()}
+
+
+def draw(per_rank: list[dict[str, list[tuple[float, float]]]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(per_rank), 1, figsize=(12, 1.0 + 1.6 * len(per_rank)), squeeze=False, sharex=True)
+    for i, spans in enumerate(per_rank):
+        ax = axes[i][0]
+        for row, name in enumerate(ROWS):
+            # Overlapping in-flight syncs are drawn semi-transparent so their overlap stays visible.
+            ax.broken_barh(spans.get(name, []), (row - 0.4, 0.8), color=COLORS[name],
+                           alpha=0.55 if name == "comm in flight" else 0.9)
+        ax.set_yticks(range(len(ROWS)), ROWS, fontsize=8)
+        ax.invert_yaxis()
+        ax.set_ylabel(f"rank {i}" if len(per_rank) > 1 else "", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1][0].set_xlabel("seconds since the first recorded range")
+    axes[0][0].set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    from ..cli import out_dir
+    from .commands import build_specs, load_checked_corpus, run_and_report
+
+    preset = dict(PROFILE_PRESET)
+    specs = build_specs(args, [args.method], preset)
+    out = out_dir(args, f"profile-{args.method}")
+    spec = specs[0].with_(profile_dir=str(out.resolve()))
+    corpus = load_checked_corpus(args.data)
+    t0 = time.perf_counter()
+    run_and_report([spec], corpus, out, target=None, progress=not args.no_progress,
+                   title=f"lowcomm profile --method {args.method}: {spec.workers} ranks, {spec.steps} steps")
+    per_rank = []
+    for r in range(spec.workers):
+        spans = load_intervals(out / f"trace_rank{r}.json", out / f"syncs_rank{r}.json")
+        per_rank.append(spans)
+        draw([spans], out / f"timeline_rank{r}.png", f"{spec.label}, rank {r}: latency {spec.latency_s * 1e3:.0f} ms, "
+             f"{spec.bandwidth_bytes_per_s * 8 / 1e6:.0f} Mbit/s, tau={spec.fragment_sync_delay}")
+    draw(per_rank, out / "timeline.png", f"{spec.label}: {spec.workers} ranks, latency {spec.latency_s * 1e3:.0f} ms, "
+         f"{spec.bandwidth_bytes_per_s * 8 / 1e6:.0f} Mbit/s, H={spec.sync_every}, tau={spec.fragment_sync_delay}")
+    counts = {k: len(v) for k, v in per_rank[0].items()}
+    print(f"timeline ranges on rank 0: {counts}")
+    print(f"wrote {out / 'timeline.png'}, timeline_rank<r>.png and Chrome traces trace_rank<r>.json "
+          f"({time.perf_counter() - t0:.0f} s)")
+    return 0
