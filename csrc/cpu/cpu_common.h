@@ -1,0 +1,65 @@
+// CPU-only plumbing shared by csrc/cpu/*.cpp: dtype dispatch, thread partitioning, the
+// non-temporal copy, and the fixed-order (thread-count independent) float64 block sum.
+#ifndef LOWCOMM_CPU_COMMON_H_
+#define LOWCOMM_CPU_COMMON_H_
+
+#include <omp.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "lowcomm/abi.h"
+#include "lowcomm/kernels.h"
+
+namespace lowcomm {
+namespace cpu {
+
+// Below this many elements a parallel region costs more than it saves (a fork/join is ~2-5 us on
+// this kind of VM; 64K fp32 elements stream in ~5 us on one core).
+constexpr int64_t kParallelMin = 1 << 16;
+
+// Reductions sum fixed blocks of this many elements; partials are then summed in block order, so
+// the result does not depend on how blocks are spread over threads.
+constexpr int64_t kReduceBlock = 8192;
+
+// Calls f(T{}) for a data dtype (f32 / f64). Returns LC_EBADTYPE for anything else.
+template <class F>
+int dispatch_data(int dtype, F&& f) {
+  switch (dtype) {
+    case LC_F32: f(float{}); return LC_OK;
+    case LC_F64: f(double{}); return LC_OK;
+    default: return LC_EBADTYPE;
+  }
+}
+
+// Calls f(T{}, S{}) for a data dtype T and a storage dtype S that is T itself or bf16 (the wire /
+// averaged-delta dtypes the ops accept).
+template <class F>
+int dispatch_data_storage(int dtype, int storage, F&& f) {
+  if (dtype == LC_F32 && storage == LC_F32) { f(float{}, float{}); return LC_OK; }
+  if (dtype == LC_F32 && storage == LC_BF16) { f(float{}, bf16{}); return LC_OK; }
+  if (dtype == LC_F64 && storage == LC_F64) { f(double{}, double{}); return LC_OK; }
+  if (dtype == LC_F64 && storage == LC_BF16) { f(double{}, bf16{}); return LC_OK; }
+  return LC_EBADTYPE;
+}
+
+// The [lo, hi) share of thread `tid` of `nthreads` over n elements, split on multiples of `grain`
+// elements so that only the ends of the whole range are unaligned.
+inline void thread_range(int64_t n, int tid, int nthreads, int64_t grain, int64_t& lo, int64_t& hi) {
+  const int64_t units = (n + grain - 1) / grain;
+  const int64_t per = units / nthreads, extra = units % nthreads;
+  const int64_t u0 = tid * per + (tid < extra ? tid : extra);
+  const int64_t u1 = u0 + per + (tid < extra ? 1 : 0);
+  lo = u0 * grain < n ? u0 * grain : n;
+  hi = u1 * grain < n ? u1 * grain : n;
+}
+
+// Single-threaded copy with non-temporal (streaming) stores for the 32-byte-aligned body of dst:
+// the destination lines are not read for ownership, so a copy moves 2 bytes of traffic per byte
+// instead of 3. Ends with no fence; callers issue one (nt_fence) before the data is consumed.
+void nt_copy(void* dst, const void* src, size_t nbytes);
+void nt_fence();
+
+}  // namespace cpu
+}  // namespace lowcomm
+
+#endif  // LOWCOMM_CPU_COMMON_H_

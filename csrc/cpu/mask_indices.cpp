@@ -1,0 +1,26 @@
+// lc_mask_perm: the first k images of LOSCAR's keyed bijection of [0, n), each computed
+// independently (no RNG state), bit-identical to ops/mask_indices.py's mask_perm_ref.
+#include "cpu_common.h"
+
+using namespace lowcomm;
+using namespace lowcomm::cpu;
+
+LOWCOMM_EXPORT int lc_mask_perm(int64_t n, int64_t k, const int64_t* adds, const int64_t* muls, int shift,
+                                int64_t bitmask, int64_t* out) {
+  if (n < 0 || k < 0 || k > n || shift < 0 || shift > 63 || bitmask < 0 || (k > 0 && (!adds || !muls || !out)))
+    return LC_EARG;
+  // Cycle walking terminates only if [0, n) fits in the permuted domain [0, bitmask + 1).
+  if (k > 0 && static_cast<uint64_t>(n - 1) > static_cast<uint64_t>(bitmask)) return LC_EARG;
+  MaskKeys keys;
+  for (int r = 0; r < 4; ++r) {
+    keys.add[r] = static_cast<uint64_t>(adds[r]);
+    keys.mul[r] = static_cast<uint64_t>(muls[r]);
+  }
+  keys.bitmask = static_cast<uint64_t>(bitmask);
+  keys.shift = shift;
+  const uint64_t un = static_cast<uint64_t>(n);
+  // Walk lengths vary (geometric, mean < 2), so a dynamic schedule in coarse chunks balances them.
+#pragma omp parallel for schedule(dynamic, 16384) if (k >= kParallelMin / 4)
+  for (int64_t i = 0; i < k; ++i) out[i] = static_cast<int64_t>(mask_index(static_cast<uint64_t>(i), un, keys));
+  return LC_OK;
+}

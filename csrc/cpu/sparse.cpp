@@ -1,0 +1,36 @@
+// lc_sparse_gather (y = x[idx]) and lc_sparse_scatter_merge (x[idx] = avg + beta*(x[idx] - sent)):
+// LOSCAR's send and receive on a coordinate subset; only k-sized buffers are touched.
+#include "cpu_common.h"
+
+using namespace lowcomm;
+using namespace lowcomm::cpu;
+
+LOWCOMM_EXPORT int lc_sparse_gather(int dtype, const void* x, const int64_t* idx, int64_t k, void* out) {
+  if (k < 0 || (k > 0 && (!x || !idx || !out))) return LC_EARG;
+  return dispatch_data(dtype, [&](auto t) {
+    using T = decltype(t);
+    const T* __restrict xp = static_cast<const T*>(x);
+    T* __restrict op = static_cast<T*>(out);
+#pragma omp parallel for simd schedule(static) if (k >= kParallelMin)
+    for (int64_t j = 0; j < k; ++j) op[j] = xp[idx[j]];
+  });
+}
+
+LOWCOMM_EXPORT int lc_sparse_scatter_merge(int dtype, int avg_dtype, void* x, const int64_t* idx, int64_t k,
+                                           const void* avg, const void* sent, double beta) {
+  if (k < 0 || (k > 0 && (!x || !idx || !avg || !sent))) return LC_EARG;
+  return dispatch_data_storage(dtype, avg_dtype, [&](auto t, auto a) {
+    using T = decltype(t);
+    using A = decltype(a);
+    T* xp = static_cast<T*>(x);
+    const A* __restrict ap = static_cast<const A*>(avg);
+    const T* __restrict sp = static_cast<const T*>(sent);
+    const T b = static_cast<T>(beta);
+    // idx has no duplicates (the op checks it is strictly increasing), so iterations are independent.
+#pragma omp parallel for simd schedule(static) if (k >= kParallelMin)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t i = idx[j];
+      xp[i] = scatter_merge<T>(xp[i], cast<T>(ap[j]), sp[j], b);
+    }
+  });
+}

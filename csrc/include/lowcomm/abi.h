@@ -1,0 +1,66 @@
+// The C ABI of liblowcomm_cpu and liblowcomm_cuda: the contract with lowcomm_kernels/_native.py
+// (SIGNATURES there must match these declarations argument for argument).
+//
+// Conventions
+//   * dtype codes: LC_F32 = 0, LC_F64 = 1, LC_BF16 = 2 (bf16 = the upper 16 bits of an IEEE float,
+//     round-to-nearest-even on conversion as torch does; NaN stays NaN (see kernels.h for which NaN)).
+//   * Buffers are flat, contiguous, and hold `n` (or `k`) elements; no alignment is required.
+//   * Every entry point returns LC_OK (0) on success and LC_EBADTYPE for an unsupported dtype
+//     combination, LC_EARG for a bad argument (negative length, NULL where one is required),
+//     LC_ECUDA for a CUDA launch error.
+//   * CUDA variants are named lc_cuda_<name>, take the same arguments plus a trailing cudaStream_t
+//     (as void*), read and write device memory only (scalar outputs are device pointers), and are
+//     asynchronous on that stream.
+#ifndef LOWCOMM_ABI_H_
+#define LOWCOMM_ABI_H_
+
+#include <stdint.h>
+
+#define LOWCOMM_EXPORT extern "C" __attribute__((visibility("default")))
+
+enum { LC_F32 = 0, LC_F64 = 1, LC_BF16 = 2 };
+enum { LC_OK = 0, LC_EBADTYPE = 1, LC_EARG = 2, LC_ECUDA = 3 };
+
+// delta = g - x in wire_dtype (== dtype, or bf16); snapshot (may be NULL) = x;
+// *nonfinite = number of non-finite values written to delta. Reads g, x; writes delta, snapshot.
+LOWCOMM_EXPORT int lc_pack(int dtype, int wire_dtype, const void* g, const void* x, void* delta,
+                           void* snapshot, int64_t n, int64_t* nonfinite);
+
+// torch.optim.SGD(lr, momentum, nesterov, dampening=0) on g with gradient delta_avg (dtype or bf16)
+// and momentum buffer u, then x = (1-alpha)*(g + beta*v - lam*v*v*D) + alpha*x with
+// v = x - x_sent, D = g - x_sent (g after the step). x_sent may be NULL iff beta == lam == 0.
+// In place on g, u (untouched when momentum == 0) and x.
+LOWCOMM_EXPORT int lc_outer_merge(int dtype, int avg_dtype, void* g, void* u, const void* delta_avg,
+                                  void* x, const void* x_sent, int64_t n, double lr, double momentum,
+                                  int nesterov, double alpha, double beta, double lam);
+
+// out2[0] = sum v^2, out2[1] = sum (v*v*D)^2 (float64 accumulation, fixed order) for the g that
+// lc_outer_merge's step would produce. Read-only.
+LOWCOMM_EXPORT int lc_taylor_norms(int dtype, int avg_dtype, const void* g, const void* u,
+                                   const void* delta_avg, const void* x, const void* x_sent, int64_t n,
+                                   double lr, double momentum, int nesterov, double* out2);
+
+// out[i] = pi(i) for i < k: the keyed bijection of ops/mask_indices.py (4 rounds of add, multiply,
+// xor-shift mod bitmask+1, cycle-walked into [0, n)). adds/muls: int64[4].
+LOWCOMM_EXPORT int lc_mask_perm(int64_t n, int64_t k, const int64_t* adds, const int64_t* muls, int shift,
+                                int64_t bitmask, int64_t* out);
+
+// out[j] = x[idx[j]], j < k.
+LOWCOMM_EXPORT int lc_sparse_gather(int dtype, const void* x, const int64_t* idx, int64_t k, void* out);
+
+// x[idx[j]] = avg[j] + beta*(x[idx[j]] - sent[j]); avg is dtype or bf16; idx without duplicates.
+LOWCOMM_EXPORT int lc_sparse_scatter_merge(int dtype, int avg_dtype, void* x, const int64_t* idx, int64_t k,
+                                           const void* avg, const void* sent, double beta);
+
+// out[s] = ||buf[offsets[s]:offsets[s+1]]||_ord (ord 1 or 2), float64 accumulation in a fixed order
+// (bit-identical from call to call, whatever the thread count).
+LOWCOMM_EXPORT int lc_fragment_norms(int dtype, const void* buf, const int64_t* offsets, int64_t nseg, int ord,
+                                     double* out);
+
+// memcpy with non-temporal stores: the honest roofline row of the benchmarks.
+LOWCOMM_EXPORT int lc_copy_nt(void* dst, const void* src, int64_t nbytes);
+
+// Library identity string.
+LOWCOMM_EXPORT const char* lc_version(void);
+
+#endif  // LOWCOMM_ABI_H_

@@ -1,0 +1,220 @@
+// Torch-free per-element maths of every op, written once and compiled by both g++ (csrc/cpu) and
+// nvcc (csrc/cuda). The loops, threading and memory access patterns live in the backends; what an
+// element computes lives here, so the two backends cannot drift apart.
+//
+// Arithmetic is done in the data dtype T (float or double) in the same order as the `*_ref`
+// specification in lowcomm_kernels/ops (torch computes in T too); only reductions accumulate in
+// double. bf16 appears only as a storage type (wire / averaged delta) and is converted exactly as
+// torch converts it.
+#ifndef LOWCOMM_KERNELS_H_
+#define LOWCOMM_KERNELS_H_
+
+#include <stdint.h>
+#include <string.h>
+
+#include "lowcomm/abi.h"
+
+#if defined(__CUDACC__)
+#define LC_HD __host__ __device__ __forceinline__
+#define LC_UNROLL _Pragma("unroll")
+#else
+#define LC_HD inline __attribute__((always_inline))
+#define LC_UNROLL _Pragma("GCC unroll 4")
+#endif
+
+namespace lowcomm {
+
+// bfloat16 as storage: the upper 16 bits of an IEEE binary32.
+struct bf16 {
+  uint16_t bits;
+};
+
+LC_HD uint32_t f32_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+LC_HD float f32_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+LC_HD uint64_t f64_bits(double d) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint64_t>(__double_as_longlong(d));
+#else
+  uint64_t u;
+  memcpy(&u, &d, sizeof u);
+  return u;
+#endif
+}
+
+// float -> bf16 exactly as torch: round to nearest even (add 0x7FFF plus the lowest kept bit, keep
+// the upper half). Every NaN becomes one canonical NaN, and torch itself uses two: its CPU
+// vectorised conversion (at::vec cvtfp32_bf16, AVX2 and AVX-512: every float tensor and all but
+// tiny double ones) writes 0xFFFF, its scalar c10::BFloat16 path (CUDA, and CPU loops too short to
+// vectorise) writes 0x7FC0. We match the path torch takes on each device. Branch-free so loops
+// vectorise.
+#if defined(__CUDA_ARCH__)
+#define LC_BF16_NAN 0x7FC0u
+#else
+#define LC_BF16_NAN 0xFFFFu
+#endif
+LC_HD bf16 bf16_from_f32(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  return bf16{static_cast<uint16_t>(nan ? LC_BF16_NAN : rounded)};
+}
+
+// Conversions between the storage types and the compute type. double -> bf16 goes through float,
+// as torch's static_cast<BFloat16>(double) does (two roundings, matched bit for bit).
+template <class To>
+struct Cast;
+template <>
+struct Cast<float> {
+  LC_HD static float from(float v) { return v; }
+  LC_HD static float from(double v) { return static_cast<float>(v); }
+  LC_HD static float from(bf16 v) { return f32_from_bits(static_cast<uint32_t>(v.bits) << 16); }
+};
+template <>
+struct Cast<double> {
+  LC_HD static double from(float v) { return v; }
+  LC_HD static double from(double v) { return v; }
+  LC_HD static double from(bf16 v) { return Cast<float>::from(v); }
+};
+template <>
+struct Cast<bf16> {
+  LC_HD static bf16 from(float v) { return bf16_from_f32(v); }
+  LC_HD static bf16 from(double v) { return bf16_from_f32(static_cast<float>(v)); }
+  LC_HD static bf16 from(bf16 v) { return v; }
+};
+template <class To, class From>
+LC_HD To cast(From v) {
+  return Cast<To>::from(v);
+}
+
+// Finite test on the bits (exponent not all ones): integer-only, so it vectorises without
+// -ffast-math and cannot be optimised away by it.
+LC_HD bool is_finite(float v) { return (f32_bits(v) & 0x7F800000u) != 0x7F800000u; }
+LC_HD bool is_finite(double v) {
+  return (f64_bits(v) & 0x7FF0000000000000ull) != 0x7FF0000000000000ull;
+}
+LC_HD bool is_finite(bf16 v) { return (v.bits & 0x7F80u) != 0x7F80u; }
+
+// ---- pack ------------------------------------------------------------------------------------
+// delta = (g - x) computed in T, then stored in the wire type W.
+template <class T, class W>
+LC_HD W pack_delta(T g, T x) {
+  return cast<W>(g - x);
+}
+
+// ---- outer_merge -----------------------------------------------------------------------------
+// Scalars of the fused outer step + merge, converted once to the compute type T (torch converts a
+// Python-float multiplier to the tensor's dtype the same way).
+template <class T>
+struct MergeCoef {
+  T lr, mu, alpha, one_minus_alpha, beta, lam;
+  bool momentum, nesterov, full;  // full: the beta/lam terms are present (x_sent is read)
+};
+
+template <class T>
+inline MergeCoef<T> make_merge_coef(double lr, double mu, int nesterov, double alpha, double beta,
+                                    double lam) {
+  MergeCoef<T> c;
+  c.lr = static_cast<T>(lr);
+  c.mu = static_cast<T>(mu);
+  c.alpha = static_cast<T>(alpha);
+  c.one_minus_alpha = static_cast<T>(1.0 - alpha);  // formed in double, like the ref's (1.0 - alpha)
+  c.beta = static_cast<T>(beta);
+  c.lam = static_cast<T>(lam);
+  c.momentum = mu != 0.0;
+  c.nesterov = nesterov != 0;
+  c.full = beta != 0.0 || lam != 0.0;
+  return c;
+}
+
+// torch.optim.SGD (dampening 0): u <- mu*u + d; step = d + mu*u (nesterov) or u; g - lr*step.
+// Without momentum u is neither read nor written and step = d.
+template <class T, bool kMomentum, bool kNesterov>
+LC_HD T sgd_step(T g, T& u, T d, T lr, T mu) {
+  T step = d;
+  if (kMomentum) {
+    u = mu * u + d;
+    step = kNesterov ? d + mu * u : u;
+  }
+  return g - lr * step;
+}
+
+// x <- (1-alpha)*(g_new + beta*v - lam*v*v*D) + alpha*x, v = x - x_sent, D = g_new - x_sent.
+template <class T, bool kFull>
+LC_HD T merge_x(T g_new, T x, T x_sent, T beta, T lam, T alpha, T one_minus_alpha) {
+  T target = g_new;
+  if (kFull) {
+    const T v = x - x_sent;
+    const T D = g_new - x_sent;
+    target = g_new + beta * v - lam * v * v * D;
+  }
+  return one_minus_alpha * target + alpha * x;
+}
+
+// Terms of taylor_norms: v^2 and (v*v*D)^2 in double, v and D formed in T as the ref does.
+template <class T>
+LC_HD void taylor_terms(T g_new, T x, T x_sent, double& v2, double& c2) {
+  const double v = static_cast<double>(x - x_sent);
+  const double corr = v * v * static_cast<double>(g_new - x_sent);
+  v2 = v * v;
+  c2 = corr * corr;
+}
+
+// ---- sparse ----------------------------------------------------------------------------------
+template <class T>
+LC_HD T scatter_merge(T x, T avg, T sent, T beta) {
+  return avg + beta * (x - sent);
+}
+
+// ---- mask_indices ----------------------------------------------------------------------------
+// One application of the bijection P of [0, bitmask+1): four rounds of
+// x = (x + a) & m; x = (x * c) & m; x ^= x >> shift   (uint64 arithmetic, wrapping like int64).
+struct MaskKeys {
+  uint64_t add[4], mul[4], bitmask;
+  int shift;
+};
+
+LC_HD uint64_t mask_permute_once(uint64_t x, const MaskKeys& k) {
+LC_UNROLL
+  for (int r = 0; r < 4; ++r) {
+    x = (x + k.add[r]) & k.bitmask;
+    x = (x * k.mul[r]) & k.bitmask;
+    x ^= x >> k.shift;
+  }
+  return x;
+}
+
+// pi(i): apply P until the value falls in [0, n) (cycle walking keeps it a bijection of [0, n)).
+LC_HD uint64_t mask_index(uint64_t i, uint64_t n, const MaskKeys& k) {
+  uint64_t x = mask_permute_once(i, k);
+  while (x >= n) x = mask_permute_once(x, k);
+  return x;
+}
+
+// ---- fragment_norms --------------------------------------------------------------------------
+template <class T>
+LC_HD double norm_term(T v, int ord) {
+  const double d = static_cast<double>(v);
+  return ord == 1 ? (d < 0 ? -d : d) : d * d;
+}
+
+}  // namespace lowcomm
+
+#endif  // LOWCOMM_KERNELS_H_
