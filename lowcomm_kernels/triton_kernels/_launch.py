@@ -5,6 +5,10 @@ for 128-bit loads and few enough registers for the 5-stream merge kernel. Under
 ``TRITON_INTERPRET=1`` (CPU tensors) every program is a Python-level numpy evaluation, so the cost
 is per program, not per element (1M elements: ~0.05 s with 65536 per program, ~3 s with 256;
 BUILD-NOTES.md): there one program takes up to ``INTERPRET_BLOCK`` elements.
+
+Kernels here call only Triton *builtins* (``tl.full``, ``tl.reduce``, ...), never the
+``@triton.jit`` helpers of ``triton.language.standard`` (``tl.sum``, ``tl.max``, ``tl.zeros``):
+see ``block_sum`` for why.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
 GPU_BLOCK = 2048
 GPU_WARPS = 4
@@ -40,7 +45,7 @@ def num_warps(t: torch.Tensor) -> int:
     return GPU_WARPS if not interpreted(t) else 1
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -48,3 +53,16 @@ def sm_count(device_index: int) -> int:
 def finite_max(dtype: torch.dtype) -> float:
     """Largest finite value of a float dtype: |v| <= it is false exactly for inf and NaN."""
     return float(torch.finfo(dtype).max)
+
+
+@triton.jit
+def block_sum(x):
+    """Σ over a 1-D block: exactly what ``tl.sum`` lowers to on a GPU.
+
+    Spelled as ``tl.reduce`` with Triton's own ``_sum_combine`` because ``tl.sum`` is itself a
+    ``@triton.jit`` function, decorated when ``triton`` is first imported: torch imports Triton
+    early (``torch._dynamo`` probes for it), so in a process where that happened before
+    ``TRITON_INTERPRET=1`` was set, ``tl.sum`` is a compiled-mode function the interpreter cannot
+    call. ``tl.reduce`` is a builtin, and the interpreter maps this combine function to
+    ``np.sum`` (a generic combine function would run element by element in Python)."""
+    return tl.reduce(x, 0, tl.standard._sum_combine)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import GPU_BLOCK, block_size, interpreted, num_warps, sm_count
+from ._launch import GPU_BLOCK, block_size, block_sum, interpreted, num_warps, sm_count
 
 PROGRAMS_PER_SM = 4
 
@@ -32,7 +32,7 @@ def _fragment_norms_kernel(buf_ptr, offsets_ptr, out_ptr, P, ORD: tl.constexpr, 
     p = tl.program_id(1)
     lo = tl.load(offsets_ptr + s)
     hi = tl.load(offsets_ptr + s + 1)
-    acc = tl.zeros([BLOCK], dtype=tl.float64)
+    acc = tl.full([BLOCK], 0.0, tl.float64)  # tl.zeros is @jit: see block_sum
     for start in range(lo + p * BLOCK, hi, P * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         v = tl.load(buf_ptr + offs, mask=offs < hi, other=0.0).to(tl.float64)
@@ -40,7 +40,7 @@ def _fragment_norms_kernel(buf_ptr, offsets_ptr, out_ptr, P, ORD: tl.constexpr, 
             acc += tl.abs(v)
         else:
             acc += v * v  # exact for fp32 inputs (24x24-bit products fit in 53 bits)
-    total = tl.sum(acc, axis=0)
+    total = block_sum(acc)
     if FINAL:
         if ORD == 2:
             total = tl.sqrt(total)  # fp64: lowers to a correctly rounded sqrt
@@ -54,7 +54,7 @@ def _fragment_norms_finish_kernel(partial_ptr, out_ptr, P, ORD: tl.constexpr, P_
     """out[s] = (Σ_p partial[s, p])^(1/ord), summed by one fixed-shape tl.sum (zeros pad to P_BLOCK)."""
     s = tl.program_id(0)
     p = tl.arange(0, P_BLOCK)
-    total = tl.sum(tl.load(partial_ptr + s * P + p, mask=p < P, other=0.0), axis=0)
+    total = block_sum(tl.load(partial_ptr + s * P + p, mask=p < P, other=0.0))
     if ORD == 2:
         total = tl.sqrt(total)  # fp64: lowers to a correctly rounded sqrt
     tl.store(out_ptr + s, total)
@@ -66,7 +66,8 @@ def programs_per_segment(buf: torch.Tensor, n: int, nseg: int) -> int:
     per program on average."""
     if interpreted(buf):
         return 1
-    want = triton.cdiv(PROGRAMS_PER_SM * sm_count(buf.device.index or 0), nseg)
+    index = buf.device.index if buf.device.index is not None else torch.cuda.current_device()
+    want = triton.cdiv(PROGRAMS_PER_SM * sm_count(index), nseg)
     return max(1, min(want, triton.cdiv(n, nseg * GPU_BLOCK)))
 
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import block_size, num_warps
+from ._launch import block_size, block_sum, num_warps
 
 ROUNDS = 4
 
@@ -53,7 +53,7 @@ def _mask_perm_kernel(out_ptr, n: tl.int64, k: tl.int64,
     mask = i < k
     x = _permute_once(i, a0, a1, a2, a3, c0, c1, c2, c3, shift, bitmask)
     walking = mask & (x >= n)
-    while tl.max(walking.to(tl.int32), axis=0) > 0:
+    while block_sum(walking.to(tl.int32)) > 0:
         x = tl.where(walking, _permute_once(x, a0, a1, a2, a3, c0, c1, c2, c3, shift, bitmask), x)
         walking = mask & (x >= n)
     tl.store(out_ptr + i, x, mask=mask)

@@ -14,9 +14,10 @@ then the delay-compensated merge (ALGORITHMS.md, CoCoDC (a), with the sign fix):
 
 Scalars arrive as fp64 and are rounded once to the data dtype, so fp32 data is computed in fp32
 (as torch does) and fp64 data keeps full precision on a GPU (the interpreter turns Python floats
-into fp32 constants, so there fp64 runs see fp32-rounded scalars; it is tested in fp32 only). The v/D terms are compiled out when
-β = λ = 0 (x_sent is then not read); when also α = 0, x is written but not read
-(x <- g_new; the reference computes 0·x, which differs only when x holds inf/NaN).
+into fp32 constants, so there fp64 runs see fp32-rounded scalars; it is tested in fp32 only).
+The v/D terms are compiled out when β = λ = 0 (x_sent is then not read); when also α = 0, x is
+written but not read (x <- g_new; the reference computes 0·x, which differs only when x holds
+inf/NaN).
 
 Bytes (fp32, n elements): read g, Δ̄ [, u] [, x] [, x_sent]; write g, x [, u].
 """
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import block_size, num_warps
+from ._launch import block_size, block_sum, num_warps
 
 
 @triton.jit
@@ -107,8 +108,8 @@ def _taylor_norms_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, out_ptr, n,
     sent = tl.load(sent_ptr + offs, mask=mask, other=0.0)
     v = (x - sent).to(tl.float64)  # masked lanes: v = 0, so they add nothing
     corr = v * v * (g_new - sent).to(tl.float64)
-    tl.atomic_add(out_ptr, tl.sum(v * v, axis=0))
-    tl.atomic_add(out_ptr + 1, tl.sum(corr * corr, axis=0))
+    tl.atomic_add(out_ptr, block_sum(v * v))
+    tl.atomic_add(out_ptr + 1, block_sum(corr * corr))
 
 
 def launch_outer_merge(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,

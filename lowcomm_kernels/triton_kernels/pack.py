@@ -1,8 +1,14 @@
 """Triton pack: the send side of a dense fragment sync, one pass over g and x.
 
-    delta[i]  = wire(g[i] − x[i])          (wire = fp32/fp64 = g's dtype, or bf16 rounded to nearest-even)
+    delta[i]  = wire(g[i] − x[i])          (wire = g's dtype, or bf16)
     snapshot[i] = x[i]                     (optional)
-    nonfinite += #{ i : delta[i] is ±inf or NaN }   (counted on the value as written, so a bf16 overflow counts)
+    nonfinite += #{ i : delta[i] is ±inf or NaN }   (the value as written: a bf16 overflow counts)
+
+The bf16 wire value is what ``(g - x).to(torch.bfloat16)`` gives: the difference rounded to fp32
+(a no-op for fp32 data; torch rounds fp64 -> bf16 through fp32 too), then to bf16 to nearest-even
+by integer arithmetic on the bits (``_bf16_rne``), NaN -> 0x7FC0 as c10 does. Doing it by hand makes
+the result independent of how a Triton version lowers the cast, and exact under the interpreter
+(whose own ``.to(tl.bfloat16)`` truncates).
 
 Reads 2·n·s bytes, writes n·(s_wire [+ s]). The count is one integer atomic per program that saw a
 non-finite value (none in the normal case), so it is exact and order-independent.
@@ -14,13 +20,25 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import block_size, finite_max, num_warps
+from ._launch import block_size, block_sum, finite_max, num_warps
+
+
+@triton.jit
+def _bf16_rne(v):
+    """v (fp32/fp64) -> bf16, as torch's CPU conversion: round to fp32, then keep the top 16 bits
+    rounded to nearest-even (adding 0x7FFF plus the kept lsb carries into the exponent exactly
+    when it should, overflowing to ±inf); NaN -> 0x7FC0."""
+    f = v.to(tl.float32)
+    bits = f.to(tl.uint32, bitcast=True)
+    bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+    top = tl.where(f != f, 0x7FC0, bits >> 16)
+    return top.to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
 def _pack_kernel(g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, n,
                  HAS_SNAPSHOT: tl.constexpr, WIRE_MAX: tl.constexpr, BLOCK: tl.constexpr):
-    """delta = (g − x).to(delta dtype); snapshot = x; nonfinite += count(!(|delta| <= WIRE_MAX)).
+    """delta = wire(g − x); snapshot = x; nonfinite += count(!(|delta| <= WIRE_MAX)).
 
     g, x: (n,) fp32/fp64; delta: (n,) of g's dtype or bf16; snapshot: (n,) of x's dtype (unused
     when HAS_SNAPSHOT is False); nonfinite: 0-d int64. WIRE_MAX is the largest finite value of the
@@ -30,13 +48,16 @@ def _pack_kernel(g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, n,
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    delta = (g - x).to(delta_ptr.dtype.element_ty)
+    if delta_ptr.dtype.element_ty == tl.bfloat16:
+        delta = _bf16_rne(g - x)
+    else:
+        delta = g - x
     tl.store(delta_ptr + offs, delta, mask=mask)
     if HAS_SNAPSHOT:
         tl.store(snapshot_ptr + offs, x, mask=mask)
     # Widening bf16 -> g's dtype is exact, so the test sees the written value. Masked lanes hold 0.
     bad = ~(tl.abs(delta.to(g.dtype)) <= WIRE_MAX)
-    count = tl.sum(bad.to(tl.int64), axis=0)
+    count = block_sum(bad.to(tl.int64))
     if count > 0:
         tl.atomic_add(nonfinite_ptr, count)
 
