@@ -18,27 +18,26 @@ fp32 constants, so fp64 data would see fp32-rounded λ, β, … (on a GPU they a
 bf16 arithmetic in the interpreter is unreliable; bf16 enters only as a load widened to fp32
 (exact) and as pack's hand-rounded store, both checked bit for bit.
 
+TRITON_INTERPRET is set only while this module runs, by its `kernels` fixture (see there why not
+at import).
+
 The interpreter costs per program, so the launchers use up to 65536 elements per program on
 CPU tensors; the whole file runs in well under a minute on 2 cores.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 
-# Triton decides interpretation when a kernel is decorated (when lowcomm_kernels.triton_kernels.*
-# is first imported) and _dispatch offers backend="triton" on CPU tensors only with this set.
-os.environ["TRITON_INTERPRET"] = "1"
-
-import importlib  # noqa: E402
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("triton", reason="Triton is not installed: the Triton backend cannot be tested")
 
-from lowcomm_kernels import _dispatch  # noqa: E402
-from lowcomm_kernels.ops import (  # noqa: E402
+from lowcomm_kernels import _dispatch
+from lowcomm_kernels.ops import (
     fragment_norms,
     fragment_norms_ref,
     mask_indices,
@@ -53,7 +52,7 @@ from lowcomm_kernels.ops import (  # noqa: E402
     sparse_scatter_merge_ref,
     taylor_norms_ref,
 )
-from lowcomm_kernels.ops.mask_indices import mask_perm_ref  # noqa: E402
+from lowcomm_kernels.ops.mask_indices import mask_perm_ref
 
 SIZES = [0, 1, 7, 1000003]
 BIG = SIZES[-1]
@@ -87,24 +86,45 @@ def _jitted(mod) -> dict:
     return {k: v for k, v in vars(mod).items() if isinstance(v, KernelInterface)}
 
 
+def _forget_kernel_modules() -> None:
+    """Drop the kernel modules from sys.modules: the next import decorates their kernels anew (the
+    ops import the launchers inside each call, so they pick up the new modules)."""
+    for name in KERNEL_MODULES:
+        sys.modules.pop(f"lowcomm_kernels.triton_kernels.{name}", None)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def kernels():
-    """The kernel modules, decorated under the interpreter. A module first imported without
-    TRITON_INTERPRET (by another test file) holds compiled-mode kernels: it is re-imported,
-    helpers first (the op modules bind them at import)."""
+    """The kernel modules, decorated under the interpreter, for this module only.
+
+    TRITON_INTERPRET is set here rather than at import: Triton reads it when a kernel is
+    *decorated*, and `import triton` has already happened by then anyway (conftest imports
+    lowcomm_kernels -> torch.library -> torch._dynamo, which probes for Triton), so setting it at
+    the top of this file would not reach triton.language; what matters is that our kernel modules
+    are decorated with it set (they use only builtins, see ``_launch.block_sum``). Set at import,
+    it would also leak into the collection of later test files (``_dispatch`` would offer
+    backend="triton" on CPU there). Teardown restores the variable and drops the interpreted
+    modules, so a later import decorates them for whatever mode is then current."""
     from triton.runtime.interpreter import InterpretedFunction
 
+    saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
-    mods = {name: importlib.import_module(f"lowcomm_kernels.triton_kernels.{name}")
-            for name in KERNEL_MODULES}
-    if not all(isinstance(f, InterpretedFunction) for m in mods.values() for f in _jitted(m).values()):
-        mods = {name: importlib.reload(m) for name, m in mods.items()}
-    for name, mod in mods.items():
-        funcs = _jitted(mod)
-        assert name == "_launch" or any(k.endswith("_kernel") for k in funcs), f"{name} has no _<op>_kernel"
-        assert all(isinstance(f, InterpretedFunction) for f in funcs.values()), f"{name} is not interpreted"
-    assert _dispatch.resolve("triton", torch.device("cpu")) == "triton"
-    return mods
+    try:
+        _forget_kernel_modules()  # imported earlier without the variable: compiled-mode kernels
+        mods = {name: importlib.import_module(f"lowcomm_kernels.triton_kernels.{name}")
+                for name in KERNEL_MODULES}
+        for name, mod in mods.items():
+            funcs = _jitted(mod)
+            assert name == "_launch" or any(k.endswith("_kernel") for k in funcs), f"{name}: no _<op>_kernel"
+            assert all(isinstance(f, InterpretedFunction) for f in funcs.values()), f"{name}: not interpreted"
+        assert _dispatch.resolve("triton", torch.device("cpu")) == "triton"
+        yield mods
+    finally:
+        _forget_kernel_modules()
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 def _randn(n: int, rng: torch.Generator, scale: float = 1.0) -> torch.Tensor:
