@@ -151,6 +151,12 @@ def backends_for(ops: Sequence[str], device: str = "cpu") -> list[str]:
             if all(_dispatch.available(b, dev, NATIVE_ENTRY[op]) for op in ops)]
 
 
+@pytest.fixture(scope="session", name="backends_for")
+def _backends_for_fixture() -> Callable[..., list[str]]:
+    """`backends_for` for tests that need the whole list at once (a subprocess checking them all)."""
+    return backends_for
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "op(*names): the ops a test exercises; parametrizes `backend` "
                                        "(and `device`) over the backends that can run them all")
@@ -158,11 +164,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     """`backend` (with `device` if the test asks for it) is parametrized over every backend that
-    can run the test's op (its `op` marker): CPU always, CUDA when a GPU is present (marked gpu)."""
+    can run the test's ops (its `op` marker): CPU always, CUDA when a GPU is present (marked gpu).
+    A test asking for `op_name` and `backend` gets every (op, backend) pair on the CPU."""
     if "backend" not in metafunc.fixturenames:
         return
+    if "op_name" in metafunc.fixturenames:  # every (op, backend) pair
+        metafunc.parametrize(("op_name", "backend"), [pytest.param(op, b, id=f"{op}-{b}") for op in NATIVE_ENTRY
+                                                      for b in backends_for((op,))])
+        return
     marker = metafunc.definition.get_closest_marker("op")
-    ops = marker.args if marker else ()
+    if marker is None:  # the test parametrizes `backend` itself
+        return
+    ops = marker.args
     if "device" in metafunc.fixturenames:
         params = [pytest.param("cpu", b, id=f"cpu-{b}") for b in backends_for(ops, "cpu")]
         if torch.cuda.is_available():

@@ -64,10 +64,9 @@ print(json.dumps(out))
 """
 
 
-def test_same_sets_in_another_process(tmp_path):
+def test_same_sets_in_another_process(tmp_path, backends_for):
     """No process state (hash seeds, RNG, thread count) enters the set: a fresh interpreter with a
     different PYTHONHASHSEED and one OpenMP thread computes the same indices on every backend."""
-    from conftest import backends_for  # noqa: PLC0415  (collection-time helper, same process)
     backends = backends_for(("mask_indices",))
     args = [(0, 0, 1000, 17), (12345, 678, 1000003, 5000), (2 ** 40, 3, 7, 7), (9, 9, 1 << 33, 64)]
     env = dict(os.environ, PYTHONHASHSEED="4321", OMP_NUM_THREADS="1")
