@@ -19,10 +19,21 @@ from ._common import code, compiling, cpu_call, cuda_call, ptr
 ORDS = (1, 2)
 
 
+_BLOCK = 8192  # the fixed reduction order: per-block sums, then the block sums in order
+
+
+def _fixed_order_sum(v: torch.Tensor) -> torch.Tensor:
+    """Σ v in float64 in an order that depends only on len(v), not on the thread count (torch's own
+    reductions split by threads: ord-1 vector_norm differs between 1 and 2 threads)."""
+    blocks = torch.nn.functional.pad(v, (0, -v.numel() % _BLOCK)).view(-1, _BLOCK).sum(dim=1)
+    return blocks.cumsum(0)[-1] if blocks.numel() else v.new_zeros(())
+
+
 def fragment_norms_ref(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2) -> torch.Tensor:
     flat = buf.reshape(-1).double()
     bounds = offsets.tolist()
-    norms = [torch.linalg.vector_norm(flat[a:b], ord=ord) for a, b in zip(bounds[:-1], bounds[1:])]
+    seg = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    norms = [_fixed_order_sum(s.abs()) if ord == 1 else _fixed_order_sum(s * s).sqrt() for s in seg]
     if not norms:
         return torch.empty(0, dtype=buf.dtype, device=buf.device)
     return torch.stack(norms).to(buf.dtype)
@@ -70,7 +81,9 @@ def fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2,
     _checks.tensor("buf", buf, dtypes=_checks.FLOAT_DTYPES)
     _checks.tensor("offsets", offsets, dtypes=(torch.int64,), dim=1)
     _checks.same_device("buf", buf, offsets=offsets)
-    if isinstance(ord, bool) or ord not in ORDS:
+    if isinstance(ord, bool) or not isinstance(ord, int):
+        raise TypeError(f"ord must be the int 1 or 2, got {type(ord).__name__} {ord!r}")
+    if ord not in ORDS:
         raise ValueError(f"ord must be 1 or 2, got {ord!r}")
     if offsets.numel() == 0:
         raise ValueError("offsets must hold at least one entry (K+1 boundaries for K segments)")
