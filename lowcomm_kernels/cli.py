@@ -12,11 +12,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from .train.errors import UsageError  # noqa: E402  (re-exported for callers)
 from .train.spec import LAM_MODES, MERGES, METHODS, SCORES, WIRE_DTYPES
-
-
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, exit code 2."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -113,7 +110,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 _SPEC_FIELDS = (
     "workers steps batch_size seed eval_every eval_batches lr weight_decay warmup_steps sync_every outer_lr "
-    "outer_momentum num_fragments fragment_sync_delay fragment_update_alpha lam lam_mode gamma syncs_per_period "
+    "outer_momentum num_fragments fragment_sync_delay fragment_update_alpha lam lam_mode gamma "
+    "syncs_per_period "
     "score density local_steps overlap_steps merge wire_dtype worker_speeds"
 ).split()
 
@@ -134,7 +132,13 @@ def spec_from_args(args: argparse.Namespace, method: str, preset: dict | None = 
         values["bandwidth_bytes_per_s"] = args.bandwidth_mbps * 1e6 / 8
     model_kw = {
         k: getattr(args, a)
-        for k, a in (("dim", "dim"), ("n_layers", "layers"), ("n_heads", "heads"), ("mlp_hidden", "mlp_hidden"), ("seq_len", "seq_len"))
+        for k, a in (
+            ("dim", "dim"),
+            ("n_layers", "layers"),
+            ("n_heads", "heads"),
+            ("mlp_hidden", "mlp_hidden"),
+            ("seq_len", "seq_len"),
+        )
         if getattr(args, a, None) is not None
     }
     values["model"] = ModelConfig(**model_kw)
@@ -171,7 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--methods", default=",".join(METHODS), help="comma list of " + ", ".join(METHODS))
     c.add_argument("--quick", action="store_true", help="short runs (about 2 minutes)")
     c.add_argument("--seeds", type=_positive_int, help="seeds per configuration in a study (default 3)")
-    c.add_argument("--target", type=_float, help="target validation loss (default: lowest loss all runs reach)")
+    c.add_argument(
+        "--target", type=_float, help="target validation loss (default: lowest loss all runs reach)"
+    )
     add_run_args(c)
     t = sub.add_parser("train", help="train one method with every knob")
     t.add_argument("--method", required=True, choices=METHODS)
@@ -208,4 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # Run the package's own module object, not this __main__ copy, so there is one set of globals.
+    from lowcomm_kernels.cli import main as _main
+
+    sys.exit(_main())

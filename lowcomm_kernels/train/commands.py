@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..cli import PRESETS, UsageError, _parse_methods, out_dir, spec_from_args
+from ..cli import PRESETS, _parse_methods, out_dir, spec_from_args
 from .corpus import Corpus, CorpusError, load_corpus
+from .errors import UsageError
 from .report import RunResult, auto_target, comparison_rows, format_table, plot_curves, write_json
 from .spec import TrainSpec
 
@@ -58,7 +59,10 @@ def run_and_report(
     except LaunchError as exc:
         if exc.details:
             (out / "error.txt").write_text(exc.details)
-        print(f"error: run failed: {exc}" + (f" (traceback in {out / 'error.txt'})" if exc.details else ""), file=sys.stderr)
+        print(
+            f"error: run failed: {exc}" + (f" (traceback in {out / 'error.txt'})" if exc.details else ""),
+            file=sys.stderr,
+        )
         raise SystemExit(1) from None
     elapsed = time.perf_counter() - t0
     tgt = target if target is not None else auto_target(results)
@@ -79,8 +83,10 @@ def run_and_report(
     plots = plot_curves(results, out, tgt)
     print(f"\n{title} — {corpus.describe()}\n")
     print(table)
-    print(f"\nwall-clock of the whole command: {elapsed:.0f} s; wrote {out / 'results.json'}, {out / 'table.md'}, "
-          + ", ".join(p.name for p in plots))
+    print(
+        f"\nwall-clock of the whole command: {elapsed:.0f} s; "
+        f"wrote {out / 'results.json'}, {out / 'table.md'}, " + ", ".join(p.name for p in plots)
+    )
     return results, tgt
 
 
@@ -97,7 +103,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     specs = build_specs(args, methods, PRESETS["quick" if args.quick else "default"])
     corpus = load_checked_corpus(args.data)
     out = out_dir(args, "compare")
-    title = f"lowcomm compare{' --quick' if args.quick else ''}: {specs[0].workers} workers, {specs[0].steps} steps"
+    quick = " --quick" if args.quick else ""
+    title = f"lowcomm compare{quick}: {specs[0].workers} workers, {specs[0].steps} steps"
     run_and_report(specs, corpus, out, target=args.target, progress=not args.no_progress, title=title)
     return 0
 
@@ -159,4 +166,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def dispatch(args: argparse.Namespace) -> int:
-    return {"compare": cmd_compare, "train": cmd_train, "profile": cmd_profile, "bench": cmd_bench}[args.command](args)
+    return {"compare": cmd_compare, "train": cmd_train, "profile": cmd_profile, "bench": cmd_bench}[
+        args.command
+    ](args)

@@ -130,8 +130,8 @@ def load_corpus(
     if not files:
         raise CorpusError(f"corpus folder {root} holds no text files ({', '.join(suffixes)})")
     rel = [p.relative_to(root).as_posix() for p in files]
-    val_files = [p for p, r in zip(files, rel) if is_validation(r, val_fraction)]
-    train_files = [p for p, r in zip(files, rel) if not is_validation(r, val_fraction)]
+    val_files = [p for p, r in zip(files, rel, strict=True) if is_validation(r, val_fraction)]
+    train_files = [p for p, r in zip(files, rel, strict=True) if not is_validation(r, val_fraction)]
     if not train_files or not val_files:
         raise CorpusError(
             f"corpus folder {root} has {len(files)} file(s): too few to split by file "
@@ -169,7 +169,9 @@ def sample_batch(
     return window[:, :-1], window[:, 1:]
 
 
-def eval_batches(data: torch.Tensor, n_batches: int, batch_size: int, seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def eval_batches(
+    data: torch.Tensor, n_batches: int, batch_size: int, seq_len: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed validation batches: evenly spaced windows, the same for every method and run."""
     n_windows = n_batches * batch_size
     if data.numel() <= seq_len + 1:

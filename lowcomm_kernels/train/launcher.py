@@ -68,7 +68,9 @@ class _Progress:
             if self.last_loss is not None:
                 self.bar.set_postfix(val_loss=f"{self.last_loss:.3f}", refresh=False)
         elif loss is not None and step > 0:
-            print(f"  step {step:>6}/{self.specs[run].steps}  val_loss {loss:.4f}", file=sys.stderr, flush=True)
+            print(
+                f"  step {step:>6}/{self.specs[run].steps}  val_loss {loss:.4f}", file=sys.stderr, flush=True
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -76,7 +78,9 @@ class _Progress:
             self.bar = None
 
 
-def launch(specs: list[TrainSpec], corpus: Corpus, *, progress: bool = True, timeout_s: float = 3600.0) -> list[RunResult]:
+def launch(
+    specs: list[TrainSpec], corpus: Corpus, *, progress: bool = True, timeout_s: float = 3600.0
+) -> list[RunResult]:
     """Run every spec on ``specs[0].workers`` spawned gloo ranks; return rank 0's results in order."""
     if not specs:
         raise ValueError("launch() needs at least one TrainSpec")

@@ -95,8 +95,15 @@ def objective(w: torch.Tensor, X: torch.Tensor, y: torch.Tensor, l2: float) -> t
 
 def optimum(X: torch.Tensor, y: torch.Tensor, l2: float) -> float:
     w = torch.zeros(X.shape[1], dtype=torch.float64, requires_grad=True)
-    opt = torch.optim.LBFGS([w], lr=1.0, max_iter=500, tolerance_grad=1e-12, tolerance_change=1e-15,
-                            history_size=50, line_search_fn="strong_wolfe")
+    opt = torch.optim.LBFGS(
+        [w],
+        lr=1.0,
+        max_iter=500,
+        tolerance_grad=1e-12,
+        tolerance_change=1e-15,
+        history_size=50,
+        line_search_fn="strong_wolfe",
+    )
 
     def closure() -> torch.Tensor:
         opt.zero_grad()
@@ -109,8 +116,19 @@ def optimum(X: torch.Tensor, y: torch.Tensor, l2: float) -> float:
     return float(objective(w.detach(), X, y, l2))
 
 
-def run_one(cfg: LogregConfig, dataset: str, X: torch.Tensor, y: torch.Tensor, density: float, variant: str, seed: int,
-            rank: int, world: int, group: object, eval_group: object) -> list[tuple[int, float]]:
+def run_one(
+    cfg: LogregConfig,
+    dataset: str,
+    X: torch.Tensor,
+    y: torch.Tensor,
+    density: float,
+    variant: str,
+    seed: int,
+    rank: int,
+    world: int,
+    group: object,
+    eval_group: object,
+) -> list[tuple[int, float]]:
     """One LOSCAR run on this rank; returns [(round, f(mean_i x_i))] (identical on all ranks)."""
     from ..runtime import LOSCAR
 
@@ -121,9 +139,16 @@ def run_one(cfg: LogregConfig, dataset: str, X: torch.Tensor, y: torch.Tensor, d
     model = torch.nn.Linear(X.shape[1], 1, bias=False)  # the bias is X's ones column
     torch.nn.init.zeros_(model.weight)
     opt = torch.optim.SGD(model.parameters(), lr=(cfg.lr or LR)[dataset], weight_decay=cfg.l2)
-    strategy = LOSCAR(model, opt, density=density, local_steps=local, overlap_steps=overlap,
-                      merge="overwrite" if variant == "overwrite" else "delay_corrected", seed=seed,
-                      process_group=group)
+    strategy = LOSCAR(
+        model,
+        opt,
+        density=density,
+        local_steps=local,
+        overlap_steps=overlap,
+        merge="overwrite" if variant == "overwrite" else "delay_corrected",
+        seed=seed,
+        process_group=group,
+    )
     shard = torch.arange(rank, X.shape[0], world)  # iid split: interleaved rows
     gen = torch.Generator().manual_seed(seed * 7919 + rank)
     steps_per_round = local[rank] + overlap[rank]
@@ -165,8 +190,20 @@ def _worker(rank: int, world: int, port: int, cfg: LogregConfig, jobs: list, que
             dist.destroy_process_group(group)
             dist.destroy_process_group(eval_group)
             if rank == 0:
-                queue.put(("result", i, {"dataset": ds, "density": density, "variant": variant, "seed": seed,
-                                         "fstar": fstar, "curve": curve}))
+                queue.put(
+                    (
+                        "result",
+                        i,
+                        {
+                            "dataset": ds,
+                            "density": density,
+                            "variant": variant,
+                            "seed": seed,
+                            "fstar": fstar,
+                            "curve": curve,
+                        },
+                    )
+                )
         dist.destroy_process_group()
     except BaseException as exc:
         queue.put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -182,8 +219,9 @@ def run_jobs(cfg: LogregConfig, jobs: list, workers: int, progress: bool) -> lis
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    pc = mp.start_processes(_worker, args=(workers, free_port(), cfg, jobs, q), nprocs=workers, join=False,
-                            start_method="spawn")
+    pc = mp.start_processes(
+        _worker, args=(workers, free_port(), cfg, jobs, q), nprocs=workers, join=False, start_method="spawn"
+    )
     bar = None
     if progress:
         from tqdm import tqdm
@@ -219,13 +257,20 @@ def summarise(results: list[dict]) -> str:
 
     lines = []
     for ds in dict.fromkeys(r["dataset"] for r in results):
-        lines += [f"### {ds}" + (" (SYNTHETIC a9a-shaped data, not a9a)" if ds == "a9a_synthetic" else ""), "",
-                  "| density p | " + " | ".join(VARIANTS) + " |", "|---|" + "---|" * len(VARIANTS)]
+        lines += [
+            f"### {ds}" + (" (SYNTHETIC a9a-shaped data, not a9a)" if ds == "a9a_synthetic" else ""),
+            "",
+            "| density p | " + " | ".join(VARIANTS) + " |",
+            "|---|" + "---|" * len(VARIANTS),
+        ]
         for p in dict.fromkeys(r["density"] for r in results if r["dataset"] == ds):
             cells = []
             for v in VARIANTS:
-                gaps = [r["curve"][-1][1] - r["fstar"] for r in results
-                        if r["dataset"] == ds and r["density"] == p and r["variant"] == v]
+                gaps = [
+                    r["curve"][-1][1] - r["fstar"]
+                    for r in results
+                    if r["dataset"] == ds and r["density"] == p and r["variant"] == v
+                ]
                 m, s = mean_std(gaps)
                 cells.append("n/a" if math.isnan(m) else f"{m:.4f} ± {s:.4f}")
             lines.append(f"| {p:g} | " + " | ".join(cells) + " |")
@@ -241,8 +286,13 @@ def plot(results: list[dict], path: object) -> None:
 
     datasets = list(dict.fromkeys(r["dataset"] for r in results))
     densities = list(dict.fromkeys(r["density"] for r in results))
-    fig, axes = plt.subplots(len(datasets), len(densities), figsize=(3.2 * len(densities), 2.8 * len(datasets)),
-                             squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        len(datasets),
+        len(densities),
+        figsize=(3.2 * len(densities), 2.8 * len(datasets)),
+        squeeze=False,
+        sharex=True,
+    )
     for a, ds in enumerate(datasets):
         for b, p in enumerate(densities):
             ax = axes[a][b]
@@ -279,15 +329,30 @@ def run_logreg_compare(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     results = run_jobs(cfg, jobs, workers, not args.no_progress)
     table = summarise(results)
-    header = (f"LOSCAR logistic regression: {workers} workers with relative step times {SPEEDS[:workers]}, "
-              f"{cfg.rounds} rounds, N={cfg.local_steps}, Q={cfg.overlap_steps} for the fastest worker, "
-              f"{seeds} seed(s); cells: final f(x̄) − f* (mean ± std)")
-    (out / "table.md").write_text(f"# {header}\n\nCommand: `lowcomm compare --task logreg"
-                                  f"{' --quick' if args.quick else ''}`\n\n{table}\n")
-    write_json(out / "results.json", {"config": cfg.__dict__, "lr": cfg.lr or LR, "speeds": SPEEDS, "runs": results,
-                                      "elapsed_s": time.perf_counter() - t0, "environment": environment()})
+    header = (
+        f"LOSCAR logistic regression: {workers} workers with relative step times {SPEEDS[:workers]}, "
+        f"{cfg.rounds} rounds, N={cfg.local_steps}, Q={cfg.overlap_steps} for the fastest worker, "
+        f"{seeds} seed(s); cells: final f(x̄) − f* (mean ± std)"
+    )
+    (out / "table.md").write_text(
+        f"# {header}\n\nCommand: `lowcomm compare --task logreg"
+        f"{' --quick' if args.quick else ''}`\n\n{table}\n"
+    )
+    write_json(
+        out / "results.json",
+        {
+            "config": cfg.__dict__,
+            "lr": cfg.lr or LR,
+            "speeds": SPEEDS,
+            "runs": results,
+            "elapsed_s": time.perf_counter() - t0,
+            "environment": environment(),
+        },
+    )
     plot(results, out / "logreg_gap_vs_round.png")
     print(header + "\n\n" + table)
-    print(f"wrote {out / 'table.md'}, {out / 'results.json'}, {out / 'logreg_gap_vs_round.png'} "
-          f"({time.perf_counter() - t0:.0f} s)")
+    print(
+        f"wrote {out / 'table.md'}, {out / 'results.json'}, {out / 'logreg_gap_vs_round.png'} "
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
     return 0

@@ -20,8 +20,16 @@ import time
 from pathlib import Path
 
 ROWS = ("compute", "pack", "comm in flight", "wait", "merge")
-COLORS = {"compute": "#4c72b0", "pack": "#dd8452", "comm in flight": "#55a868", "wait": "#c44e52", "merge": "#8172b3"}
-PROFILE_PRESET = dict(workers=2, steps=40, sync_every=20, fragment_sync_delay=3, eval_every=40, eval_batches=2)
+COLORS = {
+    "compute": "#4c72b0",
+    "pack": "#dd8452",
+    "comm in flight": "#55a868",
+    "wait": "#c44e52",
+    "merge": "#8172b3",
+}
+PROFILE_PRESET = dict(
+    workers=2, steps=40, sync_every=20, fragment_sync_delay=3, eval_every=40, eval_batches=2
+)
 
 
 def load_intervals(trace_path: Path, syncs_path: Path | None) -> dict[str, list[tuple[float, float]]]:
@@ -43,7 +51,8 @@ def load_intervals(trace_path: Path, syncs_path: Path | None) -> dict[str, list[
     comm_starts.sort()
     if syncs_path is not None and syncs_path.is_file():
         records = sorted(json.loads(syncs_path.read_text()), key=lambda r: (r["send_step"], r["fragment"]))
-        for start, rec in zip(comm_starts, records):
+        # syncs still in flight at the end were never applied and have no record
+        for start, rec in zip(comm_starts, records, strict=False):
             spans["comm in flight"].append((start, max(rec["in_flight_s"], 1e-4)))
     else:  # no records: show the issue ranges only
         spans["comm in flight"] = [(s, 1e-3) for s in comm_starts]
@@ -57,13 +66,19 @@ def draw(per_rank: list[dict[str, list[tuple[float, float]]]], path: Path, title
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(per_rank), 1, figsize=(12, 1.0 + 1.6 * len(per_rank)), squeeze=False, sharex=True)
+    fig, axes = plt.subplots(
+        len(per_rank), 1, figsize=(12, 1.0 + 1.6 * len(per_rank)), squeeze=False, sharex=True
+    )
     for i, spans in enumerate(per_rank):
         ax = axes[i][0]
         for row, name in enumerate(ROWS):
             # Overlapping in-flight syncs are drawn semi-transparent so their overlap stays visible.
-            ax.broken_barh(spans.get(name, []), (row - 0.4, 0.8), color=COLORS[name],
-                           alpha=0.55 if name == "comm in flight" else 0.9)
+            ax.broken_barh(
+                spans.get(name, []),
+                (row - 0.4, 0.8),
+                color=COLORS[name],
+                alpha=0.55 if name == "comm in flight" else 0.9,
+            )
         ax.set_yticks(range(len(ROWS)), ROWS, fontsize=8)
         ax.invert_yaxis()
         ax.set_ylabel(f"rank {i}" if len(per_rank) > 1 else "", fontsize=9)
@@ -85,18 +100,35 @@ def run_profile(args: argparse.Namespace) -> int:
     spec = specs[0].with_(profile_dir=str(out.resolve()))
     corpus = load_checked_corpus(args.data)
     t0 = time.perf_counter()
-    run_and_report([spec], corpus, out, target=None, progress=not args.no_progress,
-                   title=f"lowcomm profile --method {args.method}: {spec.workers} ranks, {spec.steps} steps")
+    run_and_report(
+        [spec],
+        corpus,
+        out,
+        target=None,
+        progress=not args.no_progress,
+        title=f"lowcomm profile --method {args.method}: {spec.workers} ranks, {spec.steps} steps",
+    )
     per_rank = []
     for r in range(spec.workers):
         spans = load_intervals(out / f"trace_rank{r}.json", out / f"syncs_rank{r}.json")
         per_rank.append(spans)
-        draw([spans], out / f"timeline_rank{r}.png", f"{spec.label}, rank {r}: latency {spec.latency_s * 1e3:.0f} ms, "
-             f"{spec.bandwidth_bytes_per_s * 8 / 1e6:.0f} Mbit/s, tau={spec.fragment_sync_delay}")
-    draw(per_rank, out / "timeline.png", f"{spec.label}: {spec.workers} ranks, latency {spec.latency_s * 1e3:.0f} ms, "
-         f"{spec.bandwidth_bytes_per_s * 8 / 1e6:.0f} Mbit/s, H={spec.sync_every}, tau={spec.fragment_sync_delay}")
+        draw(
+            [spans],
+            out / f"timeline_rank{r}.png",
+            f"{spec.label}, rank {r}: latency {spec.latency_s * 1e3:.0f} ms, "
+            f"{spec.bandwidth_bytes_per_s * 8 / 1e6:.0f} Mbit/s, tau={spec.fragment_sync_delay}",
+        )
+    draw(
+        per_rank,
+        out / "timeline.png",
+        f"{spec.label}: {spec.workers} ranks, latency {spec.latency_s * 1e3:.0f} ms, "
+        f"{spec.bandwidth_bytes_per_s * 8 / 1e6:.0f} Mbit/s, H={spec.sync_every}, "
+        f"tau={spec.fragment_sync_delay}",
+    )
     counts = {k: len(v) for k, v in per_rank[0].items()}
     print(f"timeline ranges on rank 0: {counts}")
-    print(f"wrote {out / 'timeline.png'}, timeline_rank<r>.png and Chrome traces trace_rank<r>.json "
-          f"({time.perf_counter() - t0:.0f} s)")
+    print(
+        f"wrote {out / 'timeline.png'}, timeline_rank<r>.png and Chrome traces trace_rank<r>.json "
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
     return 0

@@ -156,7 +156,9 @@ def write_json(path: Path, payload: dict) -> None:
     path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
 
 
-def plot_curves(results: list[RunResult], out_dir: Path, target: float | None = None, prefix: str = "") -> list[Path]:
+def plot_curves(
+    results: list[RunResult], out_dir: Path, target: float | None = None, prefix: str = ""
+) -> list[Path]:
     """val loss vs steps, vs wall-clock and vs bytes sent: three PNGs, one line per run."""
     import matplotlib
 

@@ -103,22 +103,31 @@ class TrainSpec:
             v = getattr(self, name)
             need(isinstance(v, int) and v >= 1, f"{name} must be an int >= 1, got {v!r}")
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        need(self.fragment_sync_delay >= 0, f"fragment_sync_delay must be >= 0, got {self.fragment_sync_delay}")
+        need(
+            self.fragment_sync_delay >= 0, f"fragment_sync_delay must be >= 0, got {self.fragment_sync_delay}"
+        )
         for name in ("lr", "outer_lr", "bandwidth_bytes_per_s"):
             v = getattr(self, name)
             need(v > 0, f"{name} must be > 0, got {v}")
         for name in ("latency_s", "weight_decay", "outer_momentum", "lam", "gamma", "grad_clip"):
             v = getattr(self, name)
             need(v >= 0, f"{name} must be >= 0, got {v}")
-        need(0.0 <= self.fragment_update_alpha <= 1.0, f"fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha}")
+        need(
+            0.0 <= self.fragment_update_alpha <= 1.0,
+            f"fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha}",
+        )
         need(0.0 < self.min_lr_frac <= 1.0, f"min_lr_frac must be in (0, 1], got {self.min_lr_frac}")
         need(0.0 < self.density <= 1.0, f"density must be in (0, 1], got {self.density}")
         need(self.lam_mode in LAM_MODES, f"lam_mode must be one of {LAM_MODES}, got {self.lam_mode!r}")
         need(self.merge in MERGES, f"merge must be one of {MERGES}, got {self.merge!r}")
         need(self.score in SCORES, f"score must be one of {SCORES}, got {self.score!r}")
-        need(self.wire_dtype in WIRE_DTYPES, f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}")
         need(
-            self.syncs_per_period == "auto" or (isinstance(self.syncs_per_period, int) and self.syncs_per_period >= 1),
+            self.wire_dtype in WIRE_DTYPES,
+            f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}",
+        )
+        need(
+            self.syncs_per_period == "auto"
+            or (isinstance(self.syncs_per_period, int) and self.syncs_per_period >= 1),
             f"syncs_per_period must be 'auto' or an int >= 1, got {self.syncs_per_period!r}",
         )
         if self.method in ("streaming", "cocodc"):

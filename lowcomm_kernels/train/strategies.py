@@ -43,7 +43,9 @@ class StrategyMetrics:
         return cls(float(m.bytes_sent), float(m.exposed_comm_s), int(m.num_syncs), extra)
 
 
-def build_strategy(spec: TrainSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any, rank: int) -> Any:
+def build_strategy(
+    spec: TrainSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any, rank: int
+) -> Any:
     """The runtime strategy for ``spec.method`` (not 'dp', which the harness implements itself)."""
     import lowcomm_kernels.runtime as rt
 

@@ -44,11 +44,19 @@ def matched(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
     n = 2 * K  # 8 with the default K = 4
     configs = [
         (f"Streaming DiLoCo, {K} syncs/H", base.with_(method="streaming")),
-        (f"Streaming DiLoCo, {n} syncs/H", base.with_(method="streaming", sync_every=max(base.fragment_sync_delay + 1, H // 2))),
+        (
+            f"Streaming DiLoCo, {n} syncs/H",
+            base.with_(method="streaming", sync_every=max(base.fragment_sync_delay + 1, H // 2)),
+        ),
         (f"CoCoDC adaptive, {n} syncs/H", base.with_(method="cocodc", syncs_per_period=n)),
     ]
     if _round_robin_available():
-        configs.append((f"CoCoDC round-robin, {n} syncs/H", base.with_(method="cocodc", syncs_per_period=n, score="round_robin")))
+        configs.append(
+            (
+                f"CoCoDC round-robin, {n} syncs/H",
+                base.with_(method="cocodc", syncs_per_period=n, score="round_robin"),
+            )
+        )
     return configs
 
 
@@ -61,7 +69,10 @@ def lam(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
 
 
 def gamma(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
-    return [(f"gamma={g:g}", base.with_(method="cocodc", syncs_per_period="auto", gamma=g)) for g in (0.1, 0.2, 0.4, 0.8)]
+    return [
+        (f"gamma={g:g}", base.with_(method="cocodc", syncs_per_period="auto", gamma=g))
+        for g in (0.1, 0.2, 0.4, 0.8)
+    ]
 
 
 def overlap(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
@@ -69,8 +80,15 @@ def overlap(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
     for tau in (1, 2, 5, 10):
         if tau >= base.sync_every // base.num_fragments:  # a fragment's sync must land before its next send
             continue
-        configs.append((f"Streaming DiLoCo tau={tau}", base.with_(method="streaming", fragment_sync_delay=tau)))
-        configs.append((f"CoCoDC tau={tau}", base.with_(method="cocodc", fragment_sync_delay=tau, syncs_per_period=base.num_fragments)))
+        configs.append(
+            (f"Streaming DiLoCo tau={tau}", base.with_(method="streaming", fragment_sync_delay=tau))
+        )
+        configs.append(
+            (
+                f"CoCoDC tau={tau}",
+                base.with_(method="cocodc", fragment_sync_delay=tau, syncs_per_period=base.num_fragments),
+            )
+        )
     return configs
 
 
@@ -87,7 +105,8 @@ def study_table(name: str, labels: list[str], results: list[RunResult], target: 
     lines = [
         f"target validation loss {target:.4f} (the lowest loss every run reached)",
         "",
-        "| configuration | seeds | final val loss | steps to target | wall-clock to target (s) | syncs | bytes sent/worker (MB) | exposed comm (s) |",
+        "| configuration | seeds | final val loss | steps to target | wall-clock to target (s) | syncs "
+        "| bytes sent/worker (MB) | exposed comm (s) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for label in labels:
@@ -146,8 +165,9 @@ def study_plot(name: str, labels: list[str], results: list[RunResult], path: Pat
 
 
 def run_study(args: argparse.Namespace) -> int:
-    from ..cli import UsageError, out_dir, spec_from_args
+    from ..cli import out_dir, spec_from_args
     from .commands import environment, load_checked_corpus
+    from .errors import UsageError
     from .launcher import LaunchError, launch
     from .report import write_json
 
@@ -176,18 +196,37 @@ def run_study(args: argparse.Namespace) -> int:
         return 1
     target = args.target if args.target is not None else auto_target(results)
     table = study_table(args.study, labels, results, target)
-    cmd = f"lowcomm compare --study {args.study}" + (" --quick" if args.quick else "") + (f" --seeds {args.seeds}" if args.seeds else "")
+    cmd = (
+        f"lowcomm compare --study {args.study}"
+        + (" --quick" if args.quick else "")
+        + (f" --seeds {args.seeds}" if args.seeds else "")
+    )
     note = ""
     if args.study == "matched" and not _round_robin_available():
-        note = "\n\nCoCoDC round-robin is not available in this runtime (score='round_robin' missing); row omitted.\n"
-    header = (f"study `{args.study}`: {base.workers} workers, {base.steps} steps, H={base.sync_every}, "
-              f"K={base.num_fragments}, tau={base.fragment_sync_delay}, {seeds} seeds; {corpus.describe()}")
+        note = (
+            "\n\nCoCoDC round-robin is not available in this runtime (score='round_robin' missing); "
+            "row omitted.\n"
+        )
+    header = (
+        f"study `{args.study}`: {base.workers} workers, {base.steps} steps, H={base.sync_every}, "
+        f"K={base.num_fragments}, tau={base.fragment_sync_delay}, {seeds} seeds; {corpus.describe()}"
+    )
     (out / f"{args.study}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{table}{note}\n")
     study_plot(args.study, labels, results, out / f"{args.study}.png")
-    write_json(out / "results.json", {"study": args.study, "command": cmd, "target_val_loss": target,
-                                      "runs": [r.to_dict() for r in results], "elapsed_s": time.perf_counter() - t0,
-                                      "environment": environment()})
+    write_json(
+        out / "results.json",
+        {
+            "study": args.study,
+            "command": cmd,
+            "target_val_loss": target,
+            "runs": [r.to_dict() for r in results],
+            "elapsed_s": time.perf_counter() - t0,
+            "environment": environment(),
+        },
+    )
     print(f"\n{header}\n\n{table}{note}")
-    print(f"\nwrote {out / (args.study + '.md')}, {out / (args.study + '.png')}, {out / 'results.json'} "
-          f"({time.perf_counter() - t0:.0f} s)")
+    print(
+        f"\nwrote {out / (args.study + '.md')}, {out / (args.study + '.png')}, {out / 'results.json'} "
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
     return 0

@@ -119,8 +119,11 @@ def slim_trace(path: str, min_us: float = 1000.0) -> None:
         doc = json.load(f)
     events = doc.get("traceEvents", []) if isinstance(doc, dict) else doc
     keep = [
-        e for e in events
-        if e.get("ph") == "M" or str(e.get("name", "")).startswith("lowcomm/") or float(e.get("dur", 0)) >= min_us
+        e
+        for e in events
+        if e.get("ph") == "M"
+        or str(e.get("name", "")).startswith("lowcomm/")
+        or float(e.get("dur", 0)) >= min_us
     ]
     if isinstance(doc, dict):
         doc["traceEvents"] = keep
@@ -149,14 +152,20 @@ def train_one(
     torch.manual_seed(spec.seed)  # identical initial model on every rank
     model = TinyLlama(spec.model)
     eval_model = TinyLlama(spec.model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay
+    )
     train_group = dist.new_group(backend="gloo")
     eval_group = dist.new_group(backend="gloo")
     shard = worker_shard(train_data, rank, world)
     batches = eval_batches(val_data, spec.eval_batches, spec.batch_size, spec.model.seq_len)
     gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank)
 
-    dp = GradAllReduce(model, train_group, spec.latency_s, spec.bandwidth_bytes_per_s) if spec.method == "dp" else None
+    dp = (
+        GradAllReduce(model, train_group, spec.latency_s, spec.bandwidth_bytes_per_s)
+        if spec.method == "dp"
+        else None
+    )
     strategy = None if dp is not None else build_strategy(spec, model, optimizer, train_group, rank)
     # The scheduler is created after the strategy: the runtime may re-home parameters into flat
     # buffers, but the optimizer object (and its param_groups' lr) stays the user's.
@@ -224,7 +233,13 @@ def train_one(
 
 
 def worker_entry(
-    rank: int, world: int, port: int, specs: list[TrainSpec], train_data: torch.Tensor, val_data: torch.Tensor, queue: Any
+    rank: int,
+    world: int,
+    port: int,
+    specs: list[TrainSpec],
+    train_data: torch.Tensor,
+    val_data: torch.Tensor,
+    queue: Any,
 ) -> None:
     """Process entry for torch.multiprocessing: run every spec in turn on one gloo process group."""
     torch.set_num_threads(1)  # 4 workers share 2 cores: oversubscribed threads only thrash
@@ -232,7 +247,9 @@ def worker_entry(
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         for i, spec in enumerate(specs):
-            res = train_one(spec, rank, world, train_data, val_data, lambda s, v, i=i: queue.put(("progress", i, s, v)))
+            res = train_one(
+                spec, rank, world, train_data, val_data, lambda s, v, i=i: queue.put(("progress", i, s, v))
+            )
             if res is not None:
                 queue.put(("result", i, res.to_dict()))
         dist.destroy_process_group()
