@@ -18,8 +18,14 @@
 
 #define LOWCOMM_EXPORT extern "C" __attribute__((visibility("default")))
 
-enum { LC_F32 = 0, LC_F64 = 1, LC_BF16 = 2 };
-enum { LC_OK = 0, LC_EBADTYPE = 1, LC_EARG = 2, LC_ECUDA = 3 };
+#define LC_F32 0
+#define LC_F64 1
+#define LC_BF16 2
+
+#define LC_OK 0
+#define LC_EBADTYPE 1
+#define LC_EARG 2
+#define LC_ECUDA 3
 
 // delta = g - x in wire_dtype (== dtype, or bf16); snapshot (may be NULL) = x;
 // *nonfinite = number of non-finite values written to delta. Reads g, x; writes delta, snapshot.
@@ -62,5 +68,30 @@ LOWCOMM_EXPORT int lc_copy_nt(void* dst, const void* src, int64_t nbytes);
 
 // Library identity string.
 LOWCOMM_EXPORT const char* lc_version(void);
+
+// ---- liblowcomm_cuda: the same operations on device memory, asynchronous on `stream` ----------
+// Scalar outputs (nonfinite, out2, out) are device pointers; they are zeroed on the stream first
+// where the kernel accumulates into them. adds/muls of lc_cuda_mask_perm are device int64[4].
+// lc_cuda_taylor_norms accumulates with atomics (not bit-reproducible); lc_cuda_fragment_norms is
+// (one block per segment, fixed-order tree: see csrc/cuda/fragment_norms.cu).
+LOWCOMM_EXPORT int lc_cuda_pack(int dtype, int wire_dtype, const void* g, const void* x, void* delta,
+                                void* snapshot, int64_t n, int64_t* nonfinite, void* stream);
+LOWCOMM_EXPORT int lc_cuda_outer_merge(int dtype, int avg_dtype, void* g, void* u, const void* delta_avg,
+                                       void* x, const void* x_sent, int64_t n, double lr, double momentum,
+                                       int nesterov, double alpha, double beta, double lam, void* stream);
+LOWCOMM_EXPORT int lc_cuda_taylor_norms(int dtype, int avg_dtype, const void* g, const void* u,
+                                        const void* delta_avg, const void* x, const void* x_sent, int64_t n,
+                                        double lr, double momentum, int nesterov, double* out2, void* stream);
+LOWCOMM_EXPORT int lc_cuda_mask_perm(int64_t n, int64_t k, const int64_t* adds, const int64_t* muls, int shift,
+                                     int64_t bitmask, int64_t* out, void* stream);
+LOWCOMM_EXPORT int lc_cuda_sparse_gather(int dtype, const void* x, const int64_t* idx, int64_t k, void* out,
+                                         void* stream);
+LOWCOMM_EXPORT int lc_cuda_sparse_scatter_merge(int dtype, int avg_dtype, void* x, const int64_t* idx,
+                                                int64_t k, const void* avg, const void* sent, double beta,
+                                                void* stream);
+LOWCOMM_EXPORT int lc_cuda_fragment_norms(int dtype, const void* buf, const int64_t* offsets, int64_t nseg,
+                                          int ord, double* out, void* stream);
+LOWCOMM_EXPORT int lc_cuda_copy_nt(void* dst, const void* src, int64_t nbytes, void* stream);
+LOWCOMM_EXPORT const char* lc_cuda_version(void);
 
 #endif  // LOWCOMM_ABI_H_

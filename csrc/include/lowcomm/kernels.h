@@ -9,6 +9,7 @@
 #ifndef LOWCOMM_KERNELS_H_
 #define LOWCOMM_KERNELS_H_
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -144,16 +145,25 @@ inline MergeCoef<T> make_merge_coef(double lr, double mu, int nesterov, double a
   return c;
 }
 
-// torch.optim.SGD (dampening 0): u <- mu*u + d; step = d + mu*u (nesterov) or u; g - lr*step.
+// Fused multiply-add a*b + c, rounded once. Used exactly where torch rounds once: its
+// `add(other, alpha=s)` is vec::fmadd on the CPU and a contracted a + s*b on CUDA. Everywhere else
+// the kernels are built without contraction, so a separate torch mul/add rounds the same here.
+LC_HD float fma_t(float a, float b, float c) { return fmaf(a, b, c); }
+LC_HD double fma_t(double a, double b, double c) { return fma(a, b, c); }
+
+// torch.optim.SGD (dampening 0), op for op as _single_tensor_sgd does it:
+//   u.mul_(mu).add_(d)              u = mu*u + d        (two roundings)
+//   d.add(u, alpha=mu) / u          step = fma(mu, u, d) (nesterov) or u
+//   g.add_(step, alpha=-lr)         g = fma(-lr, step, g)
 // Without momentum u is neither read nor written and step = d.
 template <class T, bool kMomentum, bool kNesterov>
 LC_HD T sgd_step(T g, T& u, T d, T lr, T mu) {
   T step = d;
   if (kMomentum) {
     u = mu * u + d;
-    step = kNesterov ? d + mu * u : u;
+    step = kNesterov ? fma_t(mu, u, d) : u;
   }
-  return g - lr * step;
+  return fma_t(-lr, step, g);
 }
 
 // x <- (1-alpha)*(g_new + beta*v - lam*v*v*D) + alpha*x, v = x - x_sent, D = g_new - x_sent.

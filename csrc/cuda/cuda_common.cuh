@@ -1,0 +1,96 @@
+// CUDA-only plumbing shared by csrc/cuda/*.cu: dtype dispatch, launch geometry, aligned vector
+// access, and block reductions. The per-element maths comes from lowcomm/kernels.h.
+#ifndef LOWCOMM_CUDA_COMMON_CUH_
+#define LOWCOMM_CUDA_COMMON_CUH_
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "lowcomm/abi.h"
+#include "lowcomm/kernels.h"
+
+namespace lowcomm {
+namespace cuda {
+
+constexpr int kThreads = 256;
+
+inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// Grid for a grid-stride loop over `work` items: enough blocks to fill the device a few times
+// over, never more than the work needs.
+inline int grid_for(int64_t work, int threads = kThreads) {
+  static thread_local int cached_device = -1, cached_sms = 0;
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev != cached_device) {
+    cudaDeviceGetAttribute(&cached_sms, cudaDevAttrMultiProcessorCount, dev);
+    cached_device = dev;
+  }
+  const int64_t need = (work + threads - 1) / threads;
+  const int64_t cap = static_cast<int64_t>(cached_sms > 0 ? cached_sms : 80) * 8;
+  return static_cast<int>(need < 1 ? 1 : (need < cap ? need : cap));
+}
+
+inline int launch_status() { return cudaGetLastError() == cudaSuccess ? LC_OK : LC_ECUDA; }
+
+template <class F>
+int dispatch_data(int dtype, F&& f) {
+  switch (dtype) {
+    case LC_F32: return f(float{});
+    case LC_F64: return f(double{});
+    default: return LC_EBADTYPE;
+  }
+}
+
+template <class F>
+int dispatch_data_storage(int dtype, int storage, F&& f) {
+  if (dtype == LC_F32 && storage == LC_F32) return f(float{}, float{});
+  if (dtype == LC_F32 && storage == LC_BF16) return f(float{}, bf16{});
+  if (dtype == LC_F64 && storage == LC_F64) return f(double{}, double{});
+  if (dtype == LC_F64 && storage == LC_BF16) return f(double{}, bf16{});
+  return LC_EBADTYPE;
+}
+
+// V consecutive elements moved as one aligned access (16 bytes for V*sizeof(T) == 16).
+template <class T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+template <class T, int V>
+__device__ __forceinline__ Vec<T, V> load_vec(const T* p, int64_t j) {
+  return reinterpret_cast<const Vec<T, V>*>(p)[j];
+}
+template <class T, int V>
+__device__ __forceinline__ void store_vec(T* p, int64_t j, const Vec<T, V>& v) {
+  reinterpret_cast<Vec<T, V>*>(p)[j] = v;
+}
+
+inline bool aligned(const void* p, size_t bytes) {
+  return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// Sum over the block in a fixed tree (warp shuffles, then warp 0 over the warp partials): the
+// same inputs in the same threads give the same bits. Result valid in thread 0.
+template <class T>
+__device__ T block_sum(T v) {
+  __shared__ T warp_part[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  __syncthreads();  // warp_part may still be read by a previous call
+  if (lane == 0) warp_part[warp] = v;
+  __syncthreads();
+  const int nwarps = (blockDim.x + 31) >> 5;
+  v = threadIdx.x < nwarps ? warp_part[threadIdx.x] : T(0);
+  if (warp == 0) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  }
+  return v;
+}
+
+}  // namespace cuda
+}  // namespace lowcomm
+
+#endif  // LOWCOMM_CUDA_COMMON_CUH_

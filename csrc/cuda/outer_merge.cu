@@ -1,0 +1,126 @@
+// lc_cuda_outer_merge (fused SGD/Nesterov outer step + delay-compensated merge, in place, one
+// pass) and lc_cuda_taylor_norms (the read-only reduction behind lam_mode="normalized").
+// The momentum / nesterov / merge-kind switches are uniform across the grid, so they stay runtime
+// branches (no divergence) instead of multiplying the template instantiations.
+#include "cuda_common.cuh"
+
+namespace lowcomm {
+namespace cuda {
+namespace {
+
+template <class T>
+__device__ __forceinline__ T step_elem(T g, T& u, T d, const MergeCoef<T>& c) {
+  if (!c.momentum) return sgd_step<T, false, false>(g, u, d, c.lr, c.mu);
+  return c.nesterov ? sgd_step<T, true, true>(g, u, d, c.lr, c.mu) : sgd_step<T, true, false>(g, u, d, c.lr, c.mu);
+}
+
+template <class T>
+__device__ __forceinline__ T merge_elem(T gn, T x, T xs, const MergeCoef<T>& c) {
+  return c.full ? merge_x<T, true>(gn, x, xs, c.beta, c.lam, c.alpha, c.one_minus_alpha)
+                : merge_x<T, false>(gn, x, xs, c.beta, c.lam, c.alpha, c.one_minus_alpha);
+}
+
+template <class T, class A, int V>
+__global__ void merge_kernel(T* __restrict__ g, T* __restrict__ u, const A* __restrict__ d, T* __restrict__ x,
+                             const T* __restrict__ xs, int64_t n, const MergeCoef<T> c) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t nv = n / V;
+  for (int64_t j = tid; j < nv; j += stride) {
+    Vec<T, V> gv = load_vec<T, V>(g, j), xv = load_vec<T, V>(x, j), uv, sv;
+    const Vec<A, V> dv = load_vec<A, V>(d, j);
+    if (c.momentum) uv = load_vec<T, V>(u, j);
+    if (c.full) sv = load_vec<T, V>(xs, j);
+#pragma unroll
+    for (int l = 0; l < V; ++l) {
+      T ul = c.momentum ? uv.v[l] : T(0);
+      gv.v[l] = step_elem<T>(gv.v[l], ul, cast<T>(dv.v[l]), c);
+      uv.v[l] = ul;
+      xv.v[l] = merge_elem<T>(gv.v[l], xv.v[l], c.full ? sv.v[l] : T(0), c);
+    }
+    store_vec<T, V>(g, j, gv);
+    if (c.momentum) store_vec<T, V>(u, j, uv);
+    store_vec<T, V>(x, j, xv);
+  }
+  for (int64_t i = nv * V + tid; i < n; i += stride) {
+    T ui = c.momentum ? u[i] : T(0);
+    const T gn = step_elem<T>(g[i], ui, cast<T>(d[i]), c);
+    g[i] = gn;
+    if (c.momentum) u[i] = ui;
+    x[i] = merge_elem<T>(gn, x[i], c.full ? xs[i] : T(0), c);
+  }
+}
+
+// Not bit-reproducible: block partials meet in atomicAdd (the op's contract asks determinism only
+// of fragment_norms; this sum only scales lambda).
+template <class T, class A>
+__global__ void taylor_kernel(const T* __restrict__ g, const T* __restrict__ u, const A* __restrict__ d,
+                              const T* __restrict__ x, const T* __restrict__ xs, int64_t n, const MergeCoef<T> c,
+                              double* out2) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  double sv = 0, sc = 0;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    T ui = c.momentum ? u[i] : T(0);
+    const T gn = step_elem<T>(g[i], ui, cast<T>(d[i]), c);
+    double v2, c2;
+    taylor_terms<T>(gn, x[i], xs[i], v2, c2);
+    sv += v2;
+    sc += c2;
+  }
+  sv = block_sum<double>(sv);
+  sc = block_sum<double>(sc);
+  if (threadIdx.x == 0) {
+    atomicAdd(out2, sv);
+    atomicAdd(out2 + 1, sc);
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace lowcomm
+
+using namespace lowcomm;
+using namespace lowcomm::cuda;
+
+LOWCOMM_EXPORT int lc_cuda_outer_merge(int dtype, int avg_dtype, void* g, void* u, const void* delta_avg, void* x,
+                                       const void* x_sent, int64_t n, double lr, double momentum, int nesterov,
+                                       double alpha, double beta, double lam, void* stream) {
+  if (n < 0 || ((beta != 0.0 || lam != 0.0) && x_sent == nullptr && n > 0)) return LC_EARG;
+  if (n == 0) return LC_OK;
+  return dispatch_data_storage(dtype, avg_dtype, [&](auto t, auto a) {
+    using T = decltype(t);
+    using A = decltype(a);
+    const MergeCoef<T> c = make_merge_coef<T>(lr, momentum, nesterov, alpha, beta, lam);
+    T* gp = static_cast<T*>(g);
+    T* up = static_cast<T*>(u);
+    const A* dp = static_cast<const A*>(delta_avg);
+    T* xp = static_cast<T*>(x);
+    const T* sp = static_cast<const T*>(x_sent);
+    constexpr int V = 16 / sizeof(T);
+    const bool vec = aligned(gp, 16) && aligned(up, 16) && aligned(xp, 16) && aligned(sp, 16) &&
+                     aligned(dp, V * sizeof(A));
+    if (vec)
+      merge_kernel<T, A, V><<<grid_for(n / V + 1), kThreads, 0, as_stream(stream)>>>(gp, up, dp, xp, sp, n, c);
+    else
+      merge_kernel<T, A, 1><<<grid_for(n), kThreads, 0, as_stream(stream)>>>(gp, up, dp, xp, sp, n, c);
+    return launch_status();
+  });
+}
+
+LOWCOMM_EXPORT int lc_cuda_taylor_norms(int dtype, int avg_dtype, const void* g, const void* u,
+                                        const void* delta_avg, const void* x, const void* x_sent, int64_t n,
+                                        double lr, double momentum, int nesterov, double* out2, void* stream) {
+  if (n < 0 || out2 == nullptr || (n > 0 && x_sent == nullptr)) return LC_EARG;
+  return dispatch_data_storage(dtype, avg_dtype, [&](auto t, auto a) {
+    using T = decltype(t);
+    using A = decltype(a);
+    cudaStream_t s = as_stream(stream);
+    if (cudaMemsetAsync(out2, 0, 2 * sizeof(double), s) != cudaSuccess) return LC_ECUDA;
+    if (n == 0) return LC_OK;
+    const MergeCoef<T> c = make_merge_coef<T>(lr, momentum, nesterov, 0.0, 0.0, 0.0);
+    taylor_kernel<T, A><<<grid_for(n), kThreads, 0, s>>>(
+        static_cast<const T*>(g), static_cast<const T*>(u), static_cast<const A*>(delta_avg),
+        static_cast<const T*>(x), static_cast<const T*>(x_sent), n, c, out2);
+    return launch_status();
+  });
+}

@@ -1,0 +1,56 @@
+// lc_cuda_sparse_gather / lc_cuda_sparse_scatter_merge: grid-stride over the k selected coordinates.
+// Accesses to x are scattered by nature; idx, avg, sent and out are read/written coalesced.
+#include "cuda_common.cuh"
+
+namespace lowcomm {
+namespace cuda {
+namespace {
+
+template <class T>
+__global__ void gather_kernel(const T* __restrict__ x, const int64_t* __restrict__ idx, int64_t k, T* __restrict__ out) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride)
+    out[j] = x[idx[j]];
+}
+
+template <class T, class A>
+__global__ void scatter_merge_kernel(T* __restrict__ x, const int64_t* __restrict__ idx, int64_t k,
+                                     const A* __restrict__ avg, const T* __restrict__ sent, T beta) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride) {
+    const int64_t i = idx[j];
+    x[i] = scatter_merge<T>(x[i], cast<T>(avg[j]), sent[j], beta);
+  }
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace lowcomm
+
+using namespace lowcomm;
+using namespace lowcomm::cuda;
+
+LOWCOMM_EXPORT int lc_cuda_sparse_gather(int dtype, const void* x, const int64_t* idx, int64_t k, void* out,
+                                         void* stream) {
+  if (k < 0 || (k > 0 && (!x || !idx || !out))) return LC_EARG;
+  return dispatch_data(dtype, [&](auto t) {
+    using T = decltype(t);
+    if (k == 0) return LC_OK;
+    gather_kernel<T><<<grid_for(k), kThreads, 0, as_stream(stream)>>>(static_cast<const T*>(x), idx, k,
+                                                                       static_cast<T*>(out));
+    return launch_status();
+  });
+}
+
+LOWCOMM_EXPORT int lc_cuda_sparse_scatter_merge(int dtype, int avg_dtype, void* x, const int64_t* idx, int64_t k,
+                                                const void* avg, const void* sent, double beta, void* stream) {
+  if (k < 0 || (k > 0 && (!x || !idx || !avg || !sent))) return LC_EARG;
+  return dispatch_data_storage(dtype, avg_dtype, [&](auto t, auto a) {
+    using T = decltype(t);
+    using A = decltype(a);
+    if (k == 0) return LC_OK;
+    scatter_merge_kernel<T, A><<<grid_for(k), kThreads, 0, as_stream(stream)>>>(
+        static_cast<T*>(x), idx, k, static_cast<const A*>(avg), static_cast<const T*>(sent), static_cast<T>(beta));
+    return launch_status();
+  });
+}
