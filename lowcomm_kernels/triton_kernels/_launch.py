@@ -41,8 +41,16 @@ def block_size(t: torch.Tensor, n: int) -> int:
     return max(_MIN_BLOCK, min(INTERPRET_BLOCK, triton.next_power_of_2(max(n, 1))))
 
 
-def num_warps(t: torch.Tensor) -> int:
-    return GPU_WARPS if not interpreted(t) else 1
+def launch_options(t: torch.Tensor, warps: int = GPU_WARPS) -> dict[str, object]:
+    """Compile options for a launch on `t`'s device.
+
+    ``enable_fp_fusion=False``: no a·b+c -> FMA contraction, so each kernel rounds after every
+    operation in the order the ``*_ref`` spec (and the csrc kernels, built with
+    ``-ffp-contract=off``) use; results then do not depend on the Triton version (3.9 fuses by
+    default and warns that 3.10 will not) and match the CPU backend bit for bit. The kernels are
+    memory-bound, so the extra instructions cost nothing measurable. The interpreter ignores both
+    options (it never fuses)."""
+    return {"num_warps": warps if not interpreted(t) else 1, "enable_fp_fusion": False}
 
 
 @functools.cache
@@ -66,3 +74,26 @@ def block_sum(x):
     call. ``tl.reduce`` is a builtin, and the interpreter maps this combine function to
     ``np.sum`` (a generic combine function would run element by element in Python)."""
     return tl.reduce(x, 0, tl.standard._sum_combine)
+
+
+# Elementwise kernels run every block but the last without a mask: a masked access can only be
+# vectorised when the compiler can prove the mask constant over 4 lanes, which a bound n that is
+# not a multiple of 16 prevents, so a 1000003-element fragment would otherwise move 32 bits per
+# load instruction instead of 128. The kernel branches once per program on "is this block full".
+
+@triton.jit
+def load_block(ptr, offs, n, MASKED: tl.constexpr):
+    """ptr[offs] for a float block; with MASKED, lanes at or past n read 0."""
+    if MASKED:
+        return tl.load(ptr + offs, mask=offs < n, other=0.0)
+    else:
+        return tl.load(ptr + offs)
+
+
+@triton.jit
+def store_block(ptr, offs, value, n, MASKED: tl.constexpr):
+    """ptr[offs] = value; with MASKED, only lanes before n."""
+    if MASKED:
+        tl.store(ptr + offs, value, mask=offs < n)
+    else:
+        tl.store(ptr + offs, value)

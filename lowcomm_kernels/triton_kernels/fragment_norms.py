@@ -3,7 +3,7 @@
     out[s] = ( Σ_{i in segment s} |buf[i]|^ord )^(1/ord),   ord ∈ {1, 2}
 
 Deterministic by construction (no floating-point atomics): program (s, p) of a (K, P) grid walks
-blocks p, p+P, p+2P, … of segment s in order, accumulating |buf|^ord in a float64 vector, and
+blocks p, p+P, p+2P, … of segment s (cut on the global BLOCK grid) in order, accumulating |buf|^ord in a float64 vector, and
 reduces it with a fixed-shape ``tl.sum``. With P = 1 it writes the norm directly (one launch);
 with P > 1 it writes a partial and a second launch sums the P partials of each segment in index
 order. P depends only on (n, K, device), so repeated calls are bit-identical.
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import GPU_BLOCK, block_size, block_sum, interpreted, num_warps, sm_count
+from ._launch import GPU_BLOCK, block_size, block_sum, interpreted, launch_options, sm_count
 
 PROGRAMS_PER_SM = 4
 
@@ -33,9 +33,15 @@ def _fragment_norms_kernel(buf_ptr, offsets_ptr, out_ptr, P, ORD: tl.constexpr, 
     lo = tl.load(offsets_ptr + s)
     hi = tl.load(offsets_ptr + s + 1)
     acc = tl.full([BLOCK], 0.0, tl.float64)  # tl.zeros is @jit: see block_sum
-    for start in range(lo + p * BLOCK, hi, P * BLOCK):
+    # Blocks sit on the global BLOCK grid, so those inside the segment are aligned and load
+    # unmasked (vectorised); only the segment's first and last block need a mask.
+    first = (lo // BLOCK) * BLOCK
+    for start in range(first + p * BLOCK, hi, P * BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        v = tl.load(buf_ptr + offs, mask=offs < hi, other=0.0).to(tl.float64)
+        if start >= lo and start + BLOCK <= hi:
+            v = tl.load(buf_ptr + offs).to(tl.float64)
+        else:
+            v = tl.load(buf_ptr + offs, mask=(offs >= lo) & (offs < hi), other=0.0).to(tl.float64)
         if ORD == 1:
             acc += tl.abs(v)
         else:
@@ -86,10 +92,10 @@ def launch_fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, ord: int, ou
     P = programs_per_segment(buf, n, nseg)
     if P == 1:
         _fragment_norms_kernel[(nseg, 1)](buf, offsets, out, 1, ORD=ord, FINAL=True, BLOCK=block,
-                                          num_warps=num_warps(buf))
+                                          **launch_options(buf))
         return
     partial = torch.empty(nseg * P, dtype=torch.float64, device=buf.device)
     _fragment_norms_kernel[(nseg, P)](buf, offsets, partial, P, ORD=ord, FINAL=False, BLOCK=block,
-                                      num_warps=num_warps(buf))
+                                      **launch_options(buf))
     _fragment_norms_finish_kernel[(nseg,)](partial, out, P, ORD=ord, P_BLOCK=triton.next_power_of_2(P),
-                                           num_warps=1)
+                                           **launch_options(out, warps=1))

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import block_size, block_sum, num_warps
+from ._launch import block_size, block_sum, launch_options
 
 ROUNDS = 4
 
@@ -74,4 +74,4 @@ def launch_mask_perm(n: int, k: int, adds: list[int], muls: list[int], shift: in
     a = [int(v) for v in adds]
     c = [int(v) for v in muls]
     _mask_perm_kernel[(triton.cdiv(k, block),)](
-        out, int(n), int(k), *a, *c, int(shift), int(bitmask), BLOCK=block, num_warps=num_warps(out))
+        out, int(n), int(k), *a, *c, int(shift), int(bitmask), BLOCK=block, **launch_options(out))

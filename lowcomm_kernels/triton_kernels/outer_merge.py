@@ -7,6 +7,7 @@ gradient Δ̄ and momentum buffer u (ops/outer_merge.py ``outer_step_ref``):
     step  =  Δ̄ + μ·u  if nesterov else u    (Δ̄ when μ = 0)
     g_new =  g − η·step
 
+rounded exactly as torch rounds each step (see ``_outer_step``: two of them are FMAs in torch),
 then the delay-compensated merge (ALGORITHMS.md, CoCoDC (a), with the sign fix):
 
     v = x − x_sent,  D = g_new − x_sent
@@ -28,27 +29,61 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import block_size, block_sum, num_warps
+from ._launch import block_size, block_sum, launch_options, load_block, store_block
 
 
 @triton.jit
 def _outer_step(g, u, d, lr, momentum, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr):
-    """(g_new, u_new) of torch.optim.SGD with dampening 0; u_new = u when there is no momentum."""
+    """(g_new, u_new) of torch.optim.SGD with dampening 0, rounded op for op as its
+    ``_single_tensor_sgd`` does (and as csrc's ``sgd_step``):
+
+        u.mul_(μ).add_(Δ̄)          u = μ·u + Δ̄            two roundings
+        Δ̄.add(u, alpha=μ)          step = fma(μ, u, Δ̄)    one: torch's add-with-alpha is an FMA
+        g.add_(step, alpha=−η)     g = fma(−η, step, g)   one
+
+    (launches disable contraction, so only these explicit FMAs fuse). u_new = u without momentum."""
     if HAS_MOMENTUM:
         u = momentum * u + d
         if NESTEROV:
-            step = d + momentum * u
+            step = tl.fma(momentum, u, d)
         else:
             step = u
     else:
         step = d
-    return g - lr * step, u
+    return tl.fma(-lr, step, g), u
+
+
+@triton.jit
+def _outer_merge_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, alpha,
+                       one_minus_alpha, beta, lam, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+                       HAS_SENT: tl.constexpr, HAS_ALPHA: tl.constexpr, MASKED: tl.constexpr):
+    g = load_block(g_ptr, offs, n, MASKED)
+    dt = g.dtype
+    d = load_block(avg_ptr, offs, n, MASKED).to(dt)
+    if HAS_MOMENTUM:
+        u = load_block(u_ptr, offs, n, MASKED)
+    else:
+        u = d  # placeholder, neither used nor stored
+    g_new, u_new = _outer_step(g, u, d, tl.cast(lr, dt), tl.cast(momentum, dt), HAS_MOMENTUM, NESTEROV)
+    store_block(g_ptr, offs, g_new, n, MASKED)
+    if HAS_MOMENTUM:
+        store_block(u_ptr, offs, u_new, n, MASKED)
+    target = g_new
+    if HAS_SENT or HAS_ALPHA:
+        x = load_block(x_ptr, offs, n, MASKED)
+        if HAS_SENT:
+            sent = load_block(sent_ptr, offs, n, MASKED)
+            v = x - sent
+            # Same association as the reference: (g + β·v) − ((λ·v)·v)·D.
+            target = target + tl.cast(beta, dt) * v - tl.cast(lam, dt) * v * v * (g_new - sent)
+        target = tl.cast(one_minus_alpha, dt) * target + tl.cast(alpha, dt) * x
+    store_block(x_ptr, offs, target, n, MASKED)
 
 
 @triton.jit
 def _outer_merge_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, n,
-                        lr: tl.float64, momentum: tl.float64, alpha: tl.float64, beta: tl.float64,
-                        lam: tl.float64,
+                        lr: tl.float64, momentum: tl.float64, alpha: tl.float64,
+                        one_minus_alpha: tl.float64, beta: tl.float64, lam: tl.float64,
                         HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_SENT: tl.constexpr,
                         HAS_ALPHA: tl.constexpr, BLOCK: tl.constexpr):
     """In place on (n,) g, u, x:
@@ -58,32 +93,35 @@ def _outer_merge_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, n,
 
     Δ̄ (avg_ptr) is g's dtype or bf16, widened exactly. HAS_SENT compiles the β/λ terms in
     (x_sent read), HAS_ALPHA the α mix (x read); HAS_MOMENTUM=False leaves u untouched.
+    one_minus_alpha is 1 − α formed in fp64 by the caller, as the reference's ``(1.0 - alpha)``.
+    Full blocks run unmasked.
     """
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-    dt = g.dtype
-    d = tl.load(avg_ptr + offs, mask=mask, other=0.0).to(dt)
-    mu = tl.cast(momentum, dt)
-    if HAS_MOMENTUM:
-        u = tl.load(u_ptr + offs, mask=mask, other=0.0)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= n:
+        _outer_merge_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, alpha,
+                           one_minus_alpha, beta, lam, HAS_MOMENTUM, NESTEROV, HAS_SENT, HAS_ALPHA, False)
     else:
-        u = d  # placeholder, neither used nor stored
-    g_new, u_new = _outer_step(g, u, d, tl.cast(lr, dt), mu, HAS_MOMENTUM, NESTEROV)
-    tl.store(g_ptr + offs, g_new, mask=mask)
+        _outer_merge_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, alpha,
+                           one_minus_alpha, beta, lam, HAS_MOMENTUM, NESTEROV, HAS_SENT, HAS_ALPHA, True)
+
+
+@triton.jit
+def _taylor_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum,
+                  HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MASKED: tl.constexpr):
+    g = load_block(g_ptr, offs, n, MASKED)
+    dt = g.dtype
+    d = load_block(avg_ptr, offs, n, MASKED).to(dt)
     if HAS_MOMENTUM:
-        tl.store(u_ptr + offs, u_new, mask=mask)
-    target = g_new
-    if HAS_SENT or HAS_ALPHA:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        if HAS_SENT:
-            sent = tl.load(sent_ptr + offs, mask=mask, other=0.0)
-            v = x - sent
-            # Same association as the reference: (g + β·v) − ((λ·v)·v)·D.
-            target = target + tl.cast(beta, dt) * v - tl.cast(lam, dt) * v * v * (g_new - sent)
-        a = tl.cast(alpha, dt)
-        target = (1.0 - a) * target + a * x
-    tl.store(x_ptr + offs, target, mask=mask)
+        u = load_block(u_ptr, offs, n, MASKED)
+    else:
+        u = d
+    g_new, u_new = _outer_step(g, u, d, tl.cast(lr, dt), tl.cast(momentum, dt), HAS_MOMENTUM, NESTEROV)
+    x = load_block(x_ptr, offs, n, MASKED)
+    sent = load_block(sent_ptr, offs, n, MASKED)
+    v = (x - sent).to(tl.float64)  # masked lanes: v = 0, so they add nothing
+    corr = v * v * (g_new - sent).to(tl.float64)
+    return block_sum(v * v), block_sum(corr * corr)
 
 
 @triton.jit
@@ -94,22 +132,16 @@ def _taylor_norms_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, out_ptr, n,
     v = x − x_sent and D = g_new − x_sent for the g_new the outer step would produce (computed in
     registers; nothing is written but out). v and D are formed in the data dtype, then widened,
     as in ``taylor_norms_ref``. One fp64 atomic per program and sum."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-    dt = g.dtype
-    d = tl.load(avg_ptr + offs, mask=mask, other=0.0).to(dt)
-    if HAS_MOMENTUM:
-        u = tl.load(u_ptr + offs, mask=mask, other=0.0)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= n:
+        sv, sc = _taylor_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, HAS_MOMENTUM,
+                               NESTEROV, False)
     else:
-        u = d
-    g_new, u_new = _outer_step(g, u, d, tl.cast(lr, dt), tl.cast(momentum, dt), HAS_MOMENTUM, NESTEROV)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    sent = tl.load(sent_ptr + offs, mask=mask, other=0.0)
-    v = (x - sent).to(tl.float64)  # masked lanes: v = 0, so they add nothing
-    corr = v * v * (g_new - sent).to(tl.float64)
-    tl.atomic_add(out_ptr, block_sum(v * v))
-    tl.atomic_add(out_ptr + 1, block_sum(corr * corr))
+        sv, sc = _taylor_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, HAS_MOMENTUM,
+                               NESTEROV, True)
+    tl.atomic_add(out_ptr, sv)
+    tl.atomic_add(out_ptr + 1, sc)
 
 
 def launch_outer_merge(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
@@ -130,9 +162,9 @@ def launch_outer_merge(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor
     block = block_size(g, n)
     _outer_merge_kernel[(triton.cdiv(n, block),)](
         g, u, delta_avg, x, x_sent if has_sent else x, n,
-        float(lr), float(momentum), float(alpha), float(beta), float(lam),
+        float(lr), float(momentum), float(alpha), 1.0 - float(alpha), float(beta), float(lam),
         HAS_MOMENTUM=momentum != 0.0, NESTEROV=bool(nesterov), HAS_SENT=has_sent, HAS_ALPHA=alpha != 0.0,
-        BLOCK=block, num_warps=num_warps(g))
+        BLOCK=block, **launch_options(g))
 
 
 def launch_taylor_norms(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
@@ -149,4 +181,4 @@ def launch_taylor_norms(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tenso
     block = block_size(g, n)
     _taylor_norms_kernel[(triton.cdiv(n, block),)](
         g, u, delta_avg, x, x_sent, out, n, float(lr), float(momentum),
-        HAS_MOMENTUM=momentum != 0.0, NESTEROV=bool(nesterov), BLOCK=block, num_warps=num_warps(g))
+        HAS_MOMENTUM=momentum != 0.0, NESTEROV=bool(nesterov), BLOCK=block, **launch_options(g))

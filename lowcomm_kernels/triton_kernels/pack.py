@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import block_size, block_sum, finite_max, num_warps
+from ._launch import block_size, block_sum, finite_max, launch_options, load_block, store_block
 
 
 @triton.jit
@@ -36,30 +36,41 @@ def _bf16_rne(v):
 
 
 @triton.jit
+def _pack_block(g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, offs, n,
+                HAS_SNAPSHOT: tl.constexpr, WIRE_MAX: tl.constexpr, MASKED: tl.constexpr):
+    g = load_block(g_ptr, offs, n, MASKED)
+    x = load_block(x_ptr, offs, n, MASKED)
+    if delta_ptr.dtype.element_ty == tl.bfloat16:
+        delta = _bf16_rne(g - x)
+    else:
+        delta = g - x
+    store_block(delta_ptr, offs, delta, n, MASKED)
+    if HAS_SNAPSHOT:
+        store_block(snapshot_ptr, offs, x, n, MASKED)
+    # Widening bf16 -> g's dtype is exact, so the test sees the written value. Masked lanes hold 0.
+    bad = ~(tl.abs(delta.to(g.dtype)) <= WIRE_MAX)
+    count = block_sum(bad.to(tl.int64))
+    if count > 0:
+        tl.atomic_add(nonfinite_ptr, count)
+
+
+@triton.jit
 def _pack_kernel(g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, n,
                  HAS_SNAPSHOT: tl.constexpr, WIRE_MAX: tl.constexpr, BLOCK: tl.constexpr):
     """delta = wire(g − x); snapshot = x; nonfinite += count(!(|delta| <= WIRE_MAX)).
 
     g, x: (n,) fp32/fp64; delta: (n,) of g's dtype or bf16; snapshot: (n,) of x's dtype (unused
     when HAS_SNAPSHOT is False); nonfinite: 0-d int64. WIRE_MAX is the largest finite value of the
-    delta dtype: the comparison is false exactly for ±inf and NaN.
+    delta dtype: the comparison is false exactly for ±inf and NaN. Full blocks run unmasked.
     """
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0)
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    if delta_ptr.dtype.element_ty == tl.bfloat16:
-        delta = _bf16_rne(g - x)
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
+    if start + BLOCK <= n:
+        _pack_block(g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, offs, n, HAS_SNAPSHOT, WIRE_MAX,
+                    False)
     else:
-        delta = g - x
-    tl.store(delta_ptr + offs, delta, mask=mask)
-    if HAS_SNAPSHOT:
-        tl.store(snapshot_ptr + offs, x, mask=mask)
-    # Widening bf16 -> g's dtype is exact, so the test sees the written value. Masked lanes hold 0.
-    bad = ~(tl.abs(delta.to(g.dtype)) <= WIRE_MAX)
-    count = block_sum(bad.to(tl.int64))
-    if count > 0:
-        tl.atomic_add(nonfinite_ptr, count)
+        _pack_block(g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, offs, n, HAS_SNAPSHOT, WIRE_MAX,
+                    True)
 
 
 def launch_pack(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None,
@@ -77,4 +88,4 @@ def launch_pack(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot:
     _pack_kernel[(triton.cdiv(n, block),)](
         g, x, delta, snapshot if snapshot is not None else delta, nonfinite, n,
         HAS_SNAPSHOT=snapshot is not None, WIRE_MAX=finite_max(delta.dtype), BLOCK=block,
-        num_warps=num_warps(g))
+        **launch_options(g))

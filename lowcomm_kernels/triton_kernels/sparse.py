@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import block_size, num_warps
+from ._launch import block_size, launch_options
 
 
 @triton.jit
@@ -47,7 +47,7 @@ def launch_sparse_gather(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) 
     if k == 0:
         return
     block = block_size(x, k)
-    _sparse_gather_kernel[(triton.cdiv(k, block),)](x, idx, out, k, BLOCK=block, num_warps=num_warps(x))
+    _sparse_gather_kernel[(triton.cdiv(k, block),)](x, idx, out, k, BLOCK=block, **launch_options(x))
 
 
 def launch_sparse_scatter_merge(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor,
@@ -59,4 +59,4 @@ def launch_sparse_scatter_merge(x: torch.Tensor, idx: torch.Tensor, avg: torch.T
         return
     block = block_size(x, k)
     _sparse_scatter_merge_kernel[(triton.cdiv(k, block),)](
-        x, idx, avg, sent, k, float(beta), BLOCK=block, num_warps=num_warps(x))
+        x, idx, avg, sent, k, float(beta), BLOCK=block, **launch_options(x))

@@ -234,6 +234,32 @@ def test_outer_merge_matches_ref(n, mode, avg_dtype, rng, close):
             close.assert_close(a, b, "elementwise", msg=f"{name} ({mode})")
 
 
+@pytest.mark.parametrize("avg_dtype", [F32, BF16], ids=_id)
+@pytest.mark.parametrize("mode", [m for m in MERGE_MODES if "normalized" not in m])
+def test_elementwise_kernels_round_like_torch(mode, avg_dtype, rng):
+    """Stronger than the tolerance above, and what the kernels are built for: with contraction
+    off and torch's two FMAs (add with alpha) spelled out, outer_merge and the scatter-merge round
+    op for op as the reference does, so fp32 results are bit-identical (as the csrc CPU kernels
+    are). If a torch release changes how it rounds SGD, this test is the one that says so.
+    (Normalized λ is excluded: its λ_eff comes from a reduction summed in another order.)"""
+    n = 70001  # two programs: a full block and a masked tail
+    kw = MERGE_MODES[mode]
+    got = _merge_inputs(n, rng, avg_dtype)
+    want = [t.clone() for t in got]
+    sent = kw.get("beta", 0.0) or kw.get("lam", 0.0)
+    outer_merge_(*got[:4], got[4] if sent else None, backend="triton", **kw)
+    outer_merge_ref(*want[:4], want[4] if sent else None, **kw)
+    for i, name in ((0, "g"), (1, "u"), (3, "x")):
+        a, b = got[i], want[i]
+        assert _same_bits(a, b), f"{name}: {int((a != b).sum())} of {n} differ from the reference ({mode})"
+    idx = 2 * torch.arange(n // 2) + torch.randint(0, 2, (n // 2,), generator=rng)
+    avg, sent_k = _randn(n // 2, rng).to(avg_dtype), _randn(n // 2, rng)
+    x, x_ref = got[3].clone(), got[3].clone()
+    sparse_scatter_merge_(x, idx, avg, sent_k, beta=0.7, backend="triton")
+    sparse_scatter_merge_ref(x_ref, idx, avg, sent_k, beta=0.7)
+    assert _same_bits(x, x_ref), "scatter-merge differs from the reference"
+
+
 @pytest.mark.parametrize("nesterov", [True, False])
 @pytest.mark.parametrize("momentum", [0.0, 0.9])
 @pytest.mark.parametrize("n", SIZES)
