@@ -20,11 +20,12 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 F32, F64, BF16 = "fp32", "fp64", "bf16"
 
 
-def _variants(quick: bool) -> Iterator[tuple[str, object, dict[str, str], dict[str, object]]]:
+def _variants(quick: bool) -> Iterator[tuple[str, Any, dict[str, str], dict[str, object]]]:
     """(label, kernel, signature, constexprs) for every specialisation the launchers can produce
     (`quick`: one per kernel and dtype pairing, enough to catch type errors)."""
     from . import _launch, fragment_norms, mask_indices, outer_merge, pack, sparse

@@ -3,8 +3,9 @@
     out[s] = ( Σ_{i in segment s} |buf[i]|^ord )^(1/ord),   ord ∈ {1, 2}
 
 Deterministic by construction (no floating-point atomics): program (s, p) of a (K, P) grid walks
-blocks p, p+P, p+2P, … of segment s (cut on the global BLOCK grid) in order, accumulating |buf|^ord in a float64 vector, and
-reduces it with a fixed-shape ``tl.sum``. With P = 1 it writes the norm directly (one launch);
+blocks p, p+P, p+2P, … of segment s (cut on the global BLOCK grid) in order, accumulating
+|buf|^ord in a float64 vector, and reduces it with a fixed-shape sum (``block_sum``, what
+``tl.sum`` lowers to). With P = 1 it writes the norm directly (one launch);
 with P > 1 it writes a partial and a second launch sums the P partials of each segment in index
 order. P depends only on (n, K, device), so repeated calls are bit-identical.
 
@@ -27,7 +28,7 @@ PROGRAMS_PER_SM = 4
 def _fragment_norms_kernel(buf_ptr, offsets_ptr, out_ptr, P, ORD: tl.constexpr, FINAL: tl.constexpr,
                            BLOCK: tl.constexpr):
     """Program (s, p): acc = Σ_{blocks p, p+P, …} |buf|^ord in float64 (elementwise fp64 vector,
-    then one tl.sum). FINAL (P == 1): out[s] = acc^(1/ord); else out[s·P + p] = acc."""
+    then one block_sum). FINAL (P == 1): out[s] = acc^(1/ord); else out[s·P + p] = acc."""
     s = tl.program_id(0)
     p = tl.program_id(1)
     lo = tl.load(offsets_ptr + s)
@@ -57,7 +58,7 @@ def _fragment_norms_kernel(buf_ptr, offsets_ptr, out_ptr, P, ORD: tl.constexpr, 
 
 @triton.jit
 def _fragment_norms_finish_kernel(partial_ptr, out_ptr, P, ORD: tl.constexpr, P_BLOCK: tl.constexpr):
-    """out[s] = (Σ_p partial[s, p])^(1/ord), summed by one fixed-shape tl.sum (zeros pad to P_BLOCK)."""
+    """out[s] = (Σ_p partial[s, p])^(1/ord), summed by one fixed-shape block_sum (zeros pad to P_BLOCK)."""
     s = tl.program_id(0)
     p = tl.arange(0, P_BLOCK)
     total = block_sum(tl.load(partial_ptr + s * P + p, mask=p < P, other=0.0))
