@@ -211,3 +211,60 @@ def topology_run(rank: int, world: int, sc: dict) -> dict:
             opt.step()
             opt.zero_grad()
     return {"params": _named(model), "g_hashes": hashes, "g": st.g.clone()}
+
+
+def _err(fn) -> str:
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "OK"
+
+
+def config_errors(rank: int, world: int, scenarios: list[dict]) -> dict:
+    """Bad configurations on a group of size 1 (each must fail at construction), then the same group
+    training every strategy (size 1 is valid), then the uninitialised-group error."""
+    import torch.distributed as dist
+
+    def mk(cls, dtype=torch.float32, **kw):
+        model = make_model(dtype)
+        return lambda: CLASSES[cls](model, make_opt(model), **kw)
+
+    def mixed():
+        model = make_model(torch.float32)
+        model.out.to("meta")
+        return CLASSES["diloco"](model, make_opt(model), sync_every=4)
+
+    def frozen():
+        model = make_model(torch.float32)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        return CLASSES["diloco"](model, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), sync_every=4)
+
+    cases = {
+        "too_many_fragments": mk("streaming", sync_every=20, num_fragments=5, fragment_sync_delay=1),
+        "delay_ge_period": mk("streaming", sync_every=8, num_fragments=2, fragment_sync_delay=4),
+        "cocodc_delay_too_long": mk("cocodc", sync_every=8, num_fragments=2, fragment_sync_delay=5),
+        "cocodc_n_out_of_range": mk("cocodc", sync_every=8, num_fragments=2, fragment_sync_delay=2,
+                                    syncs_per_period=5),
+        "density_zero": mk("loscar", density=0.0, local_steps=2, overlap_steps=1),
+        "density_above_one": mk("loscar", density=1.5, local_steps=2, overlap_steps=1),
+        "density_nan": mk("loscar", density=float("nan"), local_steps=2, overlap_steps=1),
+        "local_steps_wrong_len": mk("loscar", density=0.5, local_steps=[2, 3], overlap_steps=1),
+        "mixed_devices": mixed,
+        "no_trainable": frozen,
+        "fp16_params": mk("diloco", dtype=torch.float16, sync_every=4),
+        "bad_wire_dtype": mk("diloco", sync_every=4, wire_dtype=torch.float16),
+        "bad_on_nonfinite": mk("diloco", sync_every=4, on_nonfinite="ignore"),
+        "sync_every_zero": mk("diloco", sync_every=0),
+        "bad_timeout": mk("diloco", sync_every=4, timeout_s=0),
+    }
+    out = {name: _err(fn) for name, fn in cases.items()}
+    runs = {}
+    for sc in scenarios:
+        res = run_one(rank, sc)
+        res.pop("_strategy")
+        runs[sc["name"]] = res
+    dist.destroy_process_group()
+    out["uninitialised"] = _err(mk("diloco", sync_every=4))
+    return {"errors": out, "runs": runs}
