@@ -25,9 +25,9 @@ from ._launch import block_size, block_sum, finite_max, launch_options, load_blo
 
 @triton.jit
 def _bf16_rne(v):
-    """v (fp32/fp64) -> bf16, as torch's CPU conversion: round to fp32, then keep the top 16 bits
-    rounded to nearest-even (adding 0x7FFF plus the kept lsb carries into the exponent exactly
-    when it should, overflowing to ±inf); NaN -> 0x7FC0."""
+    """v (fp32/fp64) -> bf16 as c10::BFloat16 converts (torch on CUDA): round to fp32, keep the
+    top 16 bits rounded to nearest-even (adding 0x7FFF plus the kept lsb carries into the exponent
+    exactly when it should, overflowing to ±inf); NaN -> 0x7FC0."""
     f = v.to(tl.float32)
     bits = f.to(tl.uint32, bitcast=True)
     bits = bits + (((bits >> 16) & 1) + 0x7FFF)
