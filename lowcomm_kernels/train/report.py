@@ -180,6 +180,11 @@ def plot_curves(
             ax.plot([getx(p) for p in pts], [p.val_loss for p in pts], marker=".", label=r.name)
         if target is not None and math.isfinite(target):
             ax.axhline(target, color="grey", ls=":", lw=1, label="target")
+        # Zoom past the initial loss (ln 256 ~ 5.5 at step 0), which would flatten every difference.
+        later = [p.val_loss for r in results for p in r.points[1:] if math.isfinite(p.val_loss)]
+        if later:
+            lo, hi = min(later), max(p.val_loss for r in results for p in r.points[1:2])
+            ax.set_ylim(lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
         if logx:
             ax.set_xscale("log")
         ax.set_xlabel(label)

@@ -149,6 +149,7 @@ def train_one(
     report(step, val_loss | None) is called on rank 0 for the progress bar.
     """
     t_setup = time.perf_counter()
+    cpu0 = time.process_time()
     torch.manual_seed(spec.seed)  # identical initial model on every rank
     model = TinyLlama(spec.model)
     eval_model = TinyLlama(spec.model)
@@ -218,7 +219,11 @@ def train_one(
     m = metrics_now()
     result.train_wall_s = t_end - t_start - eval_s
     result.bytes_sent, result.exposed_s, result.syncs = m.bytes_sent, m.exposed_s, m.syncs
-    result.extra = dict(m.extra, eval_s=eval_s, setup_s=t_start - t_setup)
+    # CPU seconds of all ranks together (setup, training, evaluation): with C cores free, the run
+    # needs at least cpu_s / C seconds of wall-clock, whatever the machine's load was.
+    cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
+    dist.all_reduce(cpu, group=eval_group)
+    result.extra = dict(m.extra, eval_s=eval_s, setup_s=t_start - t_setup, cpu_s_all_ranks=float(cpu))
     if prof is not None:
         os.makedirs(spec.profile_dir, exist_ok=True)
         trace = os.path.join(spec.profile_dir, f"trace_rank{rank}.json")
