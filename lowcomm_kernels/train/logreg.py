@@ -65,7 +65,7 @@ def a9a_synthetic(n: int = 32561, seed: int = 0) -> tuple[np.ndarray, np.ndarray
         start += s
     w = rng.normal(0, 1.0, 123)
     logits = X @ w
-    logits += np.quantile(-logits, 0.76) + rng.normal(0, 0.5, n)  # ~24% positives
+    logits = logits - np.quantile(logits, 0.76) + rng.normal(0, 0.5, n)  # ~24% positives
     y = np.where(logits > 0, 1.0, -1.0).astype(np.float32)
     return X, y
 
