@@ -1,0 +1,144 @@
+"""pytest configuration of the CPU microbenchmark suite (bench_ops.py).
+
+Run (from the repository root):
+    .venv/bin/python -m pytest bench/bench_ops.py --benchmark-json bench/results/ops.json
+CI smoke (one tiny size, proves the suite and the renderer work end to end):
+    LOWCOMM_BENCH_SIZES=64K .venv/bin/python -m pytest bench/bench_ops.py --benchmark-json bench/results/ops.json
+    (or ``--quick``; ``--bench-sizes=1M,16M`` overrides both).
+
+Sizes come from ``--bench-sizes``, else ``LOWCOMM_BENCH_SIZES`` (a benchmark knob, read only in
+bench/), else 1M,16M,64M fp32 elements. Threads: ``--bench-threads`` (default 2: the target
+machine has 2 cores; the native library's OpenMP regions follow torch.set_num_threads because
+both share the one libgomp that torch loads).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import workloads  # noqa: E402  (bench/ is not a package)
+
+QUICK_SIZES = "64K"
+IMPLS = ("memcpy_nt", "torch_copy", "ref", "compile", "fused")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("lowcomm bench")
+    group.addoption("--bench-sizes", default=None,
+                    help=f"comma-separated fp32 element counts, e.g. 1M,16M,64M (default {workloads.DEFAULT_SIZES}, "
+                         f"or ${workloads.SIZES_ENV})")
+    group.addoption("--quick", action="store_true", help=f"CI smoke run: only {QUICK_SIZES} elements")
+    group.addoption("--bench-threads", type=int, default=2, help="torch / OpenMP threads (default 2)")
+
+
+def bench_sizes(config: pytest.Config) -> list[int]:
+    text = config.getoption("--bench-sizes")
+    if text:
+        return [workloads.parse_size(p) for p in text.split(",") if p.strip()]
+    if config.getoption("--quick"):
+        return [workloads.parse_size(QUICK_SIZES)]
+    return workloads.sizes_from_env()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    threads = config.getoption("--bench-threads")
+    if threads < 1:
+        raise pytest.UsageError(f"--bench-threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    config._lowcomm_notes = []  # type: ignore[attr-defined]  # skipped rows, with the reason
+    config._lowcomm_load_start = os.getloadavg()  # type: ignore[attr-defined]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "case" not in metafunc.fixturenames:
+        return
+    cases, ids = [], []
+    # Workload-major, then size, then implementation: the five rows of one (op, size) run back to
+    # back on the same buffers, so their ratios compare like with like on a noisy shared machine.
+    for w in workloads.WORKLOADS:
+        for n in bench_sizes(metafunc.config):
+            for impl in IMPLS:
+                cases.append((w, n, impl))
+                ids.append(f"{w.name}-{workloads.size_label(n)}-{impl}")
+    metafunc.parametrize("case", cases, ids=ids)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return ""
+    return " ".join(f for f in ("avx2", "fma", "avx512f", "avx512bw") if f in flags)
+
+
+def _versions() -> dict[str, str]:
+    import lowcomm_kernels
+    from lowcomm_kernels import _native
+
+    out = {"torch": torch.__version__, "python": platform.python_version(),
+           "lowcomm_kernels": getattr(lowcomm_kernels, "__version__", "?")}
+    try:
+        import triton
+        out["triton"] = triton.__version__
+    except Exception:  # triton is optional on CPU
+        out["triton"] = "not importable"
+    lib = _native.cpu_lib()
+    if lib is not None and hasattr(lib, "lc_version"):
+        import ctypes
+        lib.lc_version.restype = ctypes.c_char_p
+        out["native"] = lib.lc_version().decode()
+    else:
+        out["native"] = "not loaded"
+    try:
+        import subprocess
+        out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
+    except Exception:
+        out["git"] = "?"
+    return out
+
+
+def _command(config: pytest.Config) -> str:
+    env = os.environ.get(workloads.SIZES_ENV)
+    prefix = f"{workloads.SIZES_ENV}={env} " if env else ""
+    return prefix + ".venv/bin/python -m pytest " + " ".join(config.invocation_params.args)
+
+
+def pytest_benchmark_update_machine_info(config: pytest.Config, machine_info: dict) -> None:
+    machine_info["lowcomm"] = {
+        "cpu_model": _cpu_model(), "cpu_flags": _cpu_flags(), "logical_cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(), "loadavg_start": list(config._lowcomm_load_start),  # type: ignore
+        "versions": _versions(),
+        "memcpy": "lc_copy_nt (non-temporal stores)" if workloads.nt_copy_available()
+                  else "MISSING lc_copy_nt: torch copy_ fallback",
+    }
+
+
+def pytest_benchmark_update_json(config: pytest.Config, benchmarks: list, output_json: dict) -> None:
+    output_json["lowcomm"] = {
+        "command": _command(config),
+        "sizes": [workloads.size_label(n) for n in bench_sizes(config)],
+        "loadavg_end": list(os.getloadavg()),
+        "notes": list(config._lowcomm_notes),  # type: ignore[attr-defined]
+        "workloads": {w.name: {"op": w.op, "note": w.note, "target": w.target} for w in workloads.WORKLOADS},
+    }
