@@ -28,6 +28,7 @@ CPU tensors; the whole file runs in well under a minute on 2 cores.
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import sys
 
@@ -67,8 +68,6 @@ def _grid(sizes, *axes, big_only=None):
     """Every combination of `axes` for the small sizes; for BIG only the `big_only` combinations
     (the interpreter takes ~0.3 s per op call at 1M elements, so the large size covers the memory
     paths while the small ones cover every combination)."""
-    import itertools
-
     combos = list(itertools.product(*axes))
     out = [(n, *c) for n in sizes if n != BIG for c in combos]
     out += [(BIG, *c) for c in (big_only if big_only is not None else combos)]
@@ -77,6 +76,8 @@ def _grid(sizes, *axes, big_only=None):
 
 def _id(v: object) -> str | None:
     return {F32: "f32", BF16: "bf16", torch.float64: "f64"}.get(v) if isinstance(v, torch.dtype) else None
+
+
 KERNEL_MODULES = ("_launch", "pack", "outer_merge", "mask_indices", "sparse", "fragment_norms")
 
 
