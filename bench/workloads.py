@@ -84,7 +84,7 @@ def _rand(n: int, device: torch.device, scale: float = 1.0, gen: torch.Generator
     return torch.empty(n, dtype=dtype, device=device).uniform_(-scale, scale, generator=gen)
 
 
-@dataclass
+@dataclass(repr=False)
 class Workload:
     """One op configuration; see the module docstring."""
 
@@ -101,6 +101,9 @@ class Workload:
     target: bool = False     # the issue's bandwidth targets apply (pack, outer_merge at >= 16M)
     compile_dynamic: bool = True  # one dynamic-shape graph for every size (False: one graph per size)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __repr__(self) -> str:  # short: pytest-benchmark stores it in the JSON's params
+        return f"Workload({self.name!r})"
 
     def resolved_backend(self, device: torch.device) -> str:
         return _dispatch.resolve(None, device, self.entry)
