@@ -78,11 +78,14 @@ def programs_per_segment(buf: torch.Tensor, n: int, nseg: int) -> int:
     return max(1, min(want, triton.cdiv(n, nseg * GPU_BLOCK)))
 
 
-def launch_fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, ord: int, out: torch.Tensor) -> None:
+def launch_fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, ord: int, out: torch.Tensor, *,
+                          programs: int | None = None) -> None:
     """Write the K segment norms of `buf` into `out` (float64, (K,)), K = offsets.numel() − 1.
 
     buf: contiguous fp32/fp64; offsets: (K+1,) int64, non-decreasing, in [0, buf.numel()], on
-    buf's device; ord: 1 or 2. One launch (two when P > 1, with a K·P float64 scratch)."""
+    buf's device; ord: 1 or 2. One launch (two when P > 1, with a K·P float64 scratch).
+    programs: P, programs per segment (default ``programs_per_segment``; tests set it to run the
+    two-stage path under the interpreter). Results are bit-identical for a fixed P."""
     if ord not in (1, 2):
         raise ValueError(f"ord must be 1 or 2, got {ord!r}")
     nseg = offsets.numel() - 1
@@ -90,7 +93,9 @@ def launch_fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, ord: int, ou
         return
     n = buf.numel()
     block = block_size(buf, n)
-    P = programs_per_segment(buf, n, nseg)
+    P = programs_per_segment(buf, n, nseg) if programs is None else int(programs)
+    if not 1 <= P <= 65535:  # the grid's second dimension
+        raise ValueError(f"programs must be in [1, 65535], got {P}")
     if P == 1:
         _fragment_norms_kernel[(nseg, 1)](buf, offsets, out, 1, ORD=ord, FINAL=True, BLOCK=block,
                                           **launch_options(buf))

@@ -360,6 +360,26 @@ def test_fragment_norms_matches_ref_and_repeats(n, ord, rng, close, kernels):
     assert _same_bits(raw, raw2)
 
 
+@pytest.mark.parametrize("ord", [1, 2])
+def test_fragment_norms_two_stage(ord, rng, close, kernels):
+    """The GPU's split of each segment over P programs plus the ordered finishing sum (P > 1 is
+    chosen only on a GPU), forced here: same norms within the reduction tolerance, bit-identical
+    from call to call for a fixed P."""
+    n = BIG
+    buf = _randn(n, rng, 3.0)
+    offsets = _offsets(n, rng)
+    seg = int((offsets[1:] - offsets[:-1]).max())
+    launch = kernels["fragment_norms"].launch_fragment_norms
+    one = torch.empty(offsets.numel() - 1, dtype=torch.float64)
+    launch(buf, offsets, ord, one, programs=1)
+    for P in (2, 3):
+        split, again = torch.full_like(one, -1.0), torch.full_like(one, -1.0)
+        launch(buf, offsets, ord, split, programs=P)
+        launch(buf, offsets, ord, again, programs=P)
+        assert _same_bits(split, again), f"P={P}: not repeatable"
+        close.assert_close(split, one, "reduction", n=seg, msg=f"P={P} vs P=1, ord {ord}")
+
+
 def test_fragment_norms_no_segments():
     buf = torch.ones(5)
     assert fragment_norms(buf, torch.tensor([3]), backend="triton").shape == (0,)
