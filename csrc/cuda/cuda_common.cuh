@@ -31,6 +31,32 @@ inline int grid_for(int64_t work, int threads = kThreads) {
   return static_cast<int>(need < 1 ? 1 : (need < cap ? need : cap));
 }
 
+// Makes the device that owns `p` current for the scope (restoring the caller's afterwards): the
+// caller passes a stream of the tensors' device, which need not be the current device, and a
+// launch on the wrong device fails. ~1 us; a no-op when `p` is NULL or already on the current device.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(const void* p) {
+    cudaPointerAttributes attr;
+    if (p == nullptr || cudaGetDevice(&prev_) != cudaSuccess) return;
+    if (cudaPointerGetAttributes(&attr, p) != cudaSuccess) {
+      cudaGetLastError();  // clear this (non-sticky) error so launch_status() does not report it
+      return;
+    }
+    if (attr.type == cudaMemoryTypeDevice && attr.device != prev_ && cudaSetDevice(attr.device) == cudaSuccess)
+      switched_ = true;
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(prev_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int prev_ = 0;
+  bool switched_ = false;
+};
+
 inline int launch_status() { return cudaGetLastError() == cudaSuccess ? LC_OK : LC_ECUDA; }
 
 template <class F>

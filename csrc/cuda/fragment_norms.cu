@@ -43,6 +43,7 @@ using namespace lowcomm::cuda;
 LOWCOMM_EXPORT int lc_cuda_fragment_norms(int dtype, const void* buf, const int64_t* offsets, int64_t nseg, int ord,
                                           double* out, void* stream) {
   if (nseg < 0 || nseg > 0x7FFFFFFF || (ord != 1 && ord != 2) || (nseg > 0 && (!offsets || !out))) return LC_EARG;
+  DeviceGuard guard(out);
   return dispatch_data(dtype, [&](auto t) {
     using T = decltype(t);
     if (nseg == 0) return LC_OK;

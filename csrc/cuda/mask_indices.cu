@@ -34,6 +34,7 @@ LOWCOMM_EXPORT int lc_cuda_mask_perm(int64_t n, int64_t k, const int64_t* adds, 
     return LC_EARG;
   if (k > 0 && static_cast<uint64_t>(n - 1) > static_cast<uint64_t>(bitmask)) return LC_EARG;
   if (k == 0) return LC_OK;
+  DeviceGuard guard(out);
   mask_kernel<<<grid_for(k), kThreads, 0, as_stream(stream)>>>(static_cast<uint64_t>(n), k, adds, muls, shift,
                                                                 static_cast<uint64_t>(bitmask), out);
   return launch_status();

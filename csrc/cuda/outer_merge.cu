@@ -87,6 +87,7 @@ LOWCOMM_EXPORT int lc_cuda_outer_merge(int dtype, int avg_dtype, void* g, void* 
                                        double alpha, double beta, double lam, void* stream) {
   if (n < 0 || ((beta != 0.0 || lam != 0.0) && x_sent == nullptr && n > 0)) return LC_EARG;
   if (n == 0) return LC_OK;
+  DeviceGuard guard(g);
   return dispatch_data_storage(dtype, avg_dtype, [&](auto t, auto a) {
     using T = decltype(t);
     using A = decltype(a);
@@ -111,6 +112,7 @@ LOWCOMM_EXPORT int lc_cuda_taylor_norms(int dtype, int avg_dtype, const void* g,
                                         const void* delta_avg, const void* x, const void* x_sent, int64_t n,
                                         double lr, double momentum, int nesterov, double* out2, void* stream) {
   if (n < 0 || out2 == nullptr || (n > 0 && x_sent == nullptr)) return LC_EARG;
+  DeviceGuard guard(out2);
   return dispatch_data_storage(dtype, avg_dtype, [&](auto t, auto a) {
     using T = decltype(t);
     using A = decltype(a);

@@ -58,6 +58,7 @@ using namespace lowcomm::cuda;
 LOWCOMM_EXPORT int lc_cuda_pack(int dtype, int wire_dtype, const void* g, const void* x, void* delta,
                                 void* snapshot, int64_t n, int64_t* nonfinite, void* stream) {
   if (n < 0 || nonfinite == nullptr) return LC_EARG;
+  DeviceGuard guard(nonfinite);
   return dispatch_data_storage(dtype, wire_dtype, [&](auto t, auto w) {
     using T = decltype(t);
     using W = decltype(w);
@@ -70,6 +71,7 @@ LOWCOMM_EXPORT int lc_cuda_copy_nt(void* dst, const void* src, int64_t nbytes, v
   // On a GPU the copy engine / cudaMemcpy kernel is the roofline row already.
   if (nbytes < 0) return LC_EARG;
   if (nbytes == 0) return LC_OK;
+  DeviceGuard guard(dst);
   return cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyDeviceToDevice, as_stream(stream)) ==
                  cudaSuccess
              ? LC_OK

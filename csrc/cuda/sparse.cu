@@ -33,6 +33,7 @@ using namespace lowcomm::cuda;
 LOWCOMM_EXPORT int lc_cuda_sparse_gather(int dtype, const void* x, const int64_t* idx, int64_t k, void* out,
                                          void* stream) {
   if (k < 0 || (k > 0 && (!x || !idx || !out))) return LC_EARG;
+  DeviceGuard guard(out);
   return dispatch_data(dtype, [&](auto t) {
     using T = decltype(t);
     if (k == 0) return LC_OK;
@@ -45,6 +46,7 @@ LOWCOMM_EXPORT int lc_cuda_sparse_gather(int dtype, const void* x, const int64_t
 LOWCOMM_EXPORT int lc_cuda_sparse_scatter_merge(int dtype, int avg_dtype, void* x, const int64_t* idx, int64_t k,
                                                 const void* avg, const void* sent, double beta, void* stream) {
   if (k < 0 || (k > 0 && (!x || !idx || !avg || !sent))) return LC_EARG;
+  DeviceGuard guard(x);
   return dispatch_data_storage(dtype, avg_dtype, [&](auto t, auto a) {
     using T = decltype(t);
     using A = decltype(a);
