@@ -14,12 +14,12 @@ import pytest
 from lowcomm_kernels.runtime.launch import spawn_local
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rt_workers.py")
-L, T_C = 0.25, 0.05  # latency 250 ms; 50 ms per inner step; τ = 8 -> τ·T_c = 400 ms ≥ L
+L, T_C = 0.15, 0.05  # latency 150 ms; 50 ms per inner step; τ = 7 -> τ·T_c = 350 ms ≥ L
 
 SCENARIOS = [
     {"name": "diloco", "cls": "diloco", "T": 24, "latency": L, "t_c": T_C, "kw": {"sync_every": 6}},
     {"name": "streaming", "cls": "streaming", "T": 24, "latency": L, "t_c": T_C,
-     "kw": {"sync_every": 24, "num_fragments": 2, "fragment_sync_delay": 8}},
+     "kw": {"sync_every": 16, "num_fragments": 2, "fragment_sync_delay": 7}},
     {"name": "loscar", "cls": "loscar", "T": 24, "latency": L, "t_c": T_C,
      "kw": {"density": 0.5, "local_steps": 4, "overlap_steps": 8}},
 ]
