@@ -8,6 +8,7 @@ cores, which would otherwise be paid once per method.
 from __future__ import annotations
 
 import queue as queue_mod
+import shutil
 import socket
 import sys
 import time
@@ -58,7 +59,16 @@ class _Progress:
             if self.tty:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=spec.steps, desc=desc, unit="step", leave=True, dynamic_ncols=True)
+                # A terminal that reports 0 columns/rows (some ptys) would make tqdm hide the bar.
+                size = shutil.get_terminal_size((100, 20))
+                self.bar = tqdm(
+                    total=spec.steps,
+                    desc=desc,
+                    unit="step",
+                    leave=True,
+                    ncols=min(size.columns or 100, 120),
+                    nrows=max(size.lines, 5),
+                )
             else:
                 print(f"{desc}: {spec.steps} steps", file=sys.stderr, flush=True)
         if loss is not None:
