@@ -35,9 +35,9 @@ def _check(backend, buf, offs, ord, close):
 @F64_F32
 @pytest.mark.parametrize(("n", "k"), [(0, 1), (1, 1), (7, 3), (1000, 1), (1000, 37), (1000003, 5)],
                          ids=["n0-K1", "n1-K1", "n7-K3", "n1000-K1", "n1000-K37", "n1000003-K5"])
-def test_matches_ref(backend, n, k, dtype, ord, rng, close):
-    buf = torch.randn(n, generator=rng, dtype=torch.float64).to(dtype)
-    offs = _offsets(n, k, rng)
+def test_matches_ref(device, backend, n, k, dtype, ord, rng, close):
+    buf = torch.randn(n, generator=rng, dtype=torch.float64).to(device, dtype)
+    offs = _offsets(n, k, rng).to(device)
     out = _check(backend, buf, offs, ord, close)
     assert out.shape == (k,) and out.dtype == dtype
 

@@ -15,11 +15,12 @@ pytestmark = pytest.mark.op("outer_merge_")
 F64_F32 = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 
 
-def _state(n: int, dtype: torch.dtype, rng: torch.Generator, avg_dtype: torch.dtype | None = None):
+def _state(n: int, dtype: torch.dtype, rng: torch.Generator, avg_dtype: torch.dtype | None = None,
+           device: str = "cpu"):
     """g, u, delta_avg, x, x_sent with O(1) values and small local/global moves, as in training
     (so every intermediate of the merge is O(1) and the elementwise tolerance applies)."""
     def r(scale: float = 1.0) -> torch.Tensor:
-        return (scale * torch.randn(n, generator=rng, dtype=torch.float64)).to(dtype)
+        return (scale * torch.randn(n, generator=rng, dtype=torch.float64)).to(device, dtype)
     x_sent = r()
     g, x = x_sent + r(0.1), x_sent + r(0.1)
     delta_avg = r(0.1).to(avg_dtype or dtype)
@@ -41,8 +42,8 @@ SCALE = 8.0  # |terms| of the merge stay below ~8 for these inputs (lr·(1+μ)·
 
 @F64_F32
 @pytest.mark.parametrize("n", [0, 1, 7, 1000003])
-def test_matches_ref(backend, n, dtype, rng, close):
-    state = _state(n, dtype, rng)
+def test_matches_ref(device, backend, n, dtype, rng, close):
+    state = _state(n, dtype, rng, device=device)
     xs0 = state[4].clone()
     avg0 = state[2].clone()
     out, ref = _run_both(backend, state, **FULL)
@@ -67,10 +68,10 @@ CONFIGS = {
 
 @F64_F32
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
-def test_modes_match_ref(backend, config, dtype, rng, close):
+def test_modes_match_ref(device, backend, config, dtype, rng, close):
     n = 4099
     kw = CONFIGS[config]
-    state = _state(n, dtype, rng)
+    state = _state(n, dtype, rng, device=device)
     out, ref = _run_both(backend, state, **kw)
     # normalized λ: λ_eff carries the fp64 reduction's error (√n·eps) into every element.
     kind = "reduction" if kw.get("lam_mode") == "normalized" else "elementwise"
@@ -82,9 +83,9 @@ def test_modes_match_ref(backend, config, dtype, rng, close):
 
 @F64_F32
 @pytest.mark.parametrize("n", [1, 7, 100003])
-def test_bf16_delta_avg(backend, n, dtype, rng, close):
+def test_bf16_delta_avg(device, backend, n, dtype, rng, close):
     """Δ̄ on the bf16 wire is widened exactly to g's dtype: same result as the ref given Δ̄.to(dtype)."""
-    state = _state(n, dtype, rng, avg_dtype=torch.bfloat16)
+    state = _state(n, dtype, rng, avg_dtype=torch.bfloat16, device=device)
     g, u, avg, x, xs = state
     ref = [g.clone(), u.clone(), avg.to(dtype), x.clone(), xs.clone()]
     outer_merge_(g, u, avg, x, xs, backend=backend, **FULL)

@@ -12,16 +12,16 @@ pytestmark = pytest.mark.op("pack")
 SIZES = [0, 1, 7, 1000003]
 
 
-def _inputs(n: int, dtype: torch.dtype, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.randn(n, generator=rng, dtype=torch.float64).to(dtype)
-    x = torch.randn(n, generator=rng, dtype=torch.float64).to(dtype)
+def _inputs(n: int, dtype: torch.dtype, rng: torch.Generator, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.randn(n, generator=rng, dtype=torch.float64).to(device, dtype)
+    x = torch.randn(n, generator=rng, dtype=torch.float64).to(device, dtype)
     return g, x
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("n", SIZES)
-def test_matches_ref(backend, n, dtype, rng, close):
-    g, x = _inputs(n, dtype, rng)
+def test_matches_ref(device, backend, n, dtype, rng, close):
+    g, x = _inputs(n, dtype, rng, device)
     g0, x0 = g.clone(), x.clone()
     delta, snap, nonfinite = pack(g, x, backend=backend)
     ref_delta, ref_snap, ref_nf = pack_ref(g0, x0)
@@ -34,10 +34,10 @@ def test_matches_ref(backend, n, dtype, rng, close):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("n", [1, 7, 1000003])
-def test_bf16_wire_is_one_exact_rounding(backend, n, dtype, rng, close):
+def test_bf16_wire_is_one_exact_rounding(device, backend, n, dtype, rng, close):
     """delta on the bf16 wire is g - x (exact in g's dtype) rounded once to nearest-even: bit-equal
     to torch's conversion; and within one bf16 rounding of the exact difference."""
-    g, x = _inputs(n, dtype, rng)
+    g, x = _inputs(n, dtype, rng, device)
     # Also exercise ties and values near bf16 boundaries: differences that are bf16 halfway points.
     if n >= 7:
         g[:4] = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8), 3e38], dtype=dtype)

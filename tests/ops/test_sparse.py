@@ -21,9 +21,9 @@ def _idx(n: int, k: int, rng: torch.Generator) -> torch.Tensor:
 @pytest.mark.op("sparse_gather")
 @F64_F32
 @pytest.mark.parametrize(("n", "k"), SIZES, ids=SIZE_IDS)
-def test_gather_matches_ref(backend, n, k, dtype, rng):
-    x = torch.randn(n, generator=rng, dtype=torch.float64).to(dtype)
-    idx = _idx(n, k, rng)
+def test_gather_matches_ref(device, backend, n, k, dtype, rng):
+    x = torch.randn(n, generator=rng, dtype=torch.float64).to(device, dtype)
+    idx = _idx(n, k, rng).to(device)
     x0 = x.clone()
     y = sparse_gather(x, idx, backend=backend)
     assert y.dtype == dtype and y.shape == (k,)
@@ -41,11 +41,11 @@ def test_gather_duplicates_unsorted_shape_and_out(backend, dtype, rng):
     assert y is out and torch.equal(out, x.reshape(-1)[idx])
 
 
-def _scatter_inputs(n, k, dtype, avg_dtype, rng):
-    x = torch.randn(n, generator=rng, dtype=torch.float64).to(dtype)
-    idx = _idx(n, k, rng)
-    sent = (x[idx] + 0.1 * torch.randn(k, generator=rng, dtype=torch.float64).to(dtype)).contiguous()
-    avg = (sent + 0.1 * torch.randn(k, generator=rng, dtype=torch.float64).to(dtype)).to(avg_dtype or dtype)
+def _scatter_inputs(n, k, dtype, avg_dtype, rng, device="cpu"):
+    x = torch.randn(n, generator=rng, dtype=torch.float64).to(device, dtype)
+    idx = _idx(n, k, rng).to(device)
+    sent = (x[idx] + 0.1 * torch.randn(k, generator=rng, dtype=torch.float64).to(device, dtype)).contiguous()
+    avg = (sent + 0.1 * torch.randn(k, generator=rng, dtype=torch.float64).to(device, dtype)).to(avg_dtype or dtype)
     return x, idx, avg, sent
 
 
@@ -53,11 +53,11 @@ def _scatter_inputs(n, k, dtype, avg_dtype, rng):
 @F64_F32
 @pytest.mark.parametrize(("n", "k", "beta"), [(n, k, 1.0) for n, k in SIZES] + [(7, 3, 0.0), (1000, 999, 0.5)],
                          ids=SIZE_IDS + ["n7-k3-beta0", "n1000-k999-beta0.5"])
-def test_scatter_merge_matches_ref(backend, n, k, dtype, beta, rng, close):
-    x, idx, avg, sent = _scatter_inputs(n, k, dtype, None, rng)
+def test_scatter_merge_matches_ref(device, backend, n, k, dtype, beta, rng, close):
+    x, idx, avg, sent = _scatter_inputs(n, k, dtype, None, rng, device)
     expected = x.clone()
     sparse_scatter_merge_ref(expected, idx, avg, sent, beta=beta)
-    untouched = torch.ones(n, dtype=torch.bool)
+    untouched = torch.ones(n, dtype=torch.bool, device=device)
     untouched[idx] = False
     x_before = x.clone()
     avg0, sent0 = avg.clone(), sent.clone()
@@ -69,8 +69,8 @@ def test_scatter_merge_matches_ref(backend, n, k, dtype, beta, rng, close):
 
 @pytest.mark.op("sparse_scatter_merge_")
 @F64_F32
-def test_scatter_merge_bf16_avg(backend, dtype, rng, close):
-    x, idx, avg, sent = _scatter_inputs(10007, 3001, dtype, torch.bfloat16, rng)
+def test_scatter_merge_bf16_avg(device, backend, dtype, rng, close):
+    x, idx, avg, sent = _scatter_inputs(10007, 3001, dtype, torch.bfloat16, rng, device)
     expected = x.clone()
     sparse_scatter_merge_ref(expected, idx, avg.to(dtype), sent, beta=1.0)
     sparse_scatter_merge_(x, idx, avg, sent, backend=backend)
