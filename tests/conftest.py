@@ -46,7 +46,7 @@ TOL: dict[str, dict[torch.dtype, tuple[float, float]]] = {
     "elementwise": {dt: (8 * EPS[dt], 8 * EPS[dt]) for dt in (torch.float64, torch.float32)},
     "reduction": {dt: (EPS[dt], 0.0) for dt in (torch.float64, torch.float32)},
     # one round-to-nearest to bf16: |err| <= 2^-9 relative (eps_bf16 = 2^-7 is the ulp of 1).
-    "wire_bf16": {torch.bfloat16: (2.0 ** -8, 0.0)},
+    "wire_bf16": {torch.bfloat16: (2.0**-8, 0.0)},
 }
 
 
@@ -67,15 +67,29 @@ class Checks:
     tolerance = staticmethod(tolerance)
 
     @staticmethod
-    def assert_close(actual: torch.Tensor, expected: torch.Tensor, kind: str = "elementwise",
-                     n: int | None = None, scale: float = 1.0, msg: str = "") -> None:
+    def assert_close(
+        actual: torch.Tensor,
+        expected: torch.Tensor,
+        kind: str = "elementwise",
+        n: int | None = None,
+        scale: float = 1.0,
+        msg: str = "",
+    ) -> None:
         """`scale`: the magnitude of the largest intermediate (the table assumes O(1) inputs)."""
         assert actual.dtype == expected.dtype, f"{msg}: dtype {actual.dtype} != {expected.dtype}"
-        assert actual.shape == expected.shape, f"{msg}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+        assert actual.shape == expected.shape, (
+            f"{msg}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+        )
         rtol, atol = tolerance(kind, expected.dtype, n if n is not None else expected.numel())
         atol *= scale
-        torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=True,
-                                   msg=lambda m: f"{msg} [{kind}, rtol={rtol:.2g}, atol={atol:.2g}]\n{m}")
+        torch.testing.assert_close(
+            actual,
+            expected,
+            rtol=rtol,
+            atol=atol,
+            equal_nan=True,
+            msg=lambda m: f"{msg} [{kind}, rtol={rtol:.2g}, atol={atol:.2g}]\n{m}",
+        )
 
     @staticmethod
     def storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -83,8 +97,13 @@ class Checks:
         return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).clone()
 
     @classmethod
-    def assert_rejected(cls, call: Callable[[], object], exc: type[Exception] | tuple[type[Exception], ...],
-                        arg: str | Sequence[str], buffers: Sequence[torch.Tensor | None] = ()) -> None:
+    def assert_rejected(
+        cls,
+        call: Callable[[], object],
+        exc: type[Exception] | tuple[type[Exception], ...],
+        arg: str | Sequence[str],
+        buffers: Sequence[torch.Tensor | None] = (),
+    ) -> None:
         """`call()` raises `exc` whose message starts with the argument's name (or one of `arg`),
         and no byte of any buffer in `buffers` (their whole storages) changed."""
         names = [arg] if isinstance(arg, str) else list(arg)
@@ -93,10 +112,13 @@ class Checks:
         with pytest.raises(exc) as info:
             call()
         text = str(info.value)
-        assert any(re.match(rf"{re.escape(nm)}\b", text) for nm in names), \
+        assert any(re.match(rf"{re.escape(nm)}\b", text) for nm in names), (
             f"the error does not start with the argument name {names}: {text!r}"
-        for i, (b, bb) in enumerate(zip(live, before)):
-            assert torch.equal(cls.storage_bytes(b), bb), f"buffer #{i} was written by a rejected call ({text})"
+        )
+        for i, (b, bb) in enumerate(zip(live, before, strict=True)):
+            assert torch.equal(cls.storage_bytes(b), bb), (
+                f"buffer #{i} was written by a rejected call ({text})"
+            )
 
 
 @pytest.fixture(scope="session")
@@ -110,8 +132,12 @@ _SEED_KEY = pytest.StashKey[int]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--seed", type=int, default=None,
-                     help="seed for the `rng` fixture (default: a fresh random seed per test)")
+    parser.addoption(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed for the `rng` fixture (default: a fresh random seed per test)",
+    )
 
 
 @pytest.fixture
@@ -137,8 +163,11 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 #: public op -> the C ABI entry its native backends need (dispatch checks the same name).
 NATIVE_ENTRY = {
-    "pack": "lc_pack", "outer_merge_": "lc_outer_merge", "mask_indices": "lc_mask_perm",
-    "sparse_gather": "lc_sparse_gather", "sparse_scatter_merge_": "lc_sparse_scatter_merge",
+    "pack": "lc_pack",
+    "outer_merge_": "lc_outer_merge",
+    "mask_indices": "lc_mask_perm",
+    "sparse_gather": "lc_sparse_gather",
+    "sparse_scatter_merge_": "lc_sparse_scatter_merge",
     "fragment_norms": "lc_fragment_norms",
 }
 
@@ -147,8 +176,11 @@ def backends_for(ops: Sequence[str], device: str = "cpu") -> list[str]:
     """Backends that can run every op in `ops` on `device` now (evaluated at collection time, so a
     freshly built native library is picked up by the next pytest run)."""
     dev = torch.device(device)
-    return [b for b in _dispatch.available_backends(dev)
-            if all(_dispatch.available(b, dev, NATIVE_ENTRY[op]) for op in ops)]
+    return [
+        b
+        for b in _dispatch.available_backends(dev)
+        if all(_dispatch.available(b, dev, NATIVE_ENTRY[op]) for op in ops)
+    ]
 
 
 @pytest.fixture(scope="session", name="backends_for")
@@ -158,8 +190,11 @@ def _backends_for_fixture() -> Callable[..., list[str]]:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "op(*names): the ops a test exercises; parametrizes `backend` "
-                                       "(and `device`) over the backends that can run them all")
+    config.addinivalue_line(
+        "markers",
+        "op(*names): the ops a test exercises; parametrizes `backend` "
+        "(and `device`) over the backends that can run them all",
+    )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -169,8 +204,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "backend" not in metafunc.fixturenames:
         return
     if "op_name" in metafunc.fixturenames:  # every (op, backend) pair
-        metafunc.parametrize(("op_name", "backend"), [pytest.param(op, b, id=f"{op}-{b}") for op in NATIVE_ENTRY
-                                                      for b in backends_for((op,))])
+        metafunc.parametrize(
+            ("op_name", "backend"),
+            [pytest.param(op, b, id=f"{op}-{b}") for op in NATIVE_ENTRY for b in backends_for((op,))],
+        )
         return
     marker = metafunc.definition.get_closest_marker("op")
     if marker is None:  # the test parametrizes `backend` itself
@@ -179,8 +216,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "device" in metafunc.fixturenames:
         params = [pytest.param("cpu", b, id=f"cpu-{b}") for b in backends_for(ops, "cpu")]
         if torch.cuda.is_available():
-            params += [pytest.param("cuda", b, id=f"cuda-{b}", marks=pytest.mark.gpu)
-                       for b in backends_for(ops, "cuda")]
+            params += [
+                pytest.param("cuda", b, id=f"cuda-{b}", marks=pytest.mark.gpu)
+                for b in backends_for(ops, "cuda")
+            ]
         metafunc.parametrize(("device", "backend"), params)
     else:
         metafunc.parametrize("backend", backends_for(ops, "cpu"))

@@ -16,10 +16,14 @@ ORD = pytest.mark.parametrize("ord", [1, 2], ids=["l1", "l2"])
 
 def _offsets(n: int, k: int, rng: torch.Generator, *, empty: int = 0) -> torch.Tensor:
     """K+1 sorted boundaries from 0 to n; `empty` of the K segments forced empty (repeated cuts)."""
-    cuts = torch.sort(torch.randint(0, n + 1, (k - 1,), generator=rng)).values if k > 1 else torch.empty(0, dtype=torch.int64)
+    cuts = (
+        torch.sort(torch.randint(0, n + 1, (k - 1,), generator=rng)).values
+        if k > 1
+        else torch.empty(0, dtype=torch.int64)
+    )
     offs = torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]).to(torch.int64)
     if empty:
-        offs[1:1 + empty] = 0  # segments 0..empty-1 become [0, 0)
+        offs[1 : 1 + empty] = 0  # segments 0..empty-1 become [0, 0)
     return torch.sort(offs).values
 
 
@@ -33,8 +37,11 @@ def _check(backend, buf, offs, ord, close):
 
 @ORD
 @F64_F32
-@pytest.mark.parametrize(("n", "k"), [(0, 1), (1, 1), (7, 3), (1000, 1), (1000, 37), (1000003, 5)],
-                         ids=["n0-K1", "n1-K1", "n7-K3", "n1000-K1", "n1000-K37", "n1000003-K5"])
+@pytest.mark.parametrize(
+    ("n", "k"),
+    [(0, 1), (1, 1), (7, 3), (1000, 1), (1000, 37), (1000003, 5)],
+    ids=["n0-K1", "n1-K1", "n7-K3", "n1000-K1", "n1000-K37", "n1000003-K5"],
+)
 def test_matches_ref(device, backend, n, k, dtype, ord, rng, close):
     buf = torch.randn(n, generator=rng, dtype=torch.float64).to(device, dtype)
     offs = _offsets(n, k, rng).to(device)

@@ -18,14 +18,28 @@ from lowcomm_kernels.ops.mask_indices import mask_perm_ref
 
 pytestmark = pytest.mark.op("mask_indices")
 
-CASES = [(0, 0), (1, 0), (1, 1), (2, 1), (7, 3), (7, 7), (1000, 0), (1000, 1), (1000, 999), (1000, 1000),
-         (1 << 20, 5), ((1 << 20) + 1, 4097), (1000003, 50000), (1 << 40, 1000)]
+CASES = [
+    (0, 0),
+    (1, 0),
+    (1, 1),
+    (2, 1),
+    (7, 3),
+    (7, 7),
+    (1000, 0),
+    (1000, 1),
+    (1000, 999),
+    (1000, 1000),
+    (1 << 20, 5),
+    ((1 << 20) + 1, 4097),
+    (1000003, 50000),
+    (1 << 40, 1000),
+]
 
 
 @pytest.mark.parametrize(("n", "k"), CASES, ids=[f"n{n}-k{k}" for n, k in CASES])
 def test_k_distinct_sorted_in_range_and_equal_to_ref(device, backend, n, k, rng):
-    seed = int(torch.randint(0, 2 ** 62, (), generator=rng))
-    rnd = int(torch.randint(0, 2 ** 31, (), generator=rng))
+    seed = int(torch.randint(0, 2**62, (), generator=rng))
+    rnd = int(torch.randint(0, 2**31, (), generator=rng))
     idx = mask_indices(seed, rnd, n, k, device=device, backend=backend)
     assert idx.dtype == torch.int64 and idx.shape == (k,) and idx.device.type == device
     idx = idx.cpu()
@@ -35,11 +49,15 @@ def test_k_distinct_sorted_in_range_and_equal_to_ref(device, backend, n, k, rng)
     if k == n:
         assert torch.equal(idx, torch.arange(n))
     assert torch.equal(idx, mask_indices_ref(seed, rnd, n, k)), "every backend computes the ref's set"
-    assert torch.equal(idx, mask_indices(seed, rnd, n, k, device=device, backend=backend).cpu()), "same on a 2nd call"
+    assert torch.equal(idx, mask_indices(seed, rnd, n, k, device=device, backend=backend).cpu()), (
+        "same on a 2nd call"
+    )
 
 
 def test_rounds_and_seeds_give_different_sets(backend):
-    sets = {tuple(mask_indices(s, r, 10000, 50, backend=backend).tolist()) for s in range(3) for r in range(20)}
+    sets = {
+        tuple(mask_indices(s, r, 10000, 50, backend=backend).tolist()) for s in range(3) for r in range(20)
+    }
     assert len(sets) == 60
 
 
@@ -51,8 +69,8 @@ def test_prefix_property(backend):
 
 
 def test_seed_and_round_accept_tensors_and_large_values(backend):
-    a = mask_indices(torch.tensor(2 ** 63 - 1), torch.tensor(7), 100, 10, backend=backend)
-    assert torch.equal(a, mask_indices(2 ** 63 - 1, 7, 100, 10, backend=backend))
+    a = mask_indices(torch.tensor(2**63 - 1), torch.tensor(7), 100, 10, backend=backend)
+    assert torch.equal(a, mask_indices(2**63 - 1, 7, 100, 10, backend=backend))
 
 
 _CHILD = r"""
@@ -69,15 +87,21 @@ def test_same_sets_in_another_process(tmp_path, backends_for):
     """No process state (hash seeds, RNG, thread count) enters the set: a fresh interpreter with a
     different PYTHONHASHSEED and one OpenMP thread computes the same indices on every backend."""
     backends = backends_for(("mask_indices",))
-    args = [(0, 0, 1000, 17), (12345, 678, 1000003, 5000), (2 ** 40, 3, 7, 7), (9, 9, 1 << 33, 64)]
+    args = [(0, 0, 1000, 17), (12345, 678, 1000003, 5000), (2**40, 3, 7, 7), (9, 9, 1 << 33, 64)]
     env = dict(os.environ, PYTHONHASHSEED="4321", OMP_NUM_THREADS="1")
     env.pop("TRITON_INTERPRET", None)
-    res = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args), json.dumps(backends)], env=env,
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    res = subprocess.run(
+        [sys.executable, "-c", _CHILD, json.dumps(args), json.dumps(backends)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     child = json.loads(res.stdout.strip().splitlines()[-1])
     for b in backends:
-        for a, theirs in zip(args, child[b]):
+        for a, theirs in zip(args, child[b], strict=True):
             assert theirs == mask_indices_ref(*a).tolist(), (b, a)
 
 
@@ -122,11 +146,13 @@ def subset_chi2(sample, n: int, k: int, rounds: int) -> tuple[float, int]:
 def mod_folded_sampler(seed: int, n: int, k: int):
     """A classic bug: fold the power-of-two permutation with `% n` instead of cycle walking.
     Values below 2^b − n get two chances, so the sample is biased towards them."""
+
     def sample(r: int) -> torch.Tensor:
         adds, muls, shift, bitmask = mask_keys(seed, r, n)
         perm = mask_perm_ref(bitmask + 1, bitmask + 1, (adds, muls, shift, bitmask)) % n
         picked = list(dict.fromkeys(perm.tolist()))[:k]
         return torch.tensor(sorted(picked), dtype=torch.int64)
+
     return sample
 
 

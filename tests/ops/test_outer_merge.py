@@ -3,6 +3,7 @@ the normalized-λ formula, the Taylor sign test on a quadratic, and bad input.""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -15,12 +16,19 @@ pytestmark = pytest.mark.op("outer_merge_")
 F64_F32 = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 
 
-def _state(n: int, dtype: torch.dtype, rng: torch.Generator, avg_dtype: torch.dtype | None = None,
-           device: str = "cpu"):
+def _state(
+    n: int,
+    dtype: torch.dtype,
+    rng: torch.Generator,
+    avg_dtype: torch.dtype | None = None,
+    device: str = "cpu",
+):
     """g, u, delta_avg, x, x_sent with O(1) values and small local/global moves, as in training
     (so every intermediate of the merge is O(1) and the elementwise tolerance applies)."""
+
     def r(scale: float = 1.0) -> torch.Tensor:
         return (scale * torch.randn(n, generator=rng, dtype=torch.float64)).to(device, dtype)
+
     x_sent = r()
     g, x = x_sent + r(0.1), x_sent + r(0.1)
     delta_avg = r(0.1).to(avg_dtype or dtype)
@@ -47,7 +55,7 @@ def test_matches_ref(device, backend, n, dtype, rng, close):
     xs0 = state[4].clone()
     avg0 = state[2].clone()
     out, ref = _run_both(backend, state, **FULL)
-    for name, a, b in zip("gux", out, ref):
+    for name, a, b in zip("gux", out, ref, strict=True):
         close.assert_close(a, b, scale=SCALE, msg=name)
     assert torch.equal(state[4], xs0) and torch.equal(state[2], avg0), "x_sent and delta_avg are read-only"
 
@@ -75,10 +83,13 @@ def test_modes_match_ref(device, backend, config, dtype, rng, close):
     out, ref = _run_both(backend, state, **kw)
     # normalized λ: λ_eff carries the fp64 reduction's error (√n·eps) into every element.
     kind = "reduction" if kw.get("lam_mode") == "normalized" else "elementwise"
-    for name, a, b in zip("gux", out, ref):
-        rtol = close.tolerance("elementwise", dtype)[0] + (close.tolerance(kind, dtype, n)[0]
-                                                            if kind == "reduction" else 0.0)
-        torch.testing.assert_close(a, b, rtol=rtol, atol=SCALE * rtol, msg=lambda m: f"{config}/{name}: {m}")
+    for name, a, b in zip("gux", out, ref, strict=True):
+        rtol = close.tolerance("elementwise", dtype)[0] + (
+            close.tolerance(kind, dtype, n)[0] if kind == "reduction" else 0.0
+        )
+        torch.testing.assert_close(
+            a, b, rtol=rtol, atol=SCALE * rtol, msg=lambda m, name=name: f"{config}/{name}: {m}"
+        )
 
 
 @F64_F32
@@ -90,7 +101,7 @@ def test_bf16_delta_avg(device, backend, n, dtype, rng, close):
     ref = [g.clone(), u.clone(), avg.to(dtype), x.clone(), xs.clone()]
     outer_merge_(g, u, avg, x, xs, backend=backend, **FULL)
     outer_merge_ref(*ref, **FULL)
-    for name, a, b in zip("gux", (g, u, x), (ref[0], ref[1], ref[3])):
+    for name, a, b in zip("gux", (g, u, x), (ref[0], ref[1], ref[3]), strict=True):
         close.assert_close(a, b, scale=SCALE, msg=name)
 
 
@@ -126,7 +137,11 @@ def test_outer_step_is_torch_sgd(backend, dtype, momentum, nesterov, rng, close)
 def test_zero_momentum_never_reads_u(backend):
     """μ = 0 skips the buffer entirely: a NaN-poisoned u stays as it is and g stays finite."""
     n = 257
-    g, x, avg = torch.randn(n, dtype=torch.float64), torch.randn(n, dtype=torch.float64), torch.randn(n, dtype=torch.float64)
+    g, x, avg = (
+        torch.randn(n, dtype=torch.float64),
+        torch.randn(n, dtype=torch.float64),
+        torch.randn(n, dtype=torch.float64),
+    )
     u = torch.full((n,), float("nan"), dtype=torch.float64)
     expected = g - 0.5 * avg
     outer_merge_(g, u, avg, x, lr=0.5, backend=backend)
@@ -148,9 +163,23 @@ def test_normalized_lambda_formula(backend, lam, rng, close):
     x_new = (1 - alpha) * (g_new + beta * v - lam_eff * v * v * D) + alpha * x
     # the correction's norm is λ0 times the first-order term's, as the mode promises
     assert math.isclose(float((lam_eff * v * v * D).norm()), lam * float(v.norm()), rel_tol=1e-12)
-    outer_merge_(g, u, avg, x, xs, lr=lr, momentum=mu, alpha=alpha, beta=beta, lam=lam, lam_mode="normalized",
-                 backend=backend)
-    rtol = close.tolerance("elementwise", torch.float64)[0] + close.tolerance("reduction", torch.float64, n)[0]
+    outer_merge_(
+        g,
+        u,
+        avg,
+        x,
+        xs,
+        lr=lr,
+        momentum=mu,
+        alpha=alpha,
+        beta=beta,
+        lam=lam,
+        lam_mode="normalized",
+        backend=backend,
+    )
+    rtol = (
+        close.tolerance("elementwise", torch.float64)[0] + close.tolerance("reduction", torch.float64, n)[0]
+    )
     torch.testing.assert_close(g, g_new, rtol=rtol, atol=SCALE * rtol)
     torch.testing.assert_close(u, u_new, rtol=rtol, atol=SCALE * rtol)
     torch.testing.assert_close(x, x_new, rtol=rtol, atol=SCALE * rtol)
@@ -168,7 +197,9 @@ def test_normalized_lambda_zero_denominator(backend, zero, rng):
         u.zero_()
     expected_g = g.clone() if zero == "D" else None
     v = x - xs
-    outer_merge_(g, u, avg, x, xs, lr=0.7, momentum=0.9, beta=1.0, lam=0.5, lam_mode="normalized", backend=backend)
+    outer_merge_(
+        g, u, avg, x, xs, lr=0.7, momentum=0.9, beta=1.0, lam=0.5, lam_mode="normalized", backend=backend
+    )
     assert torch.isfinite(x).all()
     if expected_g is not None:
         assert torch.equal(g, expected_g)
@@ -176,6 +207,7 @@ def test_normalized_lambda_zero_denominator(backend, zero, rng):
 
 
 # ---- the Taylor sign test --------------------------------------------------------------------
+
 
 def _delayed_quadratic(rng: torch.Generator, d: int = 512):
     """A worker on f(x) = ½ xᵀAx, A = diag(a) known, with a second worker on a shifted quadratic.
@@ -193,14 +225,23 @@ def _delayed_quadratic(rng: torch.Generator, d: int = 512):
     eps = (torch.rand(d, generator=rng, dtype=torch.float64) * 2 - 1) * 0.3
     x_sent = sign * (s / a).sqrt() * (1 + eps)
     contraction = 1 - eta * a  # one SGD step on f is x <- (1 - ηa)⊙x, exactly
-    g_old = x_sent / contraction ** steps_h
+    g_old = x_sent / contraction**steps_h
     centre1 = 0.2 * torch.randn(d, generator=rng, dtype=torch.float64) * (s / a).sqrt()
-    x_sent1 = centre1 + contraction ** steps_h * (g_old - centre1)
+    x_sent1 = centre1 + contraction**steps_h * (g_old - centre1)
     delta_avg = ((g_old - x_sent) + (g_old - x_sent1)) / 2
     u = 0.1 * torch.randn(d, generator=rng, dtype=torch.float64) * delta_avg.abs()
-    x_now = contraction ** tau * x_sent
-    return dict(a=a, eta=eta, tau=tau, contraction=contraction, g_old=g_old, u=u, delta_avg=delta_avg,
-                x_sent=x_sent, x_now=x_now)
+    x_now = contraction**tau * x_sent
+    return dict(
+        a=a,
+        eta=eta,
+        tau=tau,
+        contraction=contraction,
+        g_old=g_old,
+        u=u,
+        delta_avg=delta_avg,
+        x_sent=x_sent,
+        x_now=x_now,
+    )
 
 
 def _merge(backend: str, p: dict, **kw) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,14 +262,16 @@ def test_taylor_sign(backend, rng):
     """
     p = _delayed_quadratic(rng)
     grad = p["a"] * p["x_sent"]
-    lam = float((p["a"] / grad ** 2).median()) / (p["eta"] * p["tau"])
+    lam = float((p["a"] / grad**2).median()) / (p["eta"] * p["tau"])
 
     x_over, g_new = _merge(backend, p)
     x_lam0, _ = _merge(backend, p, beta=1.0)
     x_taylor, _ = _merge(backend, p, beta=1.0, lam=lam)
     ideal = p["contraction"] ** p["tau"] * g_new
-    err = {name: (xm - ideal).abs() for name, xm in
-           (("overwrite", x_over), ("lam0", x_lam0), ("taylor", x_taylor))}
+    err = {
+        name: (xm - ideal).abs()
+        for name, xm in (("overwrite", x_over), ("lam0", x_lam0), ("taylor", x_taylor))
+    }
     # the wrong sign, by the formula (the op rightly rejects λ < 0)
     v, D = p["x_now"] - p["x_sent"], g_new - p["x_sent"]
     err["flipped"] = (g_new + v + lam * v * v * D - ideal).abs()
@@ -257,6 +300,7 @@ def test_taylor_sign_normalized(backend, rng):
 
 # ---- bad input ---------------------------------------------------------------------------------
 
+
 def _bad_cases(dtype: torch.dtype):
     n = 16
     other = torch.float32 if dtype == torch.float64 else torch.float64
@@ -268,6 +312,7 @@ def _bad_cases(dtype: torch.dtype):
         kw = dict(g=t(), u=t(), delta_avg=t(), x=t(), x_sent=t(), lr=0.7, momentum=0.9, beta=1.0, lam=0.1)
         kw.update(over)
         return kw
+
     big = torch.randn(2 * n, dtype=dtype)
     meta = torch.empty(n, dtype=dtype, device="meta")
     shared = torch.randn(3 * n, dtype=dtype)
@@ -287,16 +332,28 @@ def _bad_cases(dtype: torch.dtype):
     yield "delta_avg strided", base(delta_avg=big[::2]), ValueError, "delta_avg"
     yield "x_sent strided", base(x_sent=big[::2]), ValueError, "x_sent"
     yield "x 2-D transposed", base(x=torch.randn(4, 4, dtype=dtype).t()), ValueError, "x"
-    for name, bad, exc in [("lr", -0.1, ValueError), ("lr", float("nan"), ValueError),
-                           ("lr", float("inf"), ValueError), ("lr", "0.7", TypeError), ("lr", None, TypeError),
-                           ("momentum", 1.0, ValueError), ("momentum", 1.5, ValueError),
-                           ("momentum", -0.1, ValueError), ("momentum", float("nan"), ValueError),
-                           ("alpha", -0.01, ValueError), ("alpha", 1.01, ValueError),
-                           ("alpha", float("nan"), ValueError), ("beta", -1.0, ValueError),
-                           ("beta", float("inf"), ValueError), ("lam", -0.5, ValueError),
-                           ("lam", float("nan"), ValueError), ("lam", float("-inf"), ValueError),
-                           ("nesterov", "yes", TypeError), ("lam_mode", "relative", ValueError),
-                           ("lam_mode", None, ValueError)]:
+    for name, bad, exc in [
+        ("lr", -0.1, ValueError),
+        ("lr", float("nan"), ValueError),
+        ("lr", float("inf"), ValueError),
+        ("lr", "0.7", TypeError),
+        ("lr", None, TypeError),
+        ("momentum", 1.0, ValueError),
+        ("momentum", 1.5, ValueError),
+        ("momentum", -0.1, ValueError),
+        ("momentum", float("nan"), ValueError),
+        ("alpha", -0.01, ValueError),
+        ("alpha", 1.01, ValueError),
+        ("alpha", float("nan"), ValueError),
+        ("beta", -1.0, ValueError),
+        ("beta", float("inf"), ValueError),
+        ("lam", -0.5, ValueError),
+        ("lam", float("nan"), ValueError),
+        ("lam", float("-inf"), ValueError),
+        ("nesterov", "yes", TypeError),
+        ("lam_mode", "relative", ValueError),
+        ("lam_mode", None, ValueError),
+    ]:
         yield f"{name}={bad!r}", base(**{name: bad}), exc, name
     yield "x_sent missing, beta", base(x_sent=None, lam=0.0), ValueError, "x_sent"
     yield "x_sent missing, lam", base(x_sent=None, beta=0.0), ValueError, "x_sent"
@@ -305,9 +362,13 @@ def _bad_cases(dtype: torch.dtype):
     yield "x is g", base(g=g, x=g), ValueError, ("g", "x")
     yield "delta_avg is x", base(x=g, delta_avg=g), ValueError, ("delta_avg", "x")
     yield "x_sent is x", base(x=g, x_sent=g), ValueError, ("x", "x_sent")
-    yield "u overlaps x", base(u=shared[:n], x=shared[n // 2:n // 2 + n]), ValueError, ("u", "x")
-    yield "x_sent overlaps g", base(g=shared[n:2 * n], x_sent=shared[2 * n - 1:3 * n - 1]), ValueError, \
-        ("g", "x_sent")
+    yield "u overlaps x", base(u=shared[:n], x=shared[n // 2 : n // 2 + n]), ValueError, ("u", "x")
+    yield (
+        "x_sent overlaps g",
+        base(g=shared[n : 2 * n], x_sent=shared[2 * n - 1 : 3 * n - 1]),
+        ValueError,
+        ("g", "x_sent"),
+    )
     yield "backend unknown", base(backend="numpy"), ValueError, "backend"
 
 
@@ -318,6 +379,6 @@ def test_bad_input_rejected_and_nothing_written(backend, dtype, close):
         args = [kw.pop(k) for k in ("g", "u", "delta_avg", "x", "x_sent")]
         buffers = [a for a in args if isinstance(a, torch.Tensor)]
         try:
-            close.assert_rejected(lambda: outer_merge_(*args, **kw), exc, arg, buffers)
+            close.assert_rejected(functools.partial(outer_merge_, *args, **kw), exc, arg, buffers)
         except AssertionError as e:
             raise AssertionError(f"case {what!r}: {e}") from e

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -12,7 +14,9 @@ pytestmark = pytest.mark.op("pack")
 SIZES = [0, 1, 7, 1000003]
 
 
-def _inputs(n: int, dtype: torch.dtype, rng: torch.Generator, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(
+    n: int, dtype: torch.dtype, rng: torch.Generator, device: str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.randn(n, generator=rng, dtype=torch.float64).to(device, dtype)
     x = torch.randn(n, generator=rng, dtype=torch.float64).to(device, dtype)
     return g, x
@@ -40,7 +44,7 @@ def test_bf16_wire_is_one_exact_rounding(device, backend, n, dtype, rng, close):
     g, x = _inputs(n, dtype, rng, device)
     # Also exercise ties and values near bf16 boundaries: differences that are bf16 halfway points.
     if n >= 7:
-        g[:4] = torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8), 3e38], dtype=dtype)
+        g[:4] = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 3e38], dtype=dtype)
         x[:4] = 0.0
     delta, _, nonfinite = pack(g, x, wire_dtype=torch.bfloat16, snapshot_out=False, backend=backend)
     expected = (g - x).to(torch.bfloat16)
@@ -96,6 +100,7 @@ def test_nonfinite_counts_the_written_delta(backend, dtype, wire, rng):
 
 # ---- bad input: a ValueError/TypeError naming the argument, and nothing written ----------------
 
+
 def _poisoned(n: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.full((n,), 12345.0, dtype=dtype)
 
@@ -114,40 +119,80 @@ def _bad_cases(dtype: torch.dtype):
     yield "g fp16", dict(g=g.half(), x=x.half()), TypeError, "g"
     yield "x dtype", dict(g=g, x=x.to(other)), TypeError, "x"
     yield "x device", dict(g=g, x=meta), ValueError, "x"
-    yield "x numel", dict(g=g, x=x[:n - 1]), ValueError, "x"
+    yield "x numel", dict(g=g, x=x[: n - 1]), ValueError, "x"
     yield "g strided", dict(g=big[::2], x=x), ValueError, "g"
     yield "x strided", dict(g=g, x=big[::2]), ValueError, "x"
     yield "x transposed", dict(g=g.view(4, 4), x=x.view(4, 4).t()), ValueError, "x"
     yield "wire fp16", dict(g=g, x=x, wire_dtype=torch.float16), TypeError, "wire_dtype"
     yield "wire other float", dict(g=g, x=x, wire_dtype=other), TypeError, "wire_dtype"
-    yield "delta_out dtype", dict(g=g, x=x, delta_out=_poisoned(n, other), wire_dtype=dtype), TypeError, "delta_out"
-    yield "delta_out fp16", dict(g=g, x=x, delta_out=_poisoned(n, torch.float16)), TypeError, \
-        ("delta_out", "wire_dtype")
+    yield (
+        "delta_out dtype",
+        dict(g=g, x=x, delta_out=_poisoned(n, other), wire_dtype=dtype),
+        TypeError,
+        "delta_out",
+    )
+    yield (
+        "delta_out fp16",
+        dict(g=g, x=x, delta_out=_poisoned(n, torch.float16)),
+        TypeError,
+        ("delta_out", "wire_dtype"),
+    )
     yield "delta_out numel", dict(g=g, x=x, delta_out=_poisoned(n + 1, dtype)), ValueError, "delta_out"
-    yield "delta_out device", dict(g=g, x=x, delta_out=torch.empty(n, dtype=dtype, device="meta")), \
-        ValueError, "delta_out"
+    yield (
+        "delta_out device",
+        dict(g=g, x=x, delta_out=torch.empty(n, dtype=dtype, device="meta")),
+        ValueError,
+        "delta_out",
+    )
     yield "delta_out strided", dict(g=g, x=x, delta_out=_poisoned(2 * n, dtype)[::2]), ValueError, "delta_out"
     yield "delta_out not tensor", dict(g=g, x=x, delta_out=[0.0] * n), TypeError, "delta_out"
-    yield "snapshot_out dtype", dict(g=g, x=x, delta_out=d, snapshot_out=_poisoned(n, other)), TypeError, \
-        "snapshot_out"
-    yield "snapshot_out numel", dict(g=g, x=x, delta_out=d, snapshot_out=_poisoned(n - 1, dtype)), ValueError, \
-        "snapshot_out"
-    yield "snapshot_out device", dict(g=g, x=x, delta_out=d, snapshot_out=torch.empty(n, dtype=dtype,
-                                                                                  device="meta")), \
-        ValueError, "snapshot_out"
-    yield "snapshot_out strided", dict(g=g, x=x, delta_out=d, snapshot_out=_poisoned(2 * n, dtype)[::2]), \
-        ValueError, "snapshot_out"
+    yield (
+        "snapshot_out dtype",
+        dict(g=g, x=x, delta_out=d, snapshot_out=_poisoned(n, other)),
+        TypeError,
+        "snapshot_out",
+    )
+    yield (
+        "snapshot_out numel",
+        dict(g=g, x=x, delta_out=d, snapshot_out=_poisoned(n - 1, dtype)),
+        ValueError,
+        "snapshot_out",
+    )
+    yield (
+        "snapshot_out device",
+        dict(g=g, x=x, delta_out=d, snapshot_out=torch.empty(n, dtype=dtype, device="meta")),
+        ValueError,
+        "snapshot_out",
+    )
+    yield (
+        "snapshot_out strided",
+        dict(g=g, x=x, delta_out=d, snapshot_out=_poisoned(2 * n, dtype)[::2]),
+        ValueError,
+        "snapshot_out",
+    )
     yield "delta_out is g", dict(g=g, x=x, delta_out=g), ValueError, "delta_out"
     yield "delta_out is x", dict(g=g, x=x, delta_out=x, snapshot_out=s), ValueError, "delta_out"
     yield "snapshot_out is x", dict(g=g, x=x, delta_out=d, snapshot_out=x), ValueError, "snapshot_out"
     yield "snapshot_out is g", dict(g=g, x=x, delta_out=d, snapshot_out=g), ValueError, "snapshot_out"
-    yield "delta_out is snapshot_out", dict(g=g, x=x, delta_out=d, snapshot_out=d), ValueError, \
-        ("delta_out", "snapshot_out")
+    yield (
+        "delta_out is snapshot_out",
+        dict(g=g, x=x, delta_out=d, snapshot_out=d),
+        ValueError,
+        ("delta_out", "snapshot_out"),
+    )
     # partial overlap: views of one storage that share some elements
-    yield "delta_out overlaps x", dict(g=g, x=storage[:n], delta_out=storage[n // 2:n // 2 + n]), ValueError, \
-        "delta_out"
-    yield "snapshot_out overlaps g", dict(g=storage[n:2 * n], x=x, delta_out=d,
-                                          snapshot_out=storage[n + 3:2 * n + 3]), ValueError, "snapshot_out"
+    yield (
+        "delta_out overlaps x",
+        dict(g=g, x=storage[:n], delta_out=storage[n // 2 : n // 2 + n]),
+        ValueError,
+        "delta_out",
+    )
+    yield (
+        "snapshot_out overlaps g",
+        dict(g=storage[n : 2 * n], x=x, delta_out=d, snapshot_out=storage[n + 3 : 2 * n + 3]),
+        ValueError,
+        "snapshot_out",
+    )
     yield "backend unknown", dict(g=g, x=x, backend="gpu"), ValueError, "backend"
     yield "backend cuda on cpu", dict(g=g, x=x, backend="cuda"), ValueError, "backend"
 
@@ -157,9 +202,12 @@ def test_bad_input_rejected_and_nothing_written(backend, dtype, close):
     for what, kwargs, exc, arg in _bad_cases(dtype):
         kwargs.setdefault("backend", backend)
         g, x = kwargs.pop("g"), kwargs.pop("x")
-        buffers = [t for t in (g, x, kwargs.get("delta_out"), kwargs.get("snapshot_out"))
-                   if isinstance(t, torch.Tensor)]
+        buffers = [
+            t
+            for t in (g, x, kwargs.get("delta_out"), kwargs.get("snapshot_out"))
+            if isinstance(t, torch.Tensor)
+        ]
         try:
-            close.assert_rejected(lambda: pack(g, x, **kwargs), exc, arg, buffers)
+            close.assert_rejected(functools.partial(pack, g, x, **kwargs), exc, arg, buffers)
         except AssertionError as e:
             raise AssertionError(f"case {what!r}: {e}") from e

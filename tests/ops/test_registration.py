@@ -9,20 +9,40 @@ import torch
 import lowcomm_kernels.ops as lk
 from lowcomm_kernels import _dispatch
 
+
 def _samples(op: str, backend: str, dtype: torch.dtype):
     """(args, kwargs) lists for torch.ops.lowcomm.<op>; several per op to cover optional inputs."""
     gen = torch.Generator().manual_seed(0)
 
     def r(n: int, dt: torch.dtype = dtype) -> torch.Tensor:
         return torch.randn(n, generator=gen, dtype=torch.float64).to(dt)
+
     n = 37
     if op == "pack":
-        return [(r(n), r(n), torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype), backend),
-                (r(n), r(n), torch.empty(n, dtype=torch.bfloat16), None, backend)]
+        return [
+            (r(n), r(n), torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype), backend),
+            (r(n), r(n), torch.empty(n, dtype=torch.bfloat16), None, backend),
+        ]
     if op == "outer_merge_":
-        return [(r(n), r(n), r(n), r(n), r(n), 0.7, 0.9, True, 0.1, 1.0, 0.3, "absolute", backend),
-                (r(n), r(n), r(n, torch.bfloat16), r(n), r(n), 0.7, 0.9, False, 0.0, 1.0, 0.5, "normalized", backend),
-                (r(n), r(n), r(n), r(n), None, 1.0, 0.0, True, 0.0, 0.0, 0.0, "absolute", backend)]
+        return [
+            (r(n), r(n), r(n), r(n), r(n), 0.7, 0.9, True, 0.1, 1.0, 0.3, "absolute", backend),
+            (
+                r(n),
+                r(n),
+                r(n, torch.bfloat16),
+                r(n),
+                r(n),
+                0.7,
+                0.9,
+                False,
+                0.0,
+                1.0,
+                0.5,
+                "normalized",
+                backend,
+            ),
+            (r(n), r(n), r(n), r(n), None, 1.0, 0.0, True, 0.0, 0.0, 0.0, "absolute", backend),
+        ]
     if op == "mask_indices":
         return [(3, 4, 1000, 17, torch.device("cpu"), backend), (3, 4, 5, 0, torch.device("cpu"), backend)]
     idx = torch.tensor([0, 3, 4, 20, 36])
@@ -57,19 +77,25 @@ def test_compile_fullgraph_all_ops(close):
     """One compile (the first costs ~20 s) over every op, on the default backend, against eager."""
     gen = torch.Generator().manual_seed(1)
     n = 4099
-    inputs = [torch.randn(n, generator=gen) for _ in range(4)] + [0.1 * torch.randn(n, generator=gen),
-                                                                   torch.randn(n, generator=gen),
-                                                                   torch.tensor([0, 1000, 1000, 4099])]
+    inputs = [torch.randn(n, generator=gen) for _ in range(4)] + [
+        0.1 * torch.randn(n, generator=gen),
+        torch.randn(n, generator=gen),
+        torch.tensor([0, 1000, 1000, 4099]),
+    ]
     eager_in = [t.clone() for t in inputs]
     compiled_in = [t.clone() for t in inputs]
     expected = _all_ops(*eager_in)
     torch._dynamo.reset()
     got = torch.compile(_all_ops, fullgraph=True)(*compiled_in)
-    for name, a, b in zip(["delta", "snapshot", "nonfinite", "idx", "y", "norms"], got, expected):
+    for name, a, b in zip(
+        ["delta", "snapshot", "nonfinite", "idx", "y", "norms"], got, expected, strict=True
+    ):
         if a.dtype == torch.int64:
             assert torch.equal(a, b), name
         else:
-            close.assert_close(a, b, kind="reduction" if name == "norms" else "elementwise", scale=8.0, msg=name)
-    for name, a, b in zip("gux", compiled_in[:3], eager_in[:3]):
+            close.assert_close(
+                a, b, kind="reduction" if name == "norms" else "elementwise", scale=8.0, msg=name
+            )
+    for name, a, b in zip("gux", compiled_in[:3], eager_in[:3], strict=True):
         close.assert_close(a, b, scale=8.0, msg=f"mutated {name}")
     assert _dispatch.resolve(None, torch.device("cpu"), "lc_pack") in ("cpu", "ref")

@@ -3,11 +3,19 @@ LOSCAR identity with outer_merge_, and bad input."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
-from lowcomm_kernels.ops import (mask_indices, outer_merge_, sparse_gather, sparse_gather_ref,
-                                 sparse_scatter_merge_, sparse_scatter_merge_ref)
+from lowcomm_kernels.ops import (
+    mask_indices,
+    outer_merge_,
+    sparse_gather,
+    sparse_gather_ref,
+    sparse_scatter_merge_,
+    sparse_scatter_merge_ref,
+)
 
 F64_F32 = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 SIZES = [(0, 0), (1, 0), (1, 1), (7, 3), (7, 7), (1000, 0), (100003, 4099), (1000003, 1000003)]
@@ -45,14 +53,19 @@ def _scatter_inputs(n, k, dtype, avg_dtype, rng, device="cpu"):
     x = torch.randn(n, generator=rng, dtype=torch.float64).to(device, dtype)
     idx = _idx(n, k, rng).to(device)
     sent = (x[idx] + 0.1 * torch.randn(k, generator=rng, dtype=torch.float64).to(device, dtype)).contiguous()
-    avg = (sent + 0.1 * torch.randn(k, generator=rng, dtype=torch.float64).to(device, dtype)).to(avg_dtype or dtype)
+    avg = (sent + 0.1 * torch.randn(k, generator=rng, dtype=torch.float64).to(device, dtype)).to(
+        avg_dtype or dtype
+    )
     return x, idx, avg, sent
 
 
 @pytest.mark.op("sparse_scatter_merge_")
 @F64_F32
-@pytest.mark.parametrize(("n", "k", "beta"), [(n, k, 1.0) for n, k in SIZES] + [(7, 3, 0.0), (1000, 999, 0.5)],
-                         ids=SIZE_IDS + ["n7-k3-beta0", "n1000-k999-beta0.5"])
+@pytest.mark.parametrize(
+    ("n", "k", "beta"),
+    [(n, k, 1.0) for n, k in SIZES] + [(7, 3, 0.0), (1000, 999, 0.5)],
+    ids=SIZE_IDS + ["n7-k3-beta0", "n1000-k999-beta0.5"],
+)
 def test_scatter_merge_matches_ref(device, backend, n, k, dtype, beta, rng, close):
     x, idx, avg, sent = _scatter_inputs(n, k, dtype, None, rng, device)
     expected = x.clone()
@@ -87,7 +100,7 @@ def test_loscar_round(backend, rng, close):
     ys = [sparse_gather(x, S, backend=backend) for x in xs]
     zs = [x + 0.01 * torch.randn(d, generator=rng, dtype=torch.float64) for x in xs]  # local steps
     m = torch.stack(ys).mean(0)
-    for y, z in zip(ys, zs):
+    for y, z in zip(ys, zs, strict=True):
         expected = z.clone()
         expected[S] = m + (z[S] - y)
         sparse_scatter_merge_(z, S, m, y, backend=backend)
@@ -116,6 +129,7 @@ def test_dense_loscar_is_outer_merge(backend, n, dtype, rng, close):
 
 
 # ---- bad input ---------------------------------------------------------------------------------
+
 
 def _gather_bad(dtype):
     n, k = 20, 5
@@ -152,7 +166,7 @@ def test_gather_bad_input(backend, dtype, close):
         x, idx = kw.pop("x"), kw.pop("idx")
         bufs = [t for t in (x, idx, kw.get("out")) if isinstance(t, torch.Tensor)]
         try:
-            close.assert_rejected(lambda: sparse_gather(x, idx, **kw), exc, arg, bufs)
+            close.assert_rejected(functools.partial(sparse_gather, x, idx, **kw), exc, arg, bufs)
         except AssertionError as e:
             raise AssertionError(f"case {what!r}: {e}") from e
 
@@ -169,6 +183,7 @@ def _scatter_bad(dtype):
         d = dict(x=x.clone(), idx=idx.clone(), avg=avg.clone(), sent=sent.clone())
         d.update(over)
         return d
+
     yield "x int", kw(x=x.long()), TypeError, "x"
     yield "x strided", kw(x=big[::2]), ValueError, "x"
     yield "idx duplicate", kw(idx=torch.tensor([1, 4, 4, 19])), ValueError, "idx"
@@ -191,13 +206,18 @@ def _scatter_bad(dtype):
     yield "sent strided", kw(sent=torch.randn(2 * k, dtype=dtype)[::2]), ValueError, "sent"
     shared = torch.randn(n, dtype=dtype)
     yield "avg aliases x", kw(x=shared, avg=shared[:k]), ValueError, ("x", "avg")
-    yield "sent aliases x", kw(x=shared, sent=shared[n - k:]), ValueError, ("x", "sent")
+    yield "sent aliases x", kw(x=shared, sent=shared[n - k :]), ValueError, ("x", "sent")
     yield "avg is sent", kw(avg=sent, sent=sent), ValueError, ("avg", "sent")
     if dtype == torch.float64:
         own = idx.clone()
         yield "avg aliases idx", kw(idx=own, avg=own.view(torch.float64)), ValueError, ("idx", "avg")
-    for bad, exc in [(-0.5, ValueError), (float("nan"), ValueError), (float("inf"), ValueError),
-                     ("1", TypeError), (None, TypeError)]:
+    for bad, exc in [
+        (-0.5, ValueError),
+        (float("nan"), ValueError),
+        (float("inf"), ValueError),
+        ("1", TypeError),
+        (None, TypeError),
+    ]:
         yield f"beta={bad!r}", kw(beta=bad), exc, "beta"
     yield "backend", kw(backend="cuda"), ValueError, "backend"
 
@@ -210,6 +230,6 @@ def test_scatter_merge_bad_input(backend, dtype, close):
         args = [kw.pop(k) for k in ("x", "idx", "avg", "sent")]
         bufs = [t for t in args if isinstance(t, torch.Tensor)]
         try:
-            close.assert_rejected(lambda: sparse_scatter_merge_(*args, **kw), exc, arg, bufs)
+            close.assert_rejected(functools.partial(sparse_scatter_merge_, *args, **kw), exc, arg, bufs)
         except AssertionError as e:
             raise AssertionError(f"case {what!r}: {e}") from e
