@@ -1,13 +1,13 @@
-"""Property-based tests of every op (issue 5 item 1) — pack, outer_merge_ and mask_indices here, the
-indexed ops in test_properties_indexed.py, the contract they check in _contract.py: random sizes, dtypes, strides, offsets and
-scalars, valid and invalid. Each call either matches the ref or raises the documented
-ValueError/TypeError naming a violated argument; on an error no byte of any buffer changed; never
-any other exception. The expected outcome is predicted here from the contract, independently of
-the ops' own checks. Data come from a drawn seed, so hypothesis explores shapes and arguments while
-values stay random (adversarial values such as 0 · inf are the unit tests' business).
+"""Property-based tests of every op (issue 5 item 1): pack, outer_merge_ and mask_indices here,
+the indexed ops in test_properties_indexed.py, the contract they check in _contract.py. Random
+sizes, dtypes, strides, offsets and scalars, valid and invalid. Each call either matches the ref or
+raises the documented ValueError/TypeError naming a violated argument; on an error no byte of any
+buffer changed; never any other exception. The expected outcome is predicted from the contract,
+independently of the ops' own checks. Data come from a drawn seed, so hypothesis explores shapes
+and arguments while values stay random (adversarial values such as 0 · inf are the unit tests').
 
-Derandomized and without a database, so CI sees the same examples every run; sized so the file
-runs in well under a minute on two cores.
+Derandomized and without a database, so CI sees the same examples every run; sized so both files
+run in well under a minute on two cores.
 """
 
 from __future__ import annotations
