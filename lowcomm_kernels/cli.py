@@ -190,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--bench-dir", help="folder of the benchmarks (default: bench/ of the source checkout)")
     b.add_argument("-k", dest="keyword", help="pytest -k expression to select benchmarks")
     b.add_argument("--out", help="folder for the benchmark JSON (default runs/bench-<timestamp>)")
+    b.add_argument("--quick", action="store_true", help="smallest sizes only (a smoke run)")
+    b.add_argument("--overlap", action="store_true", help="also run bench/bench_overlap.py (2 and 4 ranks)")
     return p
 
 

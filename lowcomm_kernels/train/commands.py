@@ -142,26 +142,54 @@ def _find_bench_dir(explicit: str | None) -> Path:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    """pytest-benchmark over bench/bench_ops.py (JSON into --out), optionally the overlap benchmark,
+    then bench/render_results.py renders bench/RESULTS.md from them."""
     bench = _find_bench_dir(args.bench_dir)
     out = out_dir(args, "bench")
-    json_path = out / "benchmark.json"
-    cmd = [sys.executable, "-m", "pytest", str(bench), "-q", f"--benchmark-json={json_path}"]
+    json_path = (out / "ops.json").resolve()
+    target = bench / "bench_ops.py"
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(target if target.is_file() else bench),
+        "-q",
+        f"--benchmark-json={json_path}",
+    ]
+    if args.quick:
+        cmd.append("--quick")
     if args.keyword:
         cmd += ["-k", args.keyword]
-    print("running: " + " ".join(cmd), file=sys.stderr)
-    rc = subprocess.call(cmd, cwd=bench.parent)
-    if rc != 0:
-        print(f"error: benchmarks failed (pytest exit code {rc})", file=sys.stderr)
-        return 1
+    steps = [cmd]
+    overlap = bench / "bench_overlap.py"
+    if args.overlap:
+        if not overlap.is_file():
+            raise UsageError(f"--overlap: {overlap} not found")
+        steps.append([sys.executable, str(overlap)])
     render = bench / "render_results.py"
     if render.is_file():
-        rc = subprocess.call([sys.executable, str(render), str(json_path)], cwd=bench.parent)
+        render_cmd = [sys.executable, str(render), "--ops", str(json_path)]
+        if args.quick:  # a smoke run must not replace the committed bench/RESULTS.md
+            render_cmd += [
+                "--out",
+                str((out / "RESULTS.md").resolve()),
+                "--png",
+                str((out / "ops_bandwidth.png").resolve()),
+            ]
+        steps.append(render_cmd)
+    for step in steps:
+        print("running: " + " ".join(step), file=sys.stderr, flush=True)
+        rc = subprocess.call(step, cwd=bench.parent)
         if rc != 0:
-            print(f"error: {render} failed (exit code {rc})", file=sys.stderr)
+            print(
+                f"error: {Path(step[1 if step[1] != '-m' else 3]).name} failed (exit code {rc})",
+                file=sys.stderr,
+            )
             return 1
-    else:
+    if not render.is_file():
         print(f"note: {render} not found; raw results are in {json_path}", file=sys.stderr)
-    print(f"benchmark JSON: {json_path}")
+    rendered = (out / "RESULTS.md") if args.quick else (bench / "RESULTS.md")
+    print(f"benchmark JSON: {json_path}" + (f"; rendered {rendered}" if render.is_file() else ""))
     return 0
 
 
