@@ -53,9 +53,16 @@ def launch_options(t: torch.Tensor, warps: int = GPU_WARPS) -> dict[str, object]
     return {"num_warps": warps if not interpreted(t) else 1, "enable_fp_fusion": False}
 
 
+PROGRAMS_PER_SM = 4  # grid of the fixed-order reductions: enough programs to keep every SM busy
+
+
 @functools.cache
 def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_index(t: torch.Tensor) -> int:
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 def finite_max(dtype: torch.dtype) -> float:

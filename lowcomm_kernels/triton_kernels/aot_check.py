@@ -55,11 +55,12 @@ def _variants(quick: bool) -> Iterator[tuple[str, Any, dict[str, str], dict[str,
                     "one_minus_alpha": "fp64", "beta": "fp64", "lam": "fp64"},
                    {"HAS_MOMENTUM": mom, "NESTEROV": nest, "HAS_SENT": sent, "HAS_ALPHA": alpha,
                     "BLOCK": block})
-        for mom, nest in [(True, True)] if quick else [(True, True), (True, False), (False, True)]:
-            yield (f"taylor_norms {dt} avg={a} momentum={mom} nesterov={nest}",
+        for (mom, nest), final in itertools.product(
+                [(True, True)] if quick else [(True, True), (True, False), (False, True)], [True, False]):
+            yield (f"taylor_norms {dt} avg={a} momentum={mom} nesterov={nest} final={final}",
                    outer_merge._taylor_norms_kernel,
-                   {**ptrs, "out_ptr": "*fp64", "n": "i64", "lr": "fp64", "momentum": "fp64"},
-                   {"HAS_MOMENTUM": mom, "NESTEROV": nest, "BLOCK": block})
+                   {**ptrs, "dst_ptr": "*fp64", "n": "i64", "lr": "fp64", "momentum": "fp64", "NPROG": "i32"},
+                   {"HAS_MOMENTUM": mom, "NESTEROV": nest, "FINAL": final, "BLOCK": block})
     keys = ("n", "k", "a0", "a1", "a2", "a3", "c0", "c1", "c2", "c3", "shift", "bitmask")
     yield ("mask_perm", mask_indices._mask_perm_kernel, {"out_ptr": "*i64", **{k: "i64" for k in keys}},
            {"BLOCK": block})
@@ -77,6 +78,8 @@ def _variants(quick: bool) -> Iterator[tuple[str, Any, dict[str, str], dict[str,
             yield (f"fragment_norms {dt} ord={ord_} final={final}", fragment_norms._fragment_norms_kernel,
                    {"buf_ptr": f"*{dt}", "offsets_ptr": "*i64", "out_ptr": "*fp64", "P": "i32"},
                    {"ORD": ord_, "FINAL": final, "BLOCK": block})
+    yield ("taylor_norms_finish", outer_merge._taylor_norms_finish_kernel,
+           {"partial_ptr": "*fp64", "out_ptr": "*fp64", "NPROG": "i32"}, {"P_BLOCK": 1024})
     for ord_ in [1, 2]:
         yield (f"fragment_norms_finish ord={ord_}", fragment_norms._fragment_norms_finish_kernel,
                {"partial_ptr": "*fp64", "out_ptr": "*fp64", "P": "i32"}, {"ORD": ord_, "P_BLOCK": 512})

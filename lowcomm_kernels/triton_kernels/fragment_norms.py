@@ -19,9 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import GPU_BLOCK, block_size, block_sum, interpreted, launch_options, sm_count
-
-PROGRAMS_PER_SM = 4
+from ._launch import (
+    GPU_BLOCK,
+    PROGRAMS_PER_SM,
+    block_size,
+    block_sum,
+    device_index,
+    interpreted,
+    launch_options,
+    sm_count,
+)
 
 
 @triton.jit
@@ -73,8 +80,7 @@ def programs_per_segment(buf: torch.Tensor, n: int, nseg: int) -> int:
     per program on average."""
     if interpreted(buf):
         return 1
-    index = buf.device.index if buf.device.index is not None else torch.cuda.current_device()
-    want = triton.cdiv(PROGRAMS_PER_SM * sm_count(index), nseg)
+    want = triton.cdiv(PROGRAMS_PER_SM * sm_count(device_index(buf)), nseg)
     return max(1, min(want, triton.cdiv(n, nseg * GPU_BLOCK)))
 
 

@@ -29,7 +29,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import block_size, block_sum, launch_options, load_block, store_block
+from ._launch import (
+    PROGRAMS_PER_SM,
+    block_size,
+    block_sum,
+    device_index,
+    interpreted,
+    launch_options,
+    load_block,
+    sm_count,
+    store_block,
+)
 
 
 @triton.jit
@@ -107,8 +117,9 @@ def _outer_merge_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, n,
 
 
 @triton.jit
-def _taylor_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum,
+def _taylor_terms(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum,
                   HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MASKED: tl.constexpr):
+    """Per lane (v², (v·v·D)²) in float64; masked lanes give v = 0, so they add nothing."""
     g = load_block(g_ptr, offs, n, MASKED)
     dt = g.dtype
     d = load_block(avg_ptr, offs, n, MASKED).to(dt)
@@ -119,29 +130,54 @@ def _taylor_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum,
     g_new, u_new = _outer_step(g, u, d, tl.cast(lr, dt), tl.cast(momentum, dt), HAS_MOMENTUM, NESTEROV)
     x = load_block(x_ptr, offs, n, MASKED)
     sent = load_block(sent_ptr, offs, n, MASKED)
-    v = (x - sent).to(tl.float64)  # masked lanes: v = 0, so they add nothing
+    v = (x - sent).to(tl.float64)
     corr = v * v * (g_new - sent).to(tl.float64)
-    return block_sum(v * v), block_sum(corr * corr)
+    return v * v, corr * corr
 
 
 @triton.jit
-def _taylor_norms_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, out_ptr, n,
-                         lr: tl.float64, momentum: tl.float64,
-                         HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, BLOCK: tl.constexpr):
-    """out[0] += Σ v²,  out[1] += Σ (v·v·D)²  over this program's block, in float64, with
-    v = x − x_sent and D = g_new − x_sent for the g_new the outer step would produce (computed in
-    registers; nothing is written but out). v and D are formed in the data dtype, then widened,
-    as in ``taylor_norms_ref``. One fp64 atomic per program and sum."""
-    start = tl.program_id(0).to(tl.int64) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
-    if start + BLOCK <= n:
-        sv, sc = _taylor_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, HAS_MOMENTUM,
-                               NESTEROV, False)
+def _taylor_norms_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, dst_ptr, n,
+                         lr: tl.float64, momentum: tl.float64, NPROG,
+                         HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, FINAL: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Program p of NPROG sums, over blocks p, p+NPROG, … in order and lane-wise in float64,
+
+        Σ v²  and  Σ (v·v·D)²,   v = x − x_sent,  D = g_new − x_sent,
+
+    for the g_new the outer step would produce (computed in registers, nothing mutated). v and D
+    are formed in the data dtype, then widened, as in ``taylor_norms_ref``. FINAL (NPROG == 1):
+    dst[0] += Σ v², dst[1] += Σ (v·v·D)² (dst = out); otherwise dst[p] and dst[NPROG + p] get
+    the partials, summed by ``_taylor_norms_finish_kernel``. No float atomics: bit-identical
+    from call to call for a fixed NPROG."""
+    pid = tl.program_id(0)
+    acc_v = tl.full([BLOCK], 0.0, tl.float64)
+    acc_c = tl.full([BLOCK], 0.0, tl.float64)
+    for start in range(pid.to(tl.int64) * BLOCK, n, NPROG * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        if start + BLOCK <= n:
+            tv, tc = _taylor_terms(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum,
+                                   HAS_MOMENTUM, NESTEROV, False)
+        else:
+            tv, tc = _taylor_terms(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum,
+                                   HAS_MOMENTUM, NESTEROV, True)
+        acc_v += tv
+        acc_c += tc
+    if FINAL:
+        tl.store(dst_ptr, tl.load(dst_ptr) + block_sum(acc_v))
+        tl.store(dst_ptr + 1, tl.load(dst_ptr + 1) + block_sum(acc_c))
     else:
-        sv, sc = _taylor_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, HAS_MOMENTUM,
-                               NESTEROV, True)
-    tl.atomic_add(out_ptr, sv)
-    tl.atomic_add(out_ptr + 1, sc)
+        tl.store(dst_ptr + pid, block_sum(acc_v))
+        tl.store(dst_ptr + NPROG + pid, block_sum(acc_c))
+
+
+@triton.jit
+def _taylor_norms_finish_kernel(partial_ptr, out_ptr, NPROG, P_BLOCK: tl.constexpr):
+    """out[0] += Σ_p partial[p], out[1] += Σ_p partial[NPROG + p]: one fixed-shape sum each."""
+    p = tl.arange(0, P_BLOCK)
+    sv = block_sum(tl.load(partial_ptr + p, mask=p < NPROG, other=0.0))
+    sc = block_sum(tl.load(partial_ptr + NPROG + p, mask=p < NPROG, other=0.0))
+    tl.store(out_ptr, tl.load(out_ptr) + sv)
+    tl.store(out_ptr + 1, tl.load(out_ptr + 1) + sc)
 
 
 def launch_outer_merge(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
@@ -169,16 +205,31 @@ def launch_outer_merge(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor
 
 def launch_taylor_norms(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
                         x_sent: torch.Tensor, lr: float, momentum: float, nesterov: bool,
-                        out: torch.Tensor) -> None:
+                        out: torch.Tensor, *, programs: int | None = None) -> None:
     """Add [Σ v², Σ (v⊙v⊙D)²] into `out`, a float64 (2,) tensor zeroed by the caller.
 
-    Same operands as ``launch_outer_merge``; nothing but `out` is written. The sums use fp64
-    atomics, so on a GPU their last bits may vary between calls (they only set λ_eff's scale).
+    Same operands as ``launch_outer_merge``; nothing but `out` is written. Deterministic (no
+    float atomics): one program on the interpreter; on a GPU ``programs`` (default a few per SM)
+    each sum a strided set of blocks into a 2·programs float64 scratch (a few KB, the one
+    allocation), which a second launch adds into `out` in a fixed order.
     """
     n = g.numel()
     if n == 0:
         return
     block = block_size(g, n)
-    _taylor_norms_kernel[(triton.cdiv(n, block),)](
-        g, u, delta_avg, x, x_sent, out, n, float(lr), float(momentum),
-        HAS_MOMENTUM=momentum != 0.0, NESTEROV=bool(nesterov), BLOCK=block, **launch_options(g))
+    if programs is None:
+        gpu_programs = PROGRAMS_PER_SM * sm_count(device_index(g)) if not interpreted(g) else 1
+        programs = min(gpu_programs, triton.cdiv(n, block))
+    nprog = int(programs)
+    if nprog < 1:
+        raise ValueError(f"programs must be >= 1, got {nprog}")
+    flags = dict(HAS_MOMENTUM=momentum != 0.0, NESTEROV=bool(nesterov), BLOCK=block)
+    if nprog == 1:
+        _taylor_norms_kernel[(1,)](g, u, delta_avg, x, x_sent, out, n, float(lr), float(momentum), 1,
+                                   FINAL=True, **flags, **launch_options(g))
+        return
+    partial = torch.empty(2 * nprog, dtype=torch.float64, device=g.device)
+    _taylor_norms_kernel[(nprog,)](g, u, delta_avg, x, x_sent, partial, n, float(lr), float(momentum), nprog,
+                                   FINAL=False, **flags, **launch_options(g))
+    _taylor_norms_finish_kernel[(1,)](partial, out, nprog, P_BLOCK=triton.next_power_of_2(nprog),
+                                      **launch_options(out, warps=1))
