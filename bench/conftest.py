@@ -3,7 +3,8 @@
 Run (from the repository root):
     .venv/bin/python -m pytest bench/bench_ops.py --benchmark-json bench/results/ops.json
 CI smoke (one tiny size, proves the suite and the renderer work end to end):
-    LOWCOMM_BENCH_SIZES=64K .venv/bin/python -m pytest bench/bench_ops.py --benchmark-json bench/results/ops.json
+    LOWCOMM_BENCH_SIZES=64K .venv/bin/python -m pytest bench/bench_ops.py \
+        --benchmark-json bench/results/ops.json
     (or ``--quick``; ``--bench-sizes=1M,16M`` overrides both).
 
 Sizes come from ``--bench-sizes``, else ``LOWCOMM_BENCH_SIZES`` (a benchmark knob, read only in
@@ -33,8 +34,8 @@ IMPLS = ("memcpy_nt", "torch_copy", "ref", "compile", "fused")
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("lowcomm bench")
     group.addoption("--bench-sizes", default=None,
-                    help=f"comma-separated fp32 element counts, e.g. 1M,16M,64M (default {workloads.DEFAULT_SIZES}, "
-                         f"or ${workloads.SIZES_ENV})")
+                    help=f"comma-separated fp32 element counts, e.g. 1M,16M,64M "
+                         f"(default {workloads.DEFAULT_SIZES}, or ${workloads.SIZES_ENV})")
     group.addoption("--quick", action="store_true", help=f"CI smoke run: only {QUICK_SIZES} elements")
     group.addoption("--bench-threads", type=int, default=2, help="torch / OpenMP threads (default 2)")
 

@@ -97,7 +97,8 @@ def identical(name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
                           f"{a.reshape(-1)[bad].item()!r} != {e.reshape(-1)[bad].item()!r}")
 
 
-def rand(n: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+def rand(n: int, dtype: torch.dtype, device: torch.device, gen: torch.Generator,
+         scale: float = 1.0) -> torch.Tensor:
     return (torch.rand(n, dtype=torch.float64, generator=gen) * 2 - 1).mul_(scale).to(dtype).to(device)
 
 
@@ -128,7 +129,7 @@ def check_outer_merge(backend: str, n: int, dtype: torch.dtype, avg: torch.dtype
         ref = [t.double() for t in (g, u, d, x, x_sent)]
         outer_merge_ref(*ref, **kw)
         outer_merge_(g, u, d, x, x_sent, backend=backend, **kw)
-        for name, got, want in zip("gux", (g, u, x), (ref[0], ref[1], ref[3])):
+        for name, got, want in zip("gux", (g, u, x), (ref[0], ref[1], ref[3]), strict=True):
             elementwise_close(f"{mode}: {name}", got, want)
 
 
@@ -185,7 +186,8 @@ def plan(backend: str, dev: torch.device, sizes: tuple[int, ...], gen: torch.Gen
             out.append(("sparse", case, None if skip else
                         (lambda n=n, dt=dt, low=low: check_sparse(backend, n, dt, low, dev, gen)), skip))
             if low is dt:
-                out.append(("fragment_norms", case, lambda n=n, dt=dt: check_norms(backend, n, dt, dev, gen), ""))
+                out.append(("fragment_norms", case,
+                            lambda n=n, dt=dt: check_norms(backend, n, dt, dev, gen), ""))
         out.append(("mask_indices", f"n={n}", lambda n=n: check_mask(backend, n, dev), ""))
     return out
 
@@ -210,7 +212,8 @@ def run(dev: torch.device, backends: list[str], sizes: tuple[int, ...], seed: in
                 except CheckFailed as exc:
                     status, detail = "FAIL", str(exc)
                 except Exception as exc:  # a crash is a failure too, with its traceback's last line
-                    status, detail = "FAIL", f"{type(exc).__name__}: {exc} @ {traceback.format_exc().splitlines()[-3].strip()}"
+                    where = traceback.format_exc().splitlines()[-3].strip()
+                    status, detail = "FAIL", f"{type(exc).__name__}: {exc} @ {where}"
             results.append(dict(backend=backend, op=op, case=case, status=status, detail=detail[:600],
                                 seconds=round(time.perf_counter() - t0, 3)))
             if status == "FAIL":
@@ -229,14 +232,17 @@ def summary_md(results: list[dict], dev_name: str) -> str:
         lines.append(f"| {b} | {op} | {count['pass']} | {count['FAIL']} | {count['skip']} |")
     fails = [r for r in results if r["status"] == "FAIL"]
     if fails:
-        lines += ["", "Failures:", ""] + [f"- {r['backend']} {r['op']} {r['case']}: {r['detail'][:300]}" for r in fails]
+        lines += ["", "Failures:", ""]
+        lines += [f"- {r['backend']} {r['op']} {r['case']}: {r['detail'][:300]}" for r in fails]
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (tests this script without a GPU)")
-    ap.add_argument("--backends", default=None, help="comma-separated (default: every non-ref backend available)")
+    ap.add_argument("--device", default="cuda",
+                    help="cuda (default) or cpu (tests this script without a GPU)")
+    ap.add_argument("--backends", default=None,
+                    help="comma-separated (default: every non-ref backend available)")
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated element counts")
     ap.add_argument("--seed", type=int, default=20261202)
     ap.add_argument("--json", type=Path, default=None, help="write the per-check results here")

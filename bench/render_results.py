@@ -64,11 +64,11 @@ def load_rows(path: Path) -> tuple[dict, dict[tuple[str, int], dict[str, dict]]]
     return data, rows
 
 
-def derive(rows: dict[str, dict], op_bytes: int) -> dict[str, dict]:
+def derive(rows: dict[str, dict]) -> dict[str, object]:
     """Adds pct (of the memcpy row), vs_ref, vs_compile to each op row; returns the baseline used."""
     base = rows.get("memcpy_nt") or rows.get("torch_copy")
     base_name = "memcpy_nt" if "memcpy_nt" in rows else ("torch_copy" if base else None)
-    for impl, r in rows.items():
+    for r in rows.values():
         r["pct"] = 100.0 * r["gbps"] / base["gbps"] if base else None
         r["vs_ref"] = rows["ref"]["time"] / r["time"] if "ref" in rows else None
         r["vs_compile"] = rows["compile"]["time"] / r["time"] if "compile" in rows else None
@@ -104,8 +104,8 @@ def machine_section(data: dict, path: Path) -> list[str]:
     lc = data.get("lowcomm", {})
     v = mi.get("versions", {})
     la0, la1 = mi.get("loadavg_start"), lc.get("loadavg_end")
-    load = (f"{la0[0]:.2f} / {la0[1]:.2f} / {la0[2]:.2f} at start, {la1[0]:.2f} / {la1[1]:.2f} / {la1[2]:.2f} "
-            "at end (1 / 5 / 15 min)") if la0 and la1 else "not recorded"
+    three = lambda la: " / ".join(f"{x:.2f}" for x in la)  # noqa: E731
+    load = f"{three(la0)} at start, {three(la1)} at end (1 / 5 / 15 min)" if la0 and la1 else "not recorded"
     return [
         "## Machine and run",
         "",
@@ -113,8 +113,9 @@ def machine_section(data: dict, path: Path) -> list[str]:
         f"({mi.get('cpu_flags', '')}); {mi.get('threads', '?')} threads (torch and OpenMP)",
         f"- Load average: {load}. The machine is shared with other engineers: absolute figures "
         "move with their load, ratios within one run are the comparable quantity.",
-        f"- Versions: torch {v.get('torch', '?')}, triton {v.get('triton', '?')}, python {v.get('python', '?')}, "
-        f"lowcomm_kernels {v.get('lowcomm_kernels', '?')} ({v.get('native', '?')}), git {v.get('git', '?')}",
+        f"- Versions: torch {v.get('torch', '?')}, triton {v.get('triton', '?')}, "
+        f"python {v.get('python', '?')}, lowcomm_kernels {v.get('lowcomm_kernels', '?')} "
+        f"({v.get('native', '?')}), git {v.get('git', '?')}",
         f"- Run: {data.get('datetime', '?')} UTC; memcpy row: {mi.get('memcpy', '?')}",
         f"- Command: `{lc.get('command', '?')}` then `.venv/bin/python bench/render_results.py` "
         f"(source: `{path.relative_to(HERE.parent) if path.is_relative_to(HERE.parent) else path}`)",
@@ -124,12 +125,13 @@ def machine_section(data: dict, path: Path) -> list[str]:
 
 def headline(data: dict, rows: dict) -> list[str]:
     out = ["## Targets (issue 2): pack and outer_merge_ at ≥ 16M fp32 elements, fused CPU backend", "",
-           "| workload | size | fused | GB/s | % of memcpy | vs eager ref | vs torch.compile(ref) | verdict |",
+           "| workload | size | fused | GB/s | % of memcpy | vs eager ref | vs torch.compile(ref) "
+           "| verdict |",
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     wl = data.get("lowcomm", {}).get("workloads", {})
     any_row = False
-    for (name, n), r in sorted(rows.items(), key=lambda kv: (list(wl).index(kv[0][0]) if kv[0][0] in wl else 99,
-                                                             kv[0][1])):
+    order = {name: i for i, name in enumerate(wl)}
+    for (name, n), r in sorted(rows.items(), key=lambda kv: (order.get(kv[0][0], 99), kv[0][1])):
         if not wl.get(name, {}).get("target") or n < TARGET_MIN_N or "fused" not in r:
             continue
         f = r["fused"]
@@ -168,9 +170,11 @@ def op_tables(data: dict, rows: dict) -> list[str]:
                 if impl == "fused" and x.get("backend") == "ref":
                     label += " ⚠ native backend missing"
                 show_ratio = impl in ("compile", "fused", "ref")
-                out.append(f"| {size_label(n)} | {x['bytes'] / 1e6:.1f} MB | {label} | {fmt_time(x['time'])} | "
-                           f"{x['gbps']:.1f} | {pct(x['pct'])} | {ratio(x['vs_ref']) if show_ratio else '—'} | "
-                           f"{ratio(x['vs_compile']) if show_ratio else '—'} | {x['rounds']} |")
+                vs_ref = ratio(x["vs_ref"]) if show_ratio else "—"
+                vs_compile = ratio(x["vs_compile"]) if show_ratio else "—"
+                out.append(f"| {size_label(n)} | {x['bytes'] / 1e6:.1f} MB | {label} | "
+                           f"{fmt_time(x['time'])} | {x['gbps']:.1f} | {pct(x['pct'])} | {vs_ref} | "
+                           f"{vs_compile} | {x['rounds']} |")
         out.append("")
     notes = data.get("lowcomm", {}).get("notes", [])
     if notes:
@@ -182,8 +186,11 @@ def memcpy_summary(rows: dict) -> list[str]:
     """nt copy vs torch copy_ per size, from the rows with the largest byte count per size."""
     best: dict[int, dict] = {}
     for (_, n), r in rows.items():
-        if "memcpy_nt" in r and "torch_copy" in r and r["memcpy_nt"]["bytes"] > best.get(n, {}).get("bytes", 0):
-            best[n] = {"bytes": r["memcpy_nt"]["bytes"], "nt": r["memcpy_nt"]["gbps"], "cp": r["torch_copy"]["gbps"]}
+        if "memcpy_nt" not in r or "torch_copy" not in r:
+            continue
+        if r["memcpy_nt"]["bytes"] > best.get(n, {}).get("bytes", 0):
+            best[n] = {"bytes": r["memcpy_nt"]["bytes"], "nt": r["memcpy_nt"]["gbps"],
+                       "cp": r["torch_copy"]["gbps"]}
     if not best:
         return ["⚠ **No non-temporal memcpy row in this run** (the native library lacked `lc_copy_nt`): "
                 "% of memcpy is taken against torch `copy_`, which understates the roofline.", ""]
@@ -226,14 +233,15 @@ def chart(rows: dict, data: dict, out: Path) -> bool:
     impls = [("ref", "#bbbbbb"), ("compile", "#6a9fd8"), ("fused", "#d8792a")]
     fig, axes = plt.subplots(len(sizes), 1, figsize=(12, 3.2 * len(sizes)), squeeze=False, sharey=True)
     width = 0.8 / len(impls)
-    for ax, n in zip(axes[:, 0], sizes):
+    for ax, n in zip(axes[:, 0], sizes, strict=True):
         for j, (impl, color) in enumerate(impls):
             vals = [rows.get((w, n), {}).get(impl, {}).get("pct") or 0.0 for w in names]
             xs = [i + (j - 1) * width for i in range(len(names))]
             bars = ax.bar(xs, vals, width, label=IMPL_LABEL[impl], color=color)
             if impl == "fused":
-                ax.bar_label(bars, labels=[f"{v:.0f}" for v in vals], fontsize=7, padding=1)
-                for x, v in zip(xs, vals):
+                labels = [f"{v:.0f}" if v <= YMAX_PCT else "" for v in vals]
+                ax.bar_label(bars, labels=labels, fontsize=7, padding=1)
+                for x, v in zip(xs, vals, strict=True):
                     if v > YMAX_PCT:
                         ax.text(x, YMAX_PCT * 0.97, f"{v:.0f}", ha="center", va="top", fontsize=7)
         ax.axhline(TARGET_PCT, color="k", ls="--", lw=0.8)
@@ -242,7 +250,8 @@ def chart(rows: dict, data: dict, out: Path) -> bool:
         ax.set_ylabel("% of nt memcpy")
         ax.set_xticks(range(len(names)), [w.replace("/", "\n") for w in names], fontsize=8)
     axes[0, 0].legend(fontsize=8, ncols=3, loc="upper right")
-    fig.suptitle("Bandwidth as % of a non-temporal memcpy of the same bytes (dashed: 80% target)", fontsize=11)
+    fig.suptitle("Bandwidth as % of a non-temporal memcpy of the same bytes (dashed: the 80% target)",
+                 fontsize=11)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -252,8 +261,8 @@ def chart(rows: dict, data: dict, out: Path) -> bool:
 def render(ops: Path, out: Path, png: Path) -> str:
     previous = out.read_text() if out.exists() else ""
     data, rows = load_rows(ops)
-    for (name, n), r in rows.items():
-        derive(r, next(iter(r.values()))["bytes"])
+    for r in rows.values():
+        derive(r)
     lines = ["# Benchmark results", "",
              f"Rendered {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC by `bench/render_results.py`. "
              "CPU suite: `bench/bench_ops.py` (pytest-benchmark); GPU: `bench/gpu_check.sh`; overlap: "
@@ -261,8 +270,8 @@ def render(ops: Path, out: Path, png: Path) -> str:
     lines += machine_section(data, ops)
     lines += headline(data, rows)
     if chart(rows, data, png):
-        lines += [f"![% of memcpy per op]({png.relative_to(out.parent) if png.is_relative_to(out.parent) else png})",
-                  ""]
+        rel = png.relative_to(out.parent) if png.is_relative_to(out.parent) else png
+        lines += [f"![% of memcpy per op]({rel})", ""]
     lines += memcpy_summary(rows)
     lines += op_tables(data, rows)
     lines += ["## Overlap of communication with compute (runtime)", ""] + include("overlap", previous)

@@ -129,7 +129,8 @@ def _pack_workload(wire: torch.dtype, label: str) -> Workload:
         name=f"pack/{label}", op="pack", entry="lc_pack", setup=setup,
         nbytes=lambda n: n * (4 + 4 + wire_size + 4),  # read g, x; write delta, snapshot
         ref=lambda b: pack_ref(b["g"], b["x"], wire_dtype=wire, snapshot=True),
-        compile_target=target, compile_args=lambda b: dict(g=b["g"], x=b["x"], delta=b["delta"], snap=b["snap"]),
+        compile_target=target,
+        compile_args=lambda b: dict(g=b["g"], x=b["x"], delta=b["delta"], snap=b["snap"]),
         fused=lambda b, backend: pack(b["g"], b["x"], wire_dtype=wire, delta_out=b["delta"],
                                       snapshot_out=b["snap"], backend=backend),
         note="read g, x; write delta (wire dtype), snapshot", target=True)
@@ -190,7 +191,8 @@ def _scatter_workload(density: float) -> Workload:
     return Workload(
         name=f"sparse_scatter_merge/d={density:g}", op="sparse_scatter_merge_",
         entry="lc_sparse_scatter_merge", setup=_sparse_setup(density),
-        nbytes=lambda n: max(1, int(n * density)) * (8 + 4 + 4 + 4 + 4),  # read idx, x[idx], avg, sent; write x[idx]
+        # read idx, x[idx], avg, sent; write x[idx]
+        nbytes=lambda n: max(1, int(n * density)) * (8 + 4 + 4 + 4 + 4),
         ref=lambda b: sparse_scatter_merge_ref(b["x"], b["idx"], b["avg"], b["sent"], beta=1.0),
         compile_target=target,
         compile_args=lambda b: dict(x=b["x"], idx=b["idx"], avg=b["avg"], sent=b["sent"]),
@@ -266,7 +268,8 @@ def cpu_copy_nt(dst: torch.Tensor, src: torch.Tensor) -> None:
     (torch's copy_ pays a hidden read-for-ownership of dst, BUILD-NOTES.md)."""
     lib = _native.cpu_lib()
     assert lib is not None
-    _native.check(lib.lc_copy_nt(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size()), "lc_copy_nt")
+    rc = lib.lc_copy_nt(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())
+    _native.check(rc, "lc_copy_nt")
 
 
 def copy_buffers(op_bytes: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
