@@ -30,6 +30,9 @@ import workloads
 
 CPU = torch.device("cpu")
 BUDGET_S = 0.5          # timed seconds per row (the slow eager rows take MIN_ROUNDS anyway)
+# The memcpy row is the denominator of every % in RESULTS.md: give its minimum more chances to
+# land in a quiet moment of the shared machine (a depressed roofline would flatter the ops).
+MEMCPY_BUDGET_S = 1.0
 MIN_ROUNDS, MAX_ROUNDS = 3, 200
 
 
@@ -61,12 +64,12 @@ def _compiled_fn(w: workloads.Workload, n: int) -> Callable:
     return _compiled[key]
 
 
-def _rounds(fn: Callable[[], object]) -> int:
+def _rounds(fn: Callable[[], object], budget: float) -> int:
     fn()  # first call: compiles, faults pages in, fills caches
     t0 = time.perf_counter()
     fn()
     one = time.perf_counter() - t0
-    return int(min(MAX_ROUNDS, max(MIN_ROUNDS, BUDGET_S / max(one, 1e-7))))
+    return int(min(MAX_ROUNDS, max(MIN_ROUNDS, budget / max(one, 1e-7))))
 
 
 def test_op(benchmark, case, request) -> None:
@@ -98,7 +101,7 @@ def test_op(benchmark, case, request) -> None:
             fn = lambda: w.fused(b, None)  # noqa: E731
 
     try:
-        rounds = _rounds(fn)
+        rounds = _rounds(fn, MEMCPY_BUDGET_S if impl in ("memcpy_nt", "torch_copy") else BUDGET_S)
     except Exception as exc:  # a peer that cannot run is a finding: record it, do not hide it
         reason = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
         request.config._lowcomm_notes.append(f"{w.name} {workloads.size_label(n)} {impl}: {reason}")
