@@ -96,7 +96,8 @@ class Strategy:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
-            raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
+            raise TypeError("inner_optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(inner_optimizer).__name__}")
         if on_nonfinite not in NONFINITE_MODES:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}")
         if outer_device not in ("model", "cpu"):
@@ -113,7 +114,8 @@ class Strategy:
         if wire_dtype is None:
             wire_dtype = dtype
         if wire_dtype not in (dtype, torch.bfloat16):
-            raise TypeError(f"wire_dtype must be {dtype} (the parameters' dtype) or torch.bfloat16, got {wire_dtype}")
+            raise TypeError(f"wire_dtype must be {dtype} (the parameters' dtype) or torch.bfloat16, "
+                            f"got {wire_dtype}")
         self.wire_dtype = wire_dtype
         self.on_nonfinite = on_nonfinite
         self.device = self.frags.device
@@ -293,7 +295,8 @@ class Strategy:
         except FileNotFoundError:
             raise
         except Exception as e:
-            raise CheckpointError(f"cannot read checkpoint {os.fspath(path)!r}: {type(e).__name__}: {e}") from e
+            raise CheckpointError(f"cannot read checkpoint {os.fspath(path)!r}: "
+                                  f"{type(e).__name__}: {e}") from e
         self._check_shape(obj)
         self._check_shape(obj.get("strategy"))
         with torch.no_grad():

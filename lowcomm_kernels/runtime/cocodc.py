@@ -38,7 +38,8 @@ class CoCoDC(DenseStrategy):
     needs_snapshot = True
     local_keys = ("ts_last",)
 
-    def __init__(self, model, inner_optimizer, *, sync_every: int, num_fragments: int, fragment_sync_delay: int,
+    def __init__(self, model, inner_optimizer, *, sync_every: int, num_fragments: int,
+                 fragment_sync_delay: int,
                  lam: float = 0.5, lam_mode: str = "normalized", gamma: float = 0.4,
                  syncs_per_period: str | int = "auto", score: str = "l2_global", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, **common: Any) -> None:
@@ -68,7 +69,8 @@ class CoCoDC(DenseStrategy):
                                  f"sync_every // fragment_sync_delay = {self.n_max}]")
             self.auto = False
         super().__init__(model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau, outer_lr=outer_lr,
-                         outer_momentum=outer_momentum, nesterov=nesterov, beta=1.0, lam=lam, lam_mode=lam_mode,
+                         outer_momentum=outer_momentum, nesterov=nesterov, beta=1.0, lam=lam,
+                         lam_mode=lam_mode,
                          **common)
         self.K = K
         self.N = K if self.auto else int(syncs_per_period)

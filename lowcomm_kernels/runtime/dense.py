@@ -17,6 +17,7 @@ All ranks start from rank 0's parameters (broadcast at construction), so g is id
 
 from __future__ import annotations
 
+import datetime
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -59,9 +60,12 @@ def broadcast_initial(strategy: Strategy) -> None:
     src = dist.get_global_rank(strategy.group, 0)
     work = dist.broadcast(strategy.frags.flat, src=src, group=strategy.group, async_op=True)
     try:
-        work.wait()
+        ok = work.wait(timeout=datetime.timedelta(seconds=strategy.transport.timeout_s))
     except Exception as e:
         raise SyncError(f"initial broadcast of the parameters from rank {src} failed: {e}") from e
+    if ok is False:
+        raise SyncError(f"initial broadcast of the parameters from rank {src} did not complete within "
+                        f"{strategy.transport.timeout_s} s")
 
 
 class DenseStrategy(Strategy):
@@ -165,7 +169,8 @@ class DenseStrategy(Strategy):
         p = pd.fragment
         control = pd.control.cpu().tolist()  # tiny; the skip decision must be known on the host
         t0 = time.perf_counter()
-        skipped = self._nonfinite(control[0], f"{self.method} sync of fragment {p} sent at step {pd.send_step}")
+        what = f"{self.method} sync of fragment {p} sent at step {pd.send_step}"
+        skipped = self._nonfinite(control[0], what)
         with nvtx("merge"):
             g_p, u_p, x_p = self.frags.slice(self.g, p), self.frags.slice(self.u, p), self.frags.x(p)
             if skipped:
@@ -195,7 +200,8 @@ class DenseStrategy(Strategy):
             "g": self.g.detach().cpu().clone(), "u": self.u.detach().cpu().clone(),
             "applied_count": self.applied_count,
             "pending": [{"fragment": pd.fragment, "send_step": pd.send_step, "apply_step": pd.apply_step,
-                         "delta": pd.delta.detach().cpu().clone(), "control": pd.control.detach().cpu().clone(),
+                         "delta": pd.delta.detach().cpu().clone(),
+                         "control": pd.control.detach().cpu().clone(),
                          "x_sent": None if pd.x_sent is None else pd.x_sent.detach().cpu().clone(),
                          "reason": pd.reason} for pd in self.pending],
             "schedule": self._schedule_state(),
@@ -218,7 +224,8 @@ class DenseStrategy(Strategy):
                 for p in range(self.frags.num_fragments)]
         sched = repr((self.step_count, [(pd.fragment, pd.send_step, pd.apply_step) for pd in self.pending],
                       sorted((k, v) for k, v in self._schedule_state().items() if k not in self.local_keys)))
-        vals.append(("schedule state", tensor_hash(torch.frombuffer(bytearray(sched.encode()), dtype=torch.uint8))))
+        sched_bytes = torch.frombuffer(bytearray(sched.encode()), dtype=torch.uint8)
+        vals.append(("schedule state", tensor_hash(sched_bytes)))
         return vals
 
 

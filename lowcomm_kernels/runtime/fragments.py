@@ -25,7 +25,7 @@ from typing import Union
 import torch
 from torch import nn
 
-FragmentSpec = Union[None, Sequence[object], Callable[[nn.Module], Sequence[object]]]
+FragmentSpec = Union[None, Sequence[object], Callable[[nn.Module], Sequence[object]]]  # noqa: UP007 (runtime alias)
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module] | None:

@@ -144,7 +144,8 @@ class LOSCAR(Strategy):
                     pd.wire.div_(self.world)
                 ops.sparse_scatter_merge_(self.frags.flat, pd.idx, pd.wire, pd.sent, beta=MERGES[self.merge])
         self._record(SyncRecord(fragment=-1, send_step=pd.send_step, apply_step=t, bytes=pd.wire_bytes,
-                                in_flight_s=pd.in_flight_s, exposed_s=pd.exposed_s, staleness=t - pd.send_step,
+                                in_flight_s=pd.in_flight_s, exposed_s=pd.exposed_s,
+                                staleness=t - pd.send_step,
                                 skipped=skipped, round=pd.round, pack_s=pd.pack_s,
                                 merge_s=time.perf_counter() - t0))
 
@@ -190,4 +191,5 @@ class LOSCAR(Strategy):
     def _guard_values(self) -> list[tuple[str, int]]:
         sched = torch.tensor([self.round, self.seed, self.k, self.d], dtype=torch.int64)
         idx = ops.mask_indices(self.seed, self.round, self.d, self.k, device=self.frags.device)
-        return [("LOSCAR round / seed / k", tensor_hash(sched)), (f"mask of round {self.round}", tensor_hash(idx))]
+        return [("LOSCAR round / seed / k", tensor_hash(sched)),
+                (f"mask of round {self.round}", tensor_hash(idx))]

@@ -103,7 +103,8 @@ class Handle:
                     ok = w.wait(timeout=timeout)
                 except Exception as e:  # gloo: peer closed / timeout; NCCL: aborted communicator
                     raise SyncError(f"{self.name} failed after {time.perf_counter() - self.t_send:.1f} s "
-                                    f"(a peer died or the link broke; timeout {self._transport.timeout_s} s): "
+                                    f"(a peer died or the link broke; "
+                                    f"timeout {self._transport.timeout_s} s): "
                                     f"{type(e).__name__}: {e}") from e
                 if ok is False:
                     raise SyncError(f"{self.name} did not complete within {self._transport.timeout_s} s")
@@ -148,7 +149,8 @@ class Transport:
     def side_stream(self) -> torch.cuda.Stream | None:
         return self._side
 
-    def all_reduce(self, tensors: list[torch.Tensor], *, name: str, payload_bytes: int | None = None) -> Handle:
+    def all_reduce(self, tensors: list[torch.Tensor], *, name: str,
+                   payload_bytes: int | None = None) -> Handle:
         """Start SUM all-reduces of ``tensors`` (in place). ``payload_bytes`` (default: all of them)
         is what the WAN model charges; tiny control tensors travel beside the payload."""
         if payload_bytes is None:

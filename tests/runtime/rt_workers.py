@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 from rt_common import batch, inner_step, loss_fn, make_model, make_opt  # noqa: E402
-from torch.utils._pytree import tree_leaves  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import lowcomm_kernels.runtime as rt  # noqa: E402
 from lowcomm_kernels.runtime.base import tensor_hash  # noqa: E402
@@ -33,7 +33,8 @@ class AllocLog(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        ins = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        ins = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)}
         for o in tree_leaves(out):
             if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in ins:
                 self.max_numel = max(self.max_numel, o.numel())
@@ -57,8 +58,6 @@ def run_one(rank: int, sc: dict, group=None, start: int = 0, model=None, opt=Non
     if model is None:
         model = make_model(dtype, **sc.get("model_kw", {}))
         opt = make_opt(model)
-        if sc.get("freeze_lr_fragment") is not None:
-            pass  # handled after the strategy exists (needs its fragment map)
     records, g_hashes, masks = [], [], []
     kw = dict(sc["kw"])
     if strategy is None:
@@ -86,7 +85,10 @@ def run_one(rank: int, sc: dict, group=None, start: int = 0, model=None, opt=Non
     err = None
     try:
         for t in range(start + 1, T + 1):
-            inner_step(model, opt, rank, t) if "inject_nan" not in sc else _nan_step(model, opt, rank, t, sc, strategy)
+            if "inject_nan" in sc:
+                _nan_step(model, opt, rank, t, sc, strategy)
+            else:
+                inner_step(model, opt, rank, t)
             if sc.get("corrupt_g") and sc["corrupt_g"][:2] == (rank, t):
                 with torch.no_grad():
                     strategy.frags.slice(strategy.g, sc["corrupt_g"][2]).add_(1.0)
@@ -171,7 +173,8 @@ def killed_run(rank: int, world: int, sc: dict) -> dict:
             if t % sc["ckpt_every"] == 0:
                 st.save_checkpoint(os.path.join(sc["ckpt_dir"], f"rank{rank}.pt"))
     except Exception as e:
-        return {"error": f"{type(e).__name__}: {e}", "after_kill_s": time.monotonic() - (t_kill or time.monotonic()),
+        return {"error": f"{type(e).__name__}: {e}",
+                "after_kill_s": time.monotonic() - (t_kill or time.monotonic()),
                 "step": st.step_count}
     return {"error": None, "step": st.step_count}
 
@@ -239,7 +242,8 @@ def config_errors(rank: int, world: int, scenarios: list[dict]) -> dict:
         model = make_model(torch.float32)
         for p in model.parameters():
             p.requires_grad_(False)
-        return CLASSES["diloco"](model, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), sync_every=4)
+        other = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        return CLASSES["diloco"](model, other, sync_every=4)
 
     cases = {
         "too_many_fragments": mk("streaming", sync_every=20, num_fragments=5, fragment_sync_delay=1),

@@ -25,7 +25,8 @@ def _equal_bits(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("cls,kw,T,at", [
     # checkpoint while fragment 1 is in flight (sent at 4, applied at 6)
     ("streaming", {"sync_every": 8, "num_fragments": 2, "fragment_sync_delay": 2}, 26, 5),
-    ("cocodc", {"sync_every": 8, "num_fragments": 2, "fragment_sync_delay": 2, "syncs_per_period": 4}, 26, 11),
+    ("cocodc", {"sync_every": 8, "num_fragments": 2, "fragment_sync_delay": 2, "syncs_per_period": 4},
+     26, 11),
     ("loscar", {"density": 0.4, "local_steps": 3, "overlap_steps": 2}, 26, 9),
 ])
 def test_resume_is_bit_identical(tmp_path, cls, kw, T, at):
@@ -53,11 +54,21 @@ def test_sigkill_peer_survivor_raises_then_restart_is_bit_identical(tmp_path):
     res = spawn_local(f"{WORKERS}:killed_run", 2, (sc,), timeout_s=120, allow_dead=(1,))
     assert res[1] is None  # the victim died
     err = res[0]["error"]
-    assert err is not None and err.startswith("SyncError") and "fragment" in err and "sent at step" in err, err
+    assert err is not None and err.startswith("SyncError"), err
+    assert "fragment" in err and "sent at step" in err, err
     assert res[0]["after_kill_s"] < kw["timeout_s"] + 5
     # restart every rank from the last checkpoint (step 10), finish the run
-    restarted = spawn_local(f"{WORKERS}:resume_only", 2, ({**base, "ckpt_dir": str(killed_dir)},), timeout_s=120)
-    full = spawn_local(f"{WORKERS}:run_scenarios", 2, ([{**base, "name": "full"}],), timeout_s=120)
+    restarted = spawn_local(f"{WORKERS}:resume_only", 2, ({**base, "ckpt_dir": str(killed_dir)},),
+                            timeout_s=120)
+    full = spawn_local(f"{WORKERS}:run_scenarios", 2,
+                       ([{**base, "name": "full", "ckpt_at": 10, "ckpt_dir": str(full_dir)}],), timeout_s=120)
     for r in range(2):
+        # the survivor's last checkpoint is the uninterrupted run's state at step 10, bit for bit
+        killed = torch.load(killed_dir / f"rank{r}.pt", weights_only=True)
+        clean = torch.load(full_dir / f"rank{r}.pt", weights_only=True)
+        assert killed["strategy"]["step"] == clean["strategy"]["step"] == 10
+        _equal_bits(killed["model"], clean["model"])
+        for key in ("g", "u"):
+            assert torch.equal(killed["strategy"][key], clean["strategy"][key]), key
         assert restarted[r]["error"] is None
         _equal_bits(restarted[r]["params"], full[r]["full"]["params"])

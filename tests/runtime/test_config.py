@@ -23,7 +23,8 @@ SIZE1 = [
      "kw": {"sync_every": 8, "num_fragments": 2, "fragment_sync_delay": 2}},
     {"name": "cocodc", "cls": "cocodc", "T": 16,
      "kw": {"sync_every": 8, "num_fragments": 2, "fragment_sync_delay": 2, "syncs_per_period": 4}},
-    {"name": "loscar", "cls": "loscar", "T": 12, "kw": {"density": 0.5, "local_steps": 2, "overlap_steps": 1}},
+    {"name": "loscar", "cls": "loscar", "T": 12,
+     "kw": {"density": 0.5, "local_steps": 2, "overlap_steps": 1}},
 ]
 
 EXPECTED = {  # case -> (exception type, words the message must contain)
@@ -64,8 +65,8 @@ def test_group_of_size_one_trains_like_the_simulation(result):
         r = runs[sc["name"]]
         assert r["error"] is None and r["num_syncs"] > 0 and r["bytes_sent"] == 0
         if sc["cls"] == "loscar":
-            sim = simulate_loscar(1, 4, density=0.5, local_steps=[2], overlap_steps=[1], merge="delay_corrected",
-                                  seed=0)
+            sim = simulate_loscar(1, 4, density=0.5, local_steps=[2], overlap_steps=[1],
+                                  merge="delay_corrected", seed=0)
         else:
             kw = sc["kw"]
             extra = {} if sc["cls"] == "diloco" else {"K": 2, "tau": 2}
