@@ -133,3 +133,10 @@ def test_bad_input(backend, what, over, exc, arg, close):
     kw.update(over)
     bufs = [t for t in (kw["buf"], kw["offsets"]) if isinstance(t, torch.Tensor)]
     close.assert_rejected(lambda: fragment_norms(**kw), exc, arg, bufs)
+
+
+@ORD
+@F64_F32
+def test_unaligned_view(backend, dtype, ord, rng, close):
+    buf = torch.randn(5000, generator=rng, dtype=torch.float64).to(dtype)[3:4999]
+    _check(backend, buf, _offsets(buf.numel(), 7, rng), ord, close)

@@ -382,3 +382,24 @@ def test_bad_input_rejected_and_nothing_written(backend, dtype, close):
             close.assert_rejected(functools.partial(outer_merge_, *args, **kw), exc, arg, buffers)
         except AssertionError as e:
             raise AssertionError(f"case {what!r}: {e}") from e
+
+
+@F64_F32
+@pytest.mark.parametrize("n", [1, 7, 33, 4099])
+def test_unaligned_views_and_no_overrun(backend, n, dtype, rng, close):
+    """Operands at different odd offsets inside larger buffers: the ref's result, and the elements
+    around g, u and x are not written."""
+    g, u, avg, x, xs = _state(n, dtype, rng)
+    bufs, views = [], []
+    for off, t in zip((1, 2, 3, 5, 7), (g, u, avg, x, xs), strict=True):
+        buf = torch.full((n + 16,), 7.0, dtype=dtype)
+        buf[off : off + n] = t
+        bufs.append((buf, off))
+        views.append(buf[off : off + n])
+    ref = [t.clone() for t in (g, u, avg, x, xs)]
+    outer_merge_(*views, backend=backend, **FULL)
+    outer_merge_ref(*ref, **FULL)
+    for i, name in ((0, "g"), (1, "u"), (3, "x")):
+        close.assert_close(views[i], ref[i], scale=SCALE, msg=name)
+    for buf, off in bufs:
+        assert bool((buf[:off] == 7.0).all()) and bool((buf[off + n :] == 7.0).all()), "wrote outside"

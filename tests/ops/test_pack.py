@@ -211,3 +211,28 @@ def test_bad_input_rejected_and_nothing_written(backend, dtype, close):
             close.assert_rejected(functools.partial(pack, g, x, **kwargs), exc, arg, buffers)
         except AssertionError as e:
             raise AssertionError(f"case {what!r}: {e}") from e
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("wire", [None, torch.bfloat16], ids=["wire=g", "wire=bf16"])
+@pytest.mark.parametrize("n", [1, 7, 33, 4099])
+def test_unaligned_views_and_no_overrun(backend, n, dtype, wire, rng, close):
+    """Contiguous views at odd element offsets (misaligned for SIMD, and misaligned differently from
+    each other) give the ref's result, and not one byte around the outputs is written (a vector
+    tail must not run past the end)."""
+    wd = wire or dtype
+    g = torch.randn(n + 3, generator=rng, dtype=torch.float64).to(dtype)[1 : n + 1]
+    x = torch.randn(n + 5, generator=rng, dtype=torch.float64).to(dtype)[3 : n + 3]
+    delta_buf = torch.full((n + 40,), 7.0, dtype=wd)
+    snap_buf = torch.full((n + 40,), 7.0, dtype=dtype)
+    delta_out, snap_out = delta_buf[1 : n + 1], snap_buf[3 : n + 3]
+    pack(g, x, wire_dtype=wire, delta_out=delta_out, snapshot_out=snap_out, backend=backend)
+    ref = (g - x).to(wd)
+    if wd == torch.bfloat16:
+        assert torch.equal(delta_out.view(torch.int16), ref.view(torch.int16))
+    else:
+        close.assert_close(delta_out, ref)
+    assert torch.equal(snap_out, x)
+    sentinel = torch.tensor(7.0, dtype=wd)
+    assert bool((delta_buf[:1] == sentinel).all()) and bool((delta_buf[n + 1 :] == sentinel).all())
+    assert bool((snap_buf[:3] == 7.0).all()) and bool((snap_buf[n + 3 :] == 7.0).all())

@@ -233,3 +233,26 @@ def test_scatter_merge_bad_input(backend, dtype, close):
             close.assert_rejected(functools.partial(sparse_scatter_merge_, *args, **kw), exc, arg, bufs)
         except AssertionError as e:
             raise AssertionError(f"case {what!r}: {e}") from e
+
+
+@pytest.mark.op("sparse_gather", "sparse_scatter_merge_")
+@F64_F32
+@pytest.mark.parametrize("k", [1, 7, 33, 1001])
+def test_unaligned_views_and_no_overrun(backend, k, dtype, rng, close):
+    n = 3000
+    x_buf = torch.randn(n + 8, generator=rng, dtype=torch.float64).to(dtype)
+    x = x_buf[3 : n + 3]
+    idx = _idx(n, k, rng)
+    out_buf = torch.full((k + 20,), 7.0, dtype=dtype)
+    out = out_buf[1 : k + 1]
+    sparse_gather(x, idx, out=out, backend=backend)
+    assert torch.equal(out, x[idx])
+    assert bool((out_buf[:1] == 7.0).all()) and bool((out_buf[k + 1 :] == 7.0).all())
+    avg_buf = torch.randn(k + 5, generator=rng, dtype=torch.float64).to(dtype)
+    avg, sent = avg_buf[1 : k + 1], out
+    x_before = x_buf.clone()
+    expected = x.clone()
+    sparse_scatter_merge_ref(expected, idx, avg, sent, beta=1.0)
+    sparse_scatter_merge_(x, idx, avg, sent, beta=1.0, backend=backend)
+    close.assert_close(x, expected, scale=4.0)
+    assert torch.equal(x_buf[:3], x_before[:3]) and torch.equal(x_buf[n + 3 :], x_before[n + 3 :])
