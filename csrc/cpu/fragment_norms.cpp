@@ -49,7 +49,7 @@ void norms(const T* buf, const int64_t* offsets, int64_t nseg, int ord, double* 
   }
   const int64_t nb = first_block[nseg];
   std::vector<double> partial(static_cast<size_t>(nb));
-#pragma omp parallel if (nb >= 8)
+#pragma omp parallel if (nb * kReduceBlock >= kParallelMin)
   {
     int64_t b0, b1;
     thread_range(nb, omp_get_thread_num(), omp_get_num_threads(), 1, b0, b1);
