@@ -130,11 +130,23 @@ class TrainSpec:
             or (isinstance(self.syncs_per_period, int) and self.syncs_per_period >= 1),
             f"syncs_per_period must be 'auto' or an int >= 1, got {self.syncs_per_period!r}",
         )
-        if self.method in ("streaming", "cocodc"):
+        # The runtime's schedule constraints, checked here so bad input fails before any spawn.
+        K, H, tau = self.num_fragments, self.sync_every, self.fragment_sync_delay
+        if self.method == "streaming":
+            need(K <= H, f"fragments ({K}) must be <= sync_every ({H})")
             need(
-                self.fragment_sync_delay < self.sync_every,
-                f"fragment_sync_delay ({self.fragment_sync_delay}) must be < sync_every ({self.sync_every})",
+                tau < H // K,
+                f"delay ({tau}) must be < sync_every // fragments = {H // K} (the per-fragment period)",
             )
+        if self.method == "cocodc":
+            need(tau * K <= H, f"delay x fragments ({tau * K}) must be <= sync_every ({H})")
+            if isinstance(self.syncs_per_period, int):
+                n_max = H if tau == 0 else H // tau
+                need(
+                    K <= self.syncs_per_period <= n_max,
+                    f"syncs_per_period ({self.syncs_per_period}) must lie in [fragments={K}, "
+                    f"sync_every // delay = {n_max}]",
+                )
         if self.local_steps is not None:
             need(self.local_steps >= 1, f"local_steps must be >= 1, got {self.local_steps}")
         if self.overlap_steps is not None:

@@ -1,0 +1,58 @@
+"""The open-question studies: their configurations, and one tiny end-to-end study run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from test_cli import TINY
+
+from lowcomm_kernels.cli import main
+from lowcomm_kernels.train.spec import TrainSpec
+from lowcomm_kernels.train.studies import STUDIES
+
+BASE = TrainSpec(steps=300, sync_every=50, num_fragments=4, fragment_sync_delay=5)
+
+
+def test_matched_study_equalises_sync_counts():
+    cfg = dict(STUDIES["matched"](BASE))
+    stream8 = cfg["Streaming DiLoCo, 8 syncs/H"]
+    coco8 = cfg["CoCoDC adaptive, 8 syncs/H"]
+    # Streaming sends K fragments per sync_every: halving it gives 2K = 8 fragment syncs per H = 50
+    assert stream8.method == "streaming" and 50 // stream8.sync_every * stream8.num_fragments == 8
+    assert coco8.method == "cocodc" and coco8.syncs_per_period == 8 and coco8.sync_every == 50
+    assert cfg["Streaming DiLoCo, 4 syncs/H"].sync_every == 50
+    rr = [s for label, s in cfg.items() if "round-robin" in label]
+    assert all(s.score == "round_robin" and s.syncs_per_period == 8 for s in rr)
+
+
+def test_lambda_gamma_overlap_grids():
+    lam = dict(STUDIES["lambda"](BASE))
+    assert len(lam) == 7 and lam["lambda=0"].lam == 0.0
+    assert {(s.lam, s.lam_mode) for s in lam.values() if s.lam > 0} == {
+        (v, m) for v in (0.1, 0.5, 1.0) for m in ("absolute", "normalized")
+    }
+    assert all(s.syncs_per_period == 8 for s in lam.values())  # only the merge changes
+    gam = dict(STUDIES["gamma"](BASE))
+    assert sorted(s.gamma for s in gam.values()) == [0.1, 0.2, 0.4, 0.8]
+    assert all(s.syncs_per_period == "auto" for s in gam.values())
+    ov = STUDIES["overlap"](BASE)
+    assert {s.fragment_sync_delay for _, s in ov} == {1, 5, 10}
+    assert {s.method for _, s in ov} == {"streaming", "cocodc"}
+
+
+@pytest.mark.slow
+def test_tiny_matched_study_writes_table_and_plot(tmp_path: Path):
+    out = tmp_path / "study"
+    # Streaming at 2K syncs per H halves H: tau = 1 < (8 // 2) // K = 2; CoCoDC's N = 2K = 4 <= H / tau = 8
+    args = [*TINY, "--sync-every", "8"]
+    assert main(["compare", "--study", "matched", "--seeds", "2", *args, "--out", str(out)]) == 0
+    table = (out / "matched.md").read_text()
+    assert "Command: `lowcomm compare --study matched --seeds 2`" in table
+    assert "Streaming DiLoCo, 2 syncs/H" in table and "CoCoDC adaptive, 4 syncs/H" in table
+    assert " ± " in table
+    assert (out / "matched.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads((out / "results.json").read_text())
+    seeds = {(r["name"], r["config"]["seed"]) for r in doc["runs"]}
+    assert len(seeds) == len(doc["runs"])  # each configuration ran with 2 distinct seeds
