@@ -106,13 +106,21 @@ def outcome(call, violations, buffers):
 def data(
     seed: int, n: int, dtype: torch.dtype, layout: str = "contiguous", scale: float = 1.0
 ) -> torch.Tensor:
-    """n values of `dtype` laid out contiguously or as a stride-2 view (non-contiguous when n >= 2)."""
+    """n values of `dtype`: "contiguous"; "offset", a contiguous view at storage offset 1 (misaligned
+    for SIMD); "strided", a stride-2 view; "transposed", a transposed 2-D view (the last two are
+    non-contiguous once n >= 2, resp. n >= 4 and even)."""
     gen = torch.Generator().manual_seed(seed)
     if dtype in (torch.int64, torch.int32):
         base = torch.randint(-5, 5, (2 * n,), generator=gen, dtype=dtype)
     else:
         base = (scale * torch.randn(2 * n, generator=gen, dtype=torch.float64)).to(dtype)
-    return base[::2] if layout == "strided" else base[:n].clone()
+    if layout == "strided":
+        return base[::2]
+    if layout == "offset":
+        return base[1 : n + 1]
+    if layout == "transposed" and n % 2 == 0:
+        return base[:n].view(2, n // 2).t()
+    return base[:n].clone()
 
 
 def scalar(lo: float, hi: float, *, bad: tuple = ()) -> st.SearchStrategy:
@@ -129,8 +137,12 @@ float_dtype = st.sampled_from(FLOATS)
 any_dtype = st.sampled_from(
     [torch.float32, torch.float64, torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64]
 )
-layouts = st.sampled_from(["contiguous"] * 5 + ["strided"])
+layouts = st.sampled_from(["contiguous"] * 4 + ["offset"] * 2 + ["strided", "transposed"])
 seeds = st.integers(0, 2**31)
+
+
+def contiguous_layout(layout: str) -> bool:
+    return layout in ("contiguous", "offset")
 
 
 def cleaned(clean: bool, value, good, bad_when=None):

@@ -83,16 +83,18 @@ def test_g_may_alias_x(backend):
 def test_nonfinite_counts_the_written_delta(backend, dtype, wire, rng):
     n = 4099
     g, x = _inputs(n, dtype, rng)
-    picks = torch.randperm(n, generator=rng)[:40]
+    picks = torch.randperm(n, generator=rng)[:45]
     g[picks[:10]] = float("nan")
     g[picks[10:20]] = float("inf")
     x[picks[20:30]] = float("-inf")
     x[picks[30:35]] = float("inf")
     g[picks[30:35]] = float("inf")  # inf - inf = nan
-    want = 35
+    big = torch.finfo(dtype).max
+    g[picks[35:40]], x[picks[35:40]] = big, -big  # finite operands, the difference overflows
+    want = 40
     if dtype == torch.float64 and wire is torch.bfloat16:
-        g[picks[35:40]] = 1e39  # finite in fp64, overflows to inf on the bf16 wire
-        want = 40
+        g[picks[40:45]] = 1e39  # finite in fp64, overflows to inf on the bf16 wire
+        want = 45
     delta, _, nonfinite = pack(g, x, wire_dtype=wire, backend=backend)
     assert int(nonfinite) == want == int((~torch.isfinite(delta)).sum())
     assert int(pack_ref(g, x, wire_dtype=wire)[2]) == want
