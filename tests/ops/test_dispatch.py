@@ -63,6 +63,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_missing_native_library_falls_back_to_ref_with_one_warning(tmp_path):
     env = dict(os.environ, LOWCOMM_NATIVE_LIB=str(tmp_path / "liblowcomm_cpu_missing.so"))
     env.pop("LOWCOMM_BACKEND", None)

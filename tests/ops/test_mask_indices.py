@@ -83,6 +83,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_same_sets_in_another_process(tmp_path, backends_for):
     """No process state (hash seeds, RNG, thread count) enters the set: a fresh interpreter with a
     different PYTHONHASHSEED and one OpenMP thread computes the same indices on every backend."""

@@ -73,6 +73,7 @@ def _all_ops(g, u, x, x_sent, delta_avg, buf, offsets):
     return delta, snap, nonfinite, idx, y, norms
 
 
+@pytest.mark.slow
 def test_compile_fullgraph_all_ops(close):
     """One compile (the first costs ~20 s) over every op, on the default backend, against eager."""
     gen = torch.Generator().manual_seed(1)
