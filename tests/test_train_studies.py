@@ -51,8 +51,14 @@ def test_tiny_matched_study_writes_table_and_plot(tmp_path: Path):
     table = (out / "matched.md").read_text()
     assert "Command: `lowcomm compare --study matched --seeds 2`" in table
     assert "Streaming DiLoCo, 2 syncs/H" in table and "CoCoDC adaptive, 4 syncs/H" in table
+    assert "CoCoDC round-robin, 4 syncs/H" in table
     assert " ± " in table
     assert (out / "matched.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = json.loads((out / "results.json").read_text())
     seeds = {(r["name"], r["config"]["seed"]) for r in doc["runs"]}
     assert len(seeds) == len(doc["runs"])  # each configuration ran with 2 distinct seeds
+    rr = [r for r in doc["runs"] if "round-robin" in r["name"]]
+    assert len(rr) == 2
+    for r in rr:  # cyclic order: applied syncs spread evenly over the K = 2 fragments
+        counts = r["extra"]["syncs_per_fragment"]
+        assert set(counts) == {"0", "1"} and abs(counts["0"] - counts["1"]) <= 1
