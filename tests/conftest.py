@@ -192,7 +192,7 @@ def _backends_for_fixture() -> Callable[..., list[str]]:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "op(*names): the ops a test exercises; parametrizes `backend` "
+        "op(*names, exclude=()): the ops a test exercises; parametrizes `backend` "
         "(and `device`) over the backends that can run them all",
     )
 
@@ -213,16 +213,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if marker is None:  # the test parametrizes `backend` itself
         return
     ops = marker.args
+    exclude = marker.kwargs.get("exclude", ())  # e.g. exclude=("ref",) for native-path tests
     if "device" in metafunc.fixturenames:
-        params = [pytest.param("cpu", b, id=f"cpu-{b}") for b in backends_for(ops, "cpu")]
+        params = [pytest.param("cpu", b, id=f"cpu-{b}") for b in backends_for(ops, "cpu") if b not in exclude]
         if torch.cuda.is_available():
             params += [
                 pytest.param("cuda", b, id=f"cuda-{b}", marks=pytest.mark.gpu)
                 for b in backends_for(ops, "cuda")
+                if b not in exclude
             ]
         metafunc.parametrize(("device", "backend"), params)
     else:
-        metafunc.parametrize("backend", backends_for(ops, "cpu"))
+        metafunc.parametrize("backend", [b for b in backends_for(ops, "cpu") if b not in exclude])
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

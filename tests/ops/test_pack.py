@@ -238,3 +238,46 @@ def test_unaligned_views_and_no_overrun(backend, n, dtype, wire, rng, close):
     sentinel = torch.tensor(7.0, dtype=wd)
     assert bool((delta_buf[:1] == sentinel).all()) and bool((delta_buf[n + 1 :] == sentinel).all())
     assert bool((snap_buf[:3] == 7.0).all()) and bool((snap_buf[n + 3 :] == 7.0).all())
+
+
+STREAM_N = (1 << 22) + 13  # >= 4M fp32 elements: the csrc streaming-store path; odd tail
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16], ids=["wire=f32", "wire=bf16"])
+@pytest.mark.parametrize(
+    ("delta_off", "snap_off"),
+    [(0, 0), (1, 1), (0, 1), (3, None)],
+    ids=["aligned", "both-offset", "relatively-misaligned", "no-snapshot"],
+)
+@pytest.mark.op("pack", exclude=("ref",))  # the ref has no such path; it is the oracle here
+def test_large_fp32_streaming_path(backend, wire, delta_off, snap_off, rng):
+    """fp32 at >= 4M elements takes a streaming-store path in the native backend (a scalar head up to
+    a common 32-byte alignment of delta and snapshot, 16-element steps split over threads, a tail;
+    plain stores when no common alignment exists). Each case: bit-exact delta (one IEEE subtraction,
+    then one RNE rounding for bf16), exact snapshot, exact non-finite count with non-finite values
+    in the head, the body and the tail, and nothing written around the outputs."""
+    n = STREAM_N
+    g = torch.randn(n, generator=rng, dtype=torch.float32)
+    x = torch.randn(n, generator=rng, dtype=torch.float32)
+    for i in (0, 5, 17, n // 2, n // 2 + 1, n - 1):  # head, first steps, middle, tail
+        g[i] = float("nan") if i % 2 else float("inf")
+    delta_buf = torch.full((n + 40,), 7.0, dtype=wire)
+    delta_out = delta_buf[delta_off : delta_off + n]
+    snap_buf = torch.full((n + 40,), 7.0) if snap_off is not None else None
+    snap_out = snap_buf[snap_off : snap_off + n] if snap_buf is not None else False
+    delta, snap, nonfinite = pack(g, x, delta_out=delta_out, snapshot_out=snap_out, backend=backend)
+    expected = (g - x).to(wire)
+    nan = torch.isnan(expected)
+    assert torch.equal(torch.isnan(delta), nan)
+    bits = torch.int32 if wire == torch.float32 else torch.int16
+    assert torch.equal(delta[~nan].view(bits), expected[~nan].view(bits))
+    assert int(nonfinite) == 6
+    sentinel = torch.tensor(7.0, dtype=wire)
+    assert bool((delta_buf[:delta_off] == sentinel).all()) and bool(
+        (delta_buf[delta_off + n :] == sentinel).all()
+    )
+    if snap_buf is None:
+        assert snap is None
+    else:
+        assert torch.equal(snap.view(torch.int32), x.view(torch.int32))
+        assert bool((snap_buf[:snap_off] == 7.0).all()) and bool((snap_buf[snap_off + n :] == 7.0).all())
