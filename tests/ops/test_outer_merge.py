@@ -70,6 +70,11 @@ CONFIGS = {
     "taylor-abs": dict(lr=0.7, momentum=0.9, beta=1.0, lam=0.5),
     "taylor-normalized": dict(lr=0.7, momentum=0.9, beta=1.0, lam=0.5, lam_mode="normalized"),
     "normalized-lam0": dict(lr=0.7, momentum=0.9, beta=0.5, lam=0.0, lam_mode="normalized"),
+    "normalized-no-momentum": dict(lr=0.5, beta=1.0, lam=0.5, lam_mode="normalized"),
+    "normalized-heavyball": dict(
+        lr=0.5, momentum=0.8, nesterov=False, alpha=0.3, beta=1.0, lam=0.5, lam_mode="normalized"
+    ),
+    "mix-with-unused-x_sent": dict(lr=0.7, momentum=0.9, alpha=0.3),
     "lr0": dict(lr=0.0, momentum=0.9, beta=1.0, lam=0.5),
 }
 
