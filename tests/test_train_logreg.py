@@ -50,3 +50,4 @@ def test_tiny_run_all_variants_decrease_the_objective():
         assert rounds == [0, 2, 4]
         assert r["curve"][-1][1] < r["curve"][0][1]  # f(x̄) dropped from f(0) = ln 2
         assert r["curve"][-1][1] >= r["fstar"] - 1e-9
+        assert r["curve"][-1][2] >= r["curve"][-1][1] - 1e-9  # Jensen: f(mean x_i) <= mean f(x_i)
