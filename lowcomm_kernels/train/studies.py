@@ -153,6 +153,12 @@ def study_plot(name: str, labels: list[str], results: list[RunResult], path: Pat
         m, s = losses.mean(0), losses.std(0, ddof=1) if len(runs) > 1 else np.zeros(n)
         (line,) = ax.plot(steps[1:], m[1:], label=label)  # skip step 0 (initial loss ~5.5) for scale
         ax.fill_between(steps[1:], (m - s)[1:], (m + s)[1:], color=line.get_color(), alpha=0.15)
+    # Zoom on the second half of the run, where the configurations separate (full curves: results.json).
+    late = [p.val_loss for r in results for p in r.points if p.step >= r.points[-1].step // 2]
+    if late:
+        lo, hi = min(late), max(late)
+        ax.set_ylim(lo - 0.1 * (hi - lo), hi + 0.1 * (hi - lo))
+        ax.set_xlim(results[0].points[-1].step // 2, results[0].points[-1].step)
     ax.set_xlabel("inner steps")
     ax.set_ylabel("validation loss (nats/byte), mean ± std")
     ax.set_title(f"study: {name}")
