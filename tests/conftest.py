@@ -6,11 +6,14 @@ Tolerances come from the maths, not from trial and error (STYLE.md §3):
   (outer_merge: the SGD step, then g_new + β·v − λ·v·v·D and the α mix). Each rounding is at most
   ½ ulp of an O(1) intermediate, and a backend may fuse (FMA) or reorder them, so two correct
   implementations differ by at most ~8·eps relative to the inputs' scale: rtol = atol = 8·eps
-  (fp64 ≈ 1.8e-15, fp32 ≈ 9.5e-7 — the "~1e-6 relative" of STYLE.md).
-* **reductions** of n non-negative terms (‖·‖₁, ‖·‖₂²) accumulated in fp64 in different orders
+  (fp64 ≈ 1.8e-15, fp32 ≈ 9.5e-7 — the "~1e-6 relative" of STYLE.md). atol assumes O(1)
+  intermediates; `assert_close(scale=...)` multiplies it by the largest intermediate's magnitude.
+* **reductions** of n non-negative terms (‖·‖₁, ‖·‖₂²), formed identically on both sides, then
+  accumulated in fp64 in different orders
   differ by a relative error that grows like √n·eps_acc for random rounding (and blocked/pairwise
   summation stays well under that); the result is then rounded once to the output dtype:
-  rtol = 8·√n·eps_fp64 + eps_out.
+  rtol = 8·√n·eps_fp64 + eps_out. Terms that carry their own roundings (normalized λ's sums of
+  v⊙v⊙D) need the elementwise rtol added.
 * **bf16 wire**: the spec rounds the exact difference (computed in g's dtype) once to bf16, so a
   correct backend is *bit-identical* to ``(g - x).to(torch.bfloat16)``; the 2⁻⁸ relative bound of
   one bf16 rounding (~4e-3, "~1e-2") is what a consumer of the wire value may assume.
