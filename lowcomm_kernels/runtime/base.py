@@ -145,9 +145,11 @@ class Strategy:
             raise RuntimeError("this strategy is already active (nested `with`?)")
         self._last_end = time.perf_counter()
         self._hook = self.inner_optimizer.register_step_post_hook(lambda opt, args, kwargs: self._on_step())
+        self._open_compute_range()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        self._close_compute_range()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -161,8 +163,21 @@ class Strategy:
                                "already advances the strategy (use one or the other)")
         self._on_step()
 
+    def _open_compute_range(self) -> None:
+        # lowcomm/compute spans the user's code between two hooks (forward, backward, inner step).
+        self._close_compute_range()
+        self._compute_range = nvtx_range("compute")
+        self._compute_range.__enter__()
+
+    def _close_compute_range(self) -> None:
+        cm = getattr(self, "_compute_range", None)
+        self._compute_range = None
+        if cm is not None:
+            cm.__exit__(None, None, None)
+
     def _on_step(self) -> None:
         t0 = time.perf_counter()
+        self._close_compute_range()
         compute = t0 - self._last_end
         self.step_count += 1
         self.metrics.steps = self.step_count
@@ -177,6 +192,7 @@ class Strategy:
         t1 = time.perf_counter()
         self.metrics.overhead_s += max(0.0, (t1 - t0) - (self.metrics.exposed_comm_s - exposed_before))
         self._last_end = t1
+        self._open_compute_range()
 
     def _record(self, rec: SyncRecord) -> None:
         m = self.metrics
@@ -214,6 +230,15 @@ class Strategy:
         raise NotImplementedError
 
     def _guard_values(self) -> list[tuple[str, int]]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        """End of training: wait for and apply every in-flight sync NOW (earlier than scheduled), so
+        the parameters include the last results. Collective; call on every rank at the same step."""
+        with torch.no_grad():
+            self._finish()
+
+    def _finish(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def drain(self) -> None:

@@ -132,6 +132,8 @@ class DenseStrategy(Strategy):
         if any(pd.fragment == p for pd in self.pending):
             raise RuntimeError(f"fragment {p} is already in flight at step {t} (schedule bug)")
         t0 = time.perf_counter()
+        # Pack runs on the compute stream: the next inner step overwrites x, so it has to wait for the
+        # pack either way; only the collective gains from the side stream (Transport.all_reduce).
         with nvtx("pack"):
             g_p = self.frags.slice(self.g, p)
             x_p = self.frags.x(p)
@@ -163,6 +165,10 @@ class DenseStrategy(Strategy):
     def _drain(self) -> None:
         for pd in self.pending:
             self._wait(pd)
+
+    def _finish(self) -> None:
+        while self.pending:
+            self._apply(self.pending.pop(0), self.step_count)
 
     def _apply(self, pd: Pending, t: int) -> None:
         self._wait(pd)

@@ -129,6 +129,12 @@ class LOSCAR(Strategy):
     def _drain(self) -> None:
         self._wait()
 
+    def _finish(self) -> None:
+        if self.inflight is not None:
+            self._apply(self.step_count)
+            self.round += 1
+            self.s = 0
+
     def _apply(self, t: int) -> None:
         self._wait()
         pd = self.inflight

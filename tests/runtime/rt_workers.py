@@ -166,13 +166,19 @@ def killed_run(rank: int, world: int, sc: dict) -> dict:
         for t in range(1, sc["T"] + 1):
             inner_step(model, opt, rank, t)
             if rank == sc["victim"] and t == sc["kill_at"]:
-                os.kill(os.getpid(), signal.SIGKILL)
+                with open(os.path.join(sc["ckpt_dir"], "victim.pid"), "w") as f:
+                    f.write(str(os.getpid()))
+                # SIGKILL: a dead peer (connection reset); SIGSTOP: a hung peer (only the timeout helps)
+                os.kill(os.getpid(), signal.SIGSTOP if sc.get("hang") else signal.SIGKILL)
             if t == sc["kill_at"]:
                 t_kill = time.monotonic()
             st.step()
             if t % sc["ckpt_every"] == 0:
                 st.save_checkpoint(os.path.join(sc["ckpt_dir"], f"rank{rank}.pt"))
     except Exception as e:
+        if sc.get("hang"):  # clean up the stopped victim (our own sibling process)
+            with open(os.path.join(sc["ckpt_dir"], "victim.pid")) as f:
+                os.kill(int(f.read()), signal.SIGKILL)
         return {"error": f"{type(e).__name__}: {e}",
                 "after_kill_s": time.monotonic() - (t_kill or time.monotonic()),
                 "step": st.step_count}
@@ -269,6 +275,16 @@ def config_errors(rank: int, world: int, scenarios: list[dict]) -> dict:
         res = run_one(rank, sc)
         res.pop("_strategy")
         runs[sc["name"]] = res
+    model = make_model(torch.float64)
+    opt = make_opt(model)
+    st = CLASSES["streaming"](model, opt, sync_every=8, num_fragments=2, fragment_sync_delay=2)
+    for t in range(1, 9):  # fragment 1 sent at 4 (applied at 6), fragment 0 sent at 8 (still pending)
+        inner_step(model, opt, rank, t)
+        st.step()
+    before = st.metrics.num_syncs
+    st.finish()
+    finish = {"before": before, "after": st.metrics.num_syncs, "pending": len(st.pending),
+              "x_equals_g": bool(torch.equal(st.frags.x(0), st.frags.slice(st.g, 0)))}
     dist.destroy_process_group()
     out["uninitialised"] = _err(mk("diloco", sync_every=4))
-    return {"errors": out, "runs": runs}
+    return {"errors": out, "runs": runs, "finish": finish}

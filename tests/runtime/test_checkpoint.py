@@ -72,3 +72,15 @@ def test_sigkill_peer_survivor_raises_then_restart_is_bit_identical(tmp_path):
             assert torch.equal(killed["strategy"][key], clean["strategy"][key]), key
         assert restarted[r]["error"] is None
         _equal_bits(restarted[r]["params"], full[r]["full"]["params"])
+
+
+@pytest.mark.slow
+def test_hung_peer_survivor_raises_after_the_timeout(tmp_path):
+    """A stopped (not dead) peer keeps its sockets open: only the per-collective timeout can help."""
+    kw = {"sync_every": 6, "num_fragments": 2, "fragment_sync_delay": 1, "timeout_s": 3.0}
+    sc = {"cls": "streaming", "T": 24, "kw": kw, "dtype": torch.float32, "ckpt_dir": str(tmp_path),
+          "ckpt_every": 100, "victim": 1, "kill_at": 8, "hang": True}
+    res = spawn_local(f"{WORKERS}:killed_run", 2, (sc,), timeout_s=120, allow_dead=(1,))
+    err = res[0]["error"]
+    assert err is not None and err.startswith("SyncError") and "fragment" in err, err
+    assert kw["timeout_s"] - 0.5 <= res[0]["after_kill_s"] < kw["timeout_s"] + 10, res[0]

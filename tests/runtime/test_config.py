@@ -82,3 +82,9 @@ def test_wan_rejects_bad_values():
         WAN(-1.0, 1e9)
     with pytest.raises(ValueError, match="bandwidth_bytes_per_s"):
         WAN(0.05, 0)
+
+
+def test_finish_applies_pending_results_now(result):
+    f = result["finish"]
+    # one sync applied on schedule, the pending one applied by finish(); overwrite merge: x_0 = g_0
+    assert (f["before"], f["after"], f["pending"], f["x_equals_g"]) == (1, 2, 0, True)
