@@ -1,4 +1,4 @@
-"""``lowcomm``: compare the methods, train one, run the studies, profile a run, run the benchmarks.
+"""lowcomm: compare the methods, train one, run the studies, profile a run, run the benchmarks.
 
 Exit codes: 0 success; 2 bad input (one line on stderr, no traceback); 1 a run failed.
 """
