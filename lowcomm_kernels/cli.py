@@ -11,13 +11,14 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from .train.errors import UsageError  # noqa: E402  (re-exported for callers)
 from .train.spec import LAM_MODES, MERGES, METHODS, SCORES, WIRE_DTYPES
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line instead of usage + message
+    def error(self, message: str) -> NoReturn:  # one line instead of usage + message
         raise UsageError(f"{self.prog}: {message}")
 
 

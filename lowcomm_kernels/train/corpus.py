@@ -108,6 +108,7 @@ def load_corpus(
     """
     if not 0.0 < val_fraction < 1.0:
         raise CorpusError(f"val_fraction must be in (0, 1), got {val_fraction}")
+    suffixes: tuple[str, ...]
     if path is None:
         root, suffixes, skip, source = stdlib_root(), (".py",), _STDLIB_SKIP_DIRS, "python-stdlib"
     else:

@@ -27,6 +27,8 @@ import argparse
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -128,7 +130,7 @@ def run_one(
     world: int,
     group: object,
     eval_group: object,
-) -> list[tuple[int, float]]:
+) -> list[tuple[int, float, float]]:
     """One LOSCAR run on this rank; returns [(round, f(mean_i x_i))] (identical on all ranks)."""
     from ..runtime import LOSCAR
 
@@ -177,7 +179,7 @@ def run_one(
     return curve
 
 
-def _worker(rank: int, world: int, port: int, cfg: LogregConfig, jobs: list, queue: object) -> None:
+def _worker(rank: int, world: int, port: int, cfg: LogregConfig, jobs: list, queue: Any) -> None:
     import traceback
 
     torch.set_num_threads(1)
@@ -286,7 +288,7 @@ def summarise(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: list[dict], path: object) -> None:
+def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -134,6 +134,7 @@ class TinyLlama(nn.Module):
         # GPT-2 style scaled init of the residual projections keeps the residual stream's
         # variance independent of depth.
         for block in self.blocks:
+            assert isinstance(block, Block)
             for w in (block.attn.wo.weight, block.mlp.w2.weight):
                 nn.init.normal_(w, std=0.02 / math.sqrt(2 * cfg.n_layers))
 

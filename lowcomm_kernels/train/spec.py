@@ -7,6 +7,7 @@ receives (it pickles), so a run is fully described by it and it is saved beside 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from .model import ModelConfig
 
@@ -157,7 +158,7 @@ class TrainSpec:
                 f"worker_speeds needs {self.workers} positive values, got {self.worker_speeds}",
             )
 
-    def with_(self, **changes: object) -> TrainSpec:
+    def with_(self, **changes: Any) -> TrainSpec:
         return replace(self, **changes)
 
     def to_dict(self) -> dict:

@@ -88,10 +88,10 @@ def build_strategy(
         "wan": rt.WAN(spec.latency_s, spec.bandwidth_bytes_per_s),
         "wire_dtype": _WIRE[spec.wire_dtype],
     }
-    outer = {"outer_lr": spec.outer_lr, "outer_momentum": spec.outer_momentum}
+    outer: dict[str, Any] = {"outer_lr": spec.outer_lr, "outer_momentum": spec.outer_momentum}
     if spec.method == "diloco":
         return rt.DiLoCo(model, optimizer, sync_every=spec.sync_every, **outer, **common)
-    stream = {
+    stream: dict[str, Any] = {
         "sync_every": spec.sync_every,
         "num_fragments": spec.num_fragments,
         "fragment_sync_delay": spec.fragment_sync_delay,
@@ -103,7 +103,8 @@ def build_strategy(
     if spec.method == "cocodc":
         from ..runtime import cocodc as _cocodc
 
-        cls, score = rt.CoCoDC, spec.score
+        cls: Any = rt.CoCoDC
+        score = spec.score
         if score == "round_robin" and "round_robin" not in getattr(_cocodc, "SCORES", ()):
             cls, score = _round_robin_cocodc(), "l2_global"  # scores computed but unused by the choice
         return cls(

@@ -224,7 +224,7 @@ def train_one(
     cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
     dist.all_reduce(cpu, group=eval_group)
     result.extra = dict(m.extra, eval_s=eval_s, setup_s=t_start - t_setup, cpu_s_all_ranks=float(cpu))
-    if prof is not None:
+    if prof is not None and spec.profile_dir is not None:
         os.makedirs(spec.profile_dir, exist_ok=True)
         trace = os.path.join(spec.profile_dir, f"trace_rank{rank}.json")
         prof.export_chrome_trace(trace)
