@@ -32,14 +32,15 @@ def _fixed_order_sum(v: torch.Tensor) -> torch.Tensor:
 def fragment_norms_ref(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2) -> torch.Tensor:
     flat = buf.reshape(-1).double()
     bounds = offsets.tolist()
-    seg = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+    seg = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
     norms = [_fixed_order_sum(s.abs()) if ord == 1 else _fixed_order_sum(s * s).sqrt() for s in seg]
     if not norms:
         return torch.empty(0, dtype=buf.dtype, device=buf.device)
     return torch.stack(norms).to(buf.dtype)
 
 
-def _norms_launch(buf: torch.Tensor, offsets: torch.Tensor, ord: int, out: torch.Tensor, backend: str) -> None:
+def _norms_launch(buf: torch.Tensor, offsets: torch.Tensor, ord: int, out: torch.Tensor,
+                  backend: str) -> None:
     nseg = offsets.numel() - 1
     if nseg <= 0:
         return
@@ -72,6 +73,7 @@ def _(buf, offsets, ord, backend):
     return buf.new_empty(max(offsets.shape[0] - 1, 0))
 
 
+@torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
 def fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2,
                    backend: str | None = None) -> torch.Tensor:
     """Norms of the K segments [offsets[i], offsets[i+1]) of `buf` (flattened).

@@ -44,8 +44,9 @@ def mask_keys(seed: int, round: int, n: int) -> tuple[list[int], list[int], int,
     return adds, muls, max(1, (bits + 1) // 2), bitmask
 
 
-def _permute_once(x: torch.Tensor, adds: list[int], muls: list[int], shift: int, bitmask: int) -> torch.Tensor:
-    for a, c in zip(adds, muls):
+def _permute_once(x: torch.Tensor, adds: list[int], muls: list[int], shift: int,
+                  bitmask: int) -> torch.Tensor:
+    for a, c in zip(adds, muls, strict=False):
         x = (x + a) & bitmask
         x = (x * c) & bitmask  # int64 products wrap mod 2^64; the low b bits are exact
         x = x ^ (x >> shift)
@@ -91,7 +92,8 @@ def _mask_perm_launch(n: int, k: int, keys, out: torch.Tensor, backend: str) -> 
 
 
 @torch.library.custom_op("lowcomm::mask_indices", mutates_args=())
-def _mask_indices_op(seed: int, round: int, n: int, k: int, device: torch.device, backend: str) -> torch.Tensor:
+def _mask_indices_op(seed: int, round: int, n: int, k: int, device: torch.device,
+                     backend: str) -> torch.Tensor:
     out = torch.empty(k, dtype=torch.int64, device=device)
     _mask_perm_launch(n, k, mask_keys(seed, round, n), out, backend)
     return torch.sort(out).values

@@ -131,6 +131,7 @@ def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_
     return None
 
 
+@torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
 def outer_merge_(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
                  x_sent: torch.Tensor | None = None, *, lr: float, momentum: float = 0.0,
                  nesterov: bool = True, alpha: float = 0.0, beta: float = 0.0, lam: float = 0.0,

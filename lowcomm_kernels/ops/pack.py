@@ -62,6 +62,7 @@ def _(g, x, delta, snapshot, backend):
     return g.new_empty((), dtype=torch.int64)
 
 
+@torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
 def pack(g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = None,
          delta_out: torch.Tensor | None = None, snapshot_out: torch.Tensor | None | bool = None,
          backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:

@@ -83,6 +83,7 @@ def _(x, idx, avg, sent, beta, backend):
     return None
 
 
+@torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
 def sparse_gather(x: torch.Tensor, idx: torch.Tensor, *, out: torch.Tensor | None = None,
                   backend: str | None = None) -> torch.Tensor:
     """y = x.flatten()[idx]. x: fp32/fp64 contiguous; idx: 1-D int64 in [0, x.numel()) (duplicates
@@ -104,6 +105,7 @@ def sparse_gather(x: torch.Tensor, idx: torch.Tensor, *, out: torch.Tensor | Non
     return out
 
 
+@torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
 def sparse_scatter_merge_(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor, *,
                           beta: float = 1.0, backend: str | None = None) -> None:
     """x[idx] <- avg + beta·(x[idx] − sent), in place on x.
