@@ -42,7 +42,9 @@ def available(backend: str, device: torch.device, entry: str | None = None) -> b
             return False
         return device.type == "cuda" or (device.type == "cpu" and triton_interpreted())
     if backend == "cuda":
-        return device.type == "cuda" and (_native.cuda_has(entry) if entry else _native.cuda_lib() is not None)
+        if device.type != "cuda":
+            return False
+        return _native.cuda_has(entry) if entry else _native.cuda_lib() is not None
     return False
 
 
@@ -67,7 +69,7 @@ def resolve(backend: str | None, device: torch.device, entry: str | None = None)
         raise ValueError(f"backend must be one of {_config.BACKENDS}, got {chosen!r}")
     if not available(chosen, device, entry):
         why = {
-            "cpu": "the native library did not load (see the warning at import) or the data is not on the CPU",
+            "cpu": "the native library did not load (see the import warning) or the data is not on the CPU",
             "triton": "Triton is not importable, or the data is on the CPU without TRITON_INTERPRET=1",
             "cuda": "liblowcomm_cuda was not built (LOWCOMM_WITH_CUDA=ON) or the data is not on a GPU",
         }[chosen]
