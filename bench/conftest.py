@@ -58,9 +58,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config._lowcomm_load_start = os.getloadavg()  # type: ignore[attr-defined]
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    if "case" not in metafunc.fixturenames:
-        return
+def _row_cases(metafunc: pytest.Metafunc) -> None:
     cases, ids = [], []
     # Workload-major, then size, then implementation: the five rows of one (op, size) run back to
     # back on the same buffers, so their ratios compare like with like on a noisy shared machine.
@@ -70,6 +68,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
                 cases.append((w, n, impl))
                 ids.append(f"{w.name}-{workloads.size_label(n)}-{impl}")
     metafunc.parametrize("case", cases, ids=ids)
+
+
+def _interleaved_cases(metafunc: pytest.Metafunc) -> None:
+    sizes = bench_sizes(metafunc.config)
+    # The targets are defined at >= 16M; a smoke run (only small sizes) still exercises the code.
+    big = [n for n in sizes if n >= 16 << 20] or sizes[:1]
+    cases = [(w, n) for w in workloads.WORKLOADS if w.target for n in big]
+    metafunc.parametrize("icase", cases, ids=[f"{w.name}-{workloads.size_label(n)}" for w, n in cases])
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "icase" in metafunc.fixturenames:
+        _interleaved_cases(metafunc)
+    if "case" in metafunc.fixturenames:
+        _row_cases(metafunc)
 
 
 def _cpu_model() -> str:
