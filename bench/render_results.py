@@ -297,7 +297,8 @@ def chart(rows: dict, data: dict, out: Path) -> bool:
         ax.set_ylim(0, YMAX_PCT)  # in-cache small sizes can read > 100%; labels keep the true value
         ax.set_title(f"{size_label(n)} fp32 elements", fontsize=10)
         ax.set_ylabel("% of nt memcpy")
-        ax.set_xticks(range(len(names)), [w.replace("/", "\n") for w in names], fontsize=8)
+        short = [w.replace("sparse_", "").replace("/", "\n") for w in names]  # fit under the bars
+        ax.set_xticks(range(len(names)), short, fontsize=8)
     axes[0, 0].legend(fontsize=8, ncols=3, loc="upper right")
     fig.suptitle("Bandwidth as % of a non-temporal memcpy of the same bytes (dashed: the 80% target)",
                  fontsize=11)
