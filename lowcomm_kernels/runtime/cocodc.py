@@ -14,7 +14,9 @@ first; (2) never sent, lowest index; (3) argmax_p R_p, ties to the lowest index.
 ``l2_global``: R_p = ‖Δ̄_p‖₂ / I_p from the averaged pseudo-gradient of p's last sync, I_p = steps
 that sync covered (send step − previous send step of p); ``l1_local``: R_p = Σ_ranks ‖g_p − x_p‖₁,
 measured at each send for every fragment and all-reduced beside that sync. Both come from values
-identical on every rank, so every rank picks the same fragment.
+identical on every rank, so every rank picks the same fragment. ``round_robin`` (for matched-sync
+studies: delay compensation without adaptive selection) replaces (2)-(3) by a fixed cycle 0, 1, .., K−1,
+0, .. that skips fragments in flight; rule (1) still comes first.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .. import ops
 from .base import check_float, check_int
 from .dense import DenseStrategy, Pending
 
-SCORES = ("l2_global", "l1_local")
+SCORES = ("l2_global", "l1_local", "round_robin")
 
 
 class CoCoDC(DenseStrategy):
@@ -82,6 +84,7 @@ class CoCoDC(DenseStrategy):
         self._tc_sum, self._tc_n = 0.0, 0  # local, since the last send
         self._ts_last = 0.0  # local, last measured in-flight time
         self.n_history: list[int] = []
+        self._rr_next = 0  # round_robin: the next fragment in the cycle
         self._offsets_all = self.frags.offsets.to(self.outer_dev)
         self._init_buffers()
 
@@ -100,6 +103,9 @@ class CoCoDC(DenseStrategy):
         stale = [p for p in free if self.last_send[p] >= 0 and t - self.last_send[p] >= self.H]
         if stale:
             return min(stale, key=lambda p: (self.last_send[p], p)), "stale"
+        if self.score == "round_robin":
+            p = next(q % self.K for q in range(self._rr_next, self._rr_next + self.K) if q % self.K in free)
+            return p, "round_robin"
         never = [p for p in free if self.last_send[p] < 0]
         if never:
             return never[0], "never_sent"
@@ -117,6 +123,7 @@ class CoCoDC(DenseStrategy):
         if choice is None:
             return []
         p = choice[0]
+        self._rr_next = (p + 1) % self.K
         self.prev_send[p] = max(self.last_send[p], 0)
         self.last_send[p] = t
         return [choice]
@@ -148,6 +155,8 @@ class CoCoDC(DenseStrategy):
             if ts > 0:
                 self.T_s = ts
         p = pd.fragment
+        if self.score == "round_robin":
+            return
         if self.score == "l2_global":
             d = delta_avg if delta_avg.dtype != torch.bfloat16 else delta_avg.to(self.g.dtype)
             offs = torch.tensor([0, d.numel()], dtype=torch.int64, device=d.device)
@@ -164,7 +173,8 @@ class CoCoDC(DenseStrategy):
     # ----- checkpoint ----------------------------------------------------------------------------
     def _schedule_state(self) -> dict[str, Any]:
         return {"N": self.N, "last_send": list(self.last_send), "prev_send": list(self.prev_send),
-                "scores": list(self.scores), "T_c": self.T_c, "T_s": self.T_s, "ts_last": self._ts_last}
+                "scores": list(self.scores), "T_c": self.T_c, "T_s": self.T_s, "ts_last": self._ts_last,
+                "rr_next": self._rr_next}
 
     def _load_schedule_state(self, sd: dict[str, Any]) -> None:
         self.N = int(sd["N"])
@@ -172,3 +182,4 @@ class CoCoDC(DenseStrategy):
         self.prev_send = [int(v) for v in sd["prev_send"]]
         self.scores = [float(v) for v in sd["scores"]]
         self.T_c, self.T_s, self._ts_last = float(sd["T_c"]), float(sd["T_s"]), float(sd["ts_last"])
+        self._rr_next = int(sd["rr_next"])

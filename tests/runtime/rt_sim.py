@@ -83,7 +83,8 @@ def outer_sgd(g, u, dbar, lr, mu):
 
 def simulate_dense(method: str, M: int, T: int, *, H: int, K: int = 1, tau: int = 0, outer_lr=0.7,
                    outer_mu=0.9, alpha=0.0, lam=0.5, lam_mode="normalized", N: int | None = None,
-                   dtype=torch.float64, data_ranks=None, inject_nan=None, model_kw=None) -> dict:
+                   dtype=torch.float64, data_ranks=None, inject_nan=None, model_kw=None,
+                   round_robin: bool = False) -> dict:
     """DiLoCo ('diloco', K=1, τ=0), Streaming DiLoCo ('streaming'), CoCoDC ('cocodc', l2_global,
     fixed N). Returns per-worker named params, the chosen fragment sequence, skipped syncs."""
     W = Workers(M, K, dtype, model_kw, data_ranks)
@@ -92,6 +93,7 @@ def simulate_dense(method: str, M: int, T: int, *, H: int, K: int = 1, tau: int 
     pending = []
     last_send, prev_send, scores = [-1] * K, [0] * K, [0.0] * K
     sends, skipped = [], []
+    cursor = [0]  # round robin: next fragment of the cycle
 
     def apply(pd):
         p = pd["p"]
@@ -125,6 +127,7 @@ def simulate_dense(method: str, M: int, T: int, *, H: int, K: int = 1, tau: int 
                         "prev": max(last_send[p], 0)})
         prev_send[p] = max(last_send[p], 0)
         last_send[p] = t
+        cursor[0] = (p + 1) % K
         sends.append((p, t, reason))
 
     def due(t):
@@ -154,6 +157,9 @@ def simulate_dense(method: str, M: int, T: int, *, H: int, K: int = 1, tau: int 
                 never = [p for p in free if last_send[p] < 0]
                 if stale:
                     send(min(stale, key=lambda p: (last_send[p], p)), t, "stale")
+                elif round_robin and free:
+                    order = [(cursor[0] + i) % K for i in range(K)]
+                    send(next(p for p in order if p in free), t, "round_robin")
                 elif never:
                     send(never[0], t, "never_sent")
                 elif free:

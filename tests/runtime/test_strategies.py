@@ -40,6 +40,9 @@ SCENARIOS = [
     {"name": "cocodc_l1", "cls": "cocodc", "T": 40,
      "kw": {"sync_every": 8, "num_fragments": 2, "fragment_sync_delay": 2, "syncs_per_period": 4,
             "score": "l1_local"}},
+    {"name": "cocodc_rr", "cls": "cocodc", "T": 40,
+     "kw": {"sync_every": 12, "num_fragments": 3, "fragment_sync_delay": 2, "syncs_per_period": 4,
+            "score": "round_robin"}},
     {"name": "loscar_het", "cls": "loscar", "T": [6 * (3 + 1), 6 * (5 + 2)],
      "kw": {"density": 0.3, "local_steps": [3, 5], "overlap_steps": [1, 2], "seed": 7, "guard_every": 1}},
     {"name": "loscar_overwrite", "cls": "loscar", "T": 30,
@@ -123,7 +126,7 @@ def test_streaming_schedule_and_staleness(runs):
 
 
 def test_cocodc_ranks_pick_same_fragments(runs):
-    for name in ("cocodc", "cocodc_stale", "cocodc_l1"):
+    for name in ("cocodc", "cocodc_stale", "cocodc_l1", "cocodc_rr"):
         a = [(r[0], r[1], r[4]) for r in runs[0][name]["records"]]
         b = [(r[0], r[1], r[4]) for r in runs[1][name]["records"]]
         assert a == b and len(a) > 0
@@ -206,3 +209,13 @@ def test_nan_raise_mode_raises_on_every_rank(runs):
     for m in range(M):
         err = runs[m]["nan_raise"]["error"]
         assert err is not None and err.startswith("FloatingPointError") and "non-finite" in err, err
+
+
+def test_cocodc_round_robin_cycles_and_matches_simulation(runs):
+    sc = _sc("cocodc_rr")
+    recs = runs[0]["cocodc_rr"]["records"]
+    assert [r[0] for r in recs] == [i % 3 for i in range(len(recs))] and len(recs) >= 9
+    sim = simulate_dense("cocodc", M, sc["T"], H=12, K=3, tau=2, N=4, round_robin=True)
+    assert [s[0] for s in sim["sends"]][:len(recs)] == [r[0] for r in recs]
+    for m in range(M):
+        _close(runs[m]["cocodc_rr"]["params"], sim["params"][m], 1e-9)
