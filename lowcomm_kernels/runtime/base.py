@@ -52,7 +52,7 @@ def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
         raise ValueError("process_group: torch.distributed is not initialised; call "
                          "dist.init_process_group(...) first (a group of size 1 is fine for one worker)")
     group = process_group if process_group is not None else dist.group.WORLD
-    if dist.get_rank(group) < 0:
+    if group is None or dist.get_rank(group) < 0:
         raise ValueError("process_group: this rank is not a member of the given process group")
     return group
 
@@ -127,7 +127,8 @@ class Strategy:
         self.metrics = RuntimeMetrics()
         self.metrics_callback = metrics_callback
         self.step_count = 0
-        self._hook = None
+        self._hook: Any = None  # torch.utils.hooks.RemovableHandle while active
+        self._compute_range: Any = None  # open lowcomm/compute range between two hooks
         self._last_end = time.perf_counter()
         self._applied_since_guard = 0
 

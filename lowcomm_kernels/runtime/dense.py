@@ -84,7 +84,7 @@ class DenseStrategy(Strategy):
         if not isinstance(nesterov, bool):
             raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
         self.nesterov = nesterov
-        self.merge_kw = {"alpha": alpha, "beta": beta, "lam": lam, "lam_mode": lam_mode}
+        self.merge_kw: dict[str, Any] = {"alpha": alpha, "beta": beta, "lam": lam, "lam_mode": lam_mode}
 
     def _init_buffers(self) -> None:
         """Call at the end of a subclass constructor, after all configuration checks passed."""

@@ -63,7 +63,7 @@ class Handle:
     """One in-flight all-reduce (possibly several tensors). ``wait()`` at most once."""
 
     def __init__(self, transport: Transport, works: list, name: str, t_send: float, deadline: float,
-                 wire_bytes: int, done_event: object | None) -> None:
+                 wire_bytes: int, done_event: torch.cuda.Event | None) -> None:
         self._transport = transport
         self._works = works
         self.name = name
@@ -165,6 +165,7 @@ class Transport:
         with nvtx_range("comm"):
             done_event = None
             if self._cuda:
+                assert self._side is not None
                 # Side stream: wait for the producer (pack on the compute stream), then reduce.
                 ready = torch.cuda.Event()
                 ready.record(torch.cuda.current_stream(self.device))
