@@ -61,7 +61,8 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
                                                             fragment_sync_delay=tau, wan=wan),
         "CoCoDC": lambda m, o: rt.CoCoDC(m, o, sync_every=H, num_fragments=K, fragment_sync_delay=tau,
                                          syncs_per_period=K, wan=wan),
-        "CoCoDC (auto N)": lambda m, o: rt.CoCoDC(m, o, sync_every=H, num_fragments=K, fragment_sync_delay=tau,
+        "CoCoDC (auto N)": lambda m, o: rt.CoCoDC(m, o, sync_every=H, num_fragments=K,
+                                                  fragment_sync_delay=tau,
                                                   syncs_per_period="auto", wan=wan),
         "LOSCAR p=0.1": lambda m, o: rt.LOSCAR(m, o, density=0.1, local_steps=H - tau, overlap_steps=tau,
                                                wan=wan),
@@ -109,22 +110,31 @@ def _measure(rank: int, cfg: dict, make) -> dict:
         m = st.metrics
         ts = [r.in_flight_s for r in m.syncs]
         rec.update(exposed_fraction=m.exposed_fraction(), exposed_s=m.exposed_comm_s, syncs=m.num_syncs,
-                   bytes_per_worker=m.bytes_sent, extra_mem_bytes=m.extra_memory_bytes + m.peak_inflight_bytes,
+                   bytes_per_worker=m.bytes_sent,
+                   extra_mem_bytes=m.extra_memory_bytes + m.peak_inflight_bytes,
                    t_s_ms=1e3 * sum(ts) / max(1, len(ts)), t_c_ms=1e3 * m.compute_s / max(1, m.steps),
                    n_history=list(getattr(st, "n_history", [])))
     return rec
 
 
+def _mean_or_first(values: list):
+    """Numbers: mean over ranks; anything else (e.g. CoCoDC's N history): rank 0's value."""
+    return sum(values) / len(values) if isinstance(values[0], (int, float)) else values[0]
+
+
 def render(results: dict, cfg: dict) -> str:
     mode = "emulated compute" if cfg["emulate_compute"] else "real compute"
+    n_params = results[str(cfg["worlds"][0])]["no sync"]["params"]
+    compute = (f"emulated ({cfg['emulate_compute'] * 1e3:.0f} ms sleep)" if cfg["emulate_compute"]
+               else "real (CPU)")
     lines = [f"### Overlap benchmark, emulated WAN, {mode}", "",
-             f"WAN {cfg['latency'] * 1e3:.0f} ms latency, {cfg['bandwidth'] * 8 / 1e9:.2f} Gbit/s per worker; "
-             f"MLP {cfg['blocks']} x Linear({cfg['width']}, {cfg['width']}) "
-             f"({results[str(cfg['worlds'][0])]['no sync']['params'] / 1e6:.2f} M params, fp32), batch {cfg['batch']}, "
-             f"{cfg['steps']} inner steps (fastest of {cfg['repeats']} interleaved repeats); H = {cfg['sync_every']}, K = {cfg['fragments']}, "
-             f"τ = {cfg['delay']}; compute "
-             + (f"emulated ({cfg['emulate_compute'] * 1e3:.0f} ms sleep)" if cfg["emulate_compute"] else "real (CPU)")
-             + f". Machine: {platform.machine()}, {os.cpu_count()} cores (shared). Mean over ranks.", "",
+             f"WAN {cfg['latency'] * 1e3:.0f} ms latency, {cfg['bandwidth'] * 8 / 1e9:.2f} Gbit/s per "
+             "worker; "
+             f"MLP {cfg['blocks']} x Linear({cfg['width']}, {cfg['width']}) ({n_params / 1e6:.2f} M params, "
+             f"fp32), batch {cfg['batch']}, {cfg['steps']} inner steps (fastest of {cfg['repeats']} "
+             f"interleaved repeats); H = {cfg['sync_every']}, K = {cfg['fragments']}, τ = {cfg['delay']}; "
+             f"compute {compute}. Machine: {platform.machine()}, {os.cpu_count()} cores (shared). "
+             "Mean over ranks.", "",
              "| ranks | strategy | step (ms) | vs no sync | exposed comm | T_c (ms) | T_s (ms) | syncs | "
              "MB on wire / worker | extra memory / worker (MB) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -132,11 +142,14 @@ def render(results: dict, cfg: dict) -> str:
         base = per["no sync"]["step_ms"]
         for name, r in per.items():
             lines.append(f"| {world} | {name} | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f}x | "
-                         f"{100 * r['exposed_fraction']:.1f}% | {r['t_c_ms']:.1f} | {r['t_s_ms']:.1f} | {r['syncs']:.0f} | "
+                         f"{100 * r['exposed_fraction']:.1f}% | {r['t_c_ms']:.1f} | {r['t_s_ms']:.1f} | "
+                         f"{r['syncs']:.0f} | "
                          f"{r['bytes_per_worker'] / 1e6:.2f} | {r['extra_mem_bytes'] / 1e6:.2f} |")
-    lines += ["", "Exposed comm = time blocked waiting for a collective (incl. the emulated WAN delay) / step "
-              "time. T_s is observed at step granularity (polled once per step). Extra memory = g and u (dense methods) + peak in-flight buffers (wire Δ, snapshots); LOSCAR "
-              "keeps no global copy, only k-sized buffers.", ""]
+    lines += ["", "Exposed comm = time blocked waiting for a collective (incl. the emulated WAN delay) / "
+              "step "
+              "time. T_s is observed at step granularity (polled once per step). Extra memory = g and u "
+              "(dense methods) + peak in-flight buffers (wire Δ, snapshots); LOSCAR keeps no global copy, "
+              "only k-sized buffers.", ""]
     return "\n".join(lines)
 
 
@@ -153,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency", type=float, default=0.050)
     ap.add_argument("--bandwidth", type=float, default=125e6, help="bytes/s (125e6 = 1 Gbit/s)")
     ap.add_argument("--emulate-compute", type=float, nargs="+", default=[0.0, 0.06],
-                    help="seconds of sleep per step instead of real compute; 0 = real compute (one table each)")
+                    help="seconds of sleep per step instead of real compute; 0 = real compute "
+                         "(one table each)")
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats; the fastest is kept")
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     args = ap.parse_args(argv)
@@ -170,9 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         for world in args.worlds:
             per_rank = spawn_local(f"{os.path.abspath(__file__)}:worker", world, (cfg,), timeout_s=1200)
             names = per_rank[0].keys()
-            results[str(world)] = {n: {k: (sum(r[n][k] for r in per_rank) / world
-                                           if isinstance(per_rank[0][n][k], (int, float)) else per_rank[0][n][k])
-                                       for k in per_rank[0][n]} for n in names}
+            results[str(world)] = {n: {k: _mean_or_first([r[n][k] for r in per_rank]) for k in per_rank[0][n]}
+                                   for n in names}
         runs.append({"config": cfg, "results": results})
         sections.append(render(results, cfg))
     os.makedirs(args.out, exist_ok=True)
