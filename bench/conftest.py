@@ -132,9 +132,14 @@ def _versions() -> dict[str, str]:
     return out
 
 
+# Environment that changes what is measured; echoed in front of the command in RESULTS.md.
+RECORDED_ENV = (workloads.SIZES_ENV, "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS",
+                "LOWCOMM_BACKEND",
+                "LOWCOMM_NATIVE_LIB")
+
+
 def _command(config: pytest.Config) -> str:
-    env = os.environ.get(workloads.SIZES_ENV)
-    prefix = f"{workloads.SIZES_ENV}={env} " if env else ""
+    prefix = "".join(f"{k}={os.environ[k]} " for k in RECORDED_ENV if os.environ.get(k))
     return prefix + ".venv/bin/python -m pytest " + " ".join(config.invocation_params.args)
 
 

@@ -46,6 +46,11 @@ READING = [
     "- **sparse rows** move k = density·n elements at random addresses: a 4-byte read costs a 64-byte "
     "line, so GB/s of useful bytes is far below memcpy by construction. **mask_indices** is hash + sort "
     "(compute-bound); its GB/s counts only the k int64 written. No target applies to either.",
+    "- **OpenMP wait policy**: on this VM an OpenMP worker that went to sleep between two parallel "
+    "regions takes a scheduler tick (~4 ms) to wake. Under the default (passive) policy that tick "
+    "lands in every round of many sub-10 ms rows, the memcpy row included, and swamps them; the run "
+    "below is taken with `OMP_WAIT_POLICY=ACTIVE` (see the command) when it says so, which applies "
+    "to every row alike (torch, inductor and the native library share one libgomp).",
     "- At **1M** elements the buffers (4 MB each) partly live in cache, so % of memcpy can pass 100%; the "
     "targets are defined at ≥ 16M, where every row streams from DRAM.",
     "",
