@@ -46,11 +46,12 @@ READING = [
     "- **sparse rows** move k = density·n elements at random addresses: a 4-byte read costs a 64-byte "
     "line, so GB/s of useful bytes is far below memcpy by construction. **mask_indices** is hash + sort "
     "(compute-bound); its GB/s counts only the k int64 written. No target applies to either.",
-    "- **OpenMP wait policy**: on this VM an OpenMP worker that went to sleep between two parallel "
-    "regions takes a scheduler tick (~4 ms) to wake. Under the default (passive) policy that tick "
-    "lands in every round of many sub-10 ms rows, the memcpy row included, and swamps them; the run "
-    "below is taken with `OMP_WAIT_POLICY=ACTIVE` (see the command) when it says so, which applies "
-    "to every row alike (torch, inductor and the native library share one libgomp).",
+    "- **Scheduler ticks**: every parallel region (torch, inductor and the native library share one "
+    "libgomp) waits for its second thread; on this 2-vCPU VM a worker that is asleep or was "
+    "descheduled by another engineer's process costs a scheduler tick (~4 ms). `OMP_WAIT_POLICY=ACTIVE` "
+    "(see the command) keeps workers spinning and removes most of these; rows of a few MB that still "
+    "read ~4 ms with an absurdly low GB/s (even memcpy rows) are such ticks in every round, i.e. "
+    "neighbours' load, not kernel time. They do not affect the ≥ 16M target rows (tens of ms).",
     "- At **1M** elements the buffers (4 MB each) partly live in cache, so % of memcpy can pass 100%; the "
     "targets are defined at ≥ 16M, where every row streams from DRAM.",
     "",
