@@ -23,10 +23,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 # Defaults of the LM comparison; `--quick` swaps in the second set. Measured on the 2-core dev
-# machine (README_main_job.md): default ~6 min for the five methods, quick ~1.5 min.
+# machine at load ~5 (README_main_job.md): default 5 min 42 s for the five methods, quick 1 min 34 s.
 PRESETS = {
     "default": dict(steps=600, sync_every=50, fragment_sync_delay=5, eval_every=50, eval_batches=8),
-    "quick": dict(steps=150, sync_every=25, fragment_sync_delay=3, eval_every=25, eval_batches=4),
+    "quick": dict(steps=120, sync_every=20, fragment_sync_delay=3, eval_every=20, eval_batches=4),
 }
 
 
