@@ -43,40 +43,6 @@ class StrategyMetrics:
         return cls(float(m.bytes_sent), float(m.exposed_comm_s), int(m.num_syncs), extra)
 
 
-def _round_robin_cocodc() -> type:
-    """CoCoDC whose send slots take fragments in fixed cyclic order (the matched-sync study's control).
-
-    Used only while the runtime lacks ``score="round_robin"`` (requested in REQUESTS.md). Same N per
-    period, same delay-compensated merge; only the choice changes: (1) a fragment unsent for >= H
-    steps (never happens in cyclic order unless a slot was skipped), else (2) the next fragment after
-    the previously chosen one that is not in flight. The choice depends only on the step and the
-    in-flight set, which every rank shares, so every rank picks the same fragment.
-    """
-    from ..runtime.cocodc import CoCoDC
-
-    class RoundRobinCoCoDC(CoCoDC):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._rr_next = 0
-
-        def choose(self, t: int) -> tuple[int, str] | None:
-            busy = {pd.fragment for pd in self.pending}
-            free = [p for p in range(self.K) if p not in busy]
-            if not free:
-                return None
-            stale = [p for p in free if self.last_send[p] >= 0 and t - self.last_send[p] >= self.H]
-            if stale:
-                return min(stale, key=lambda p: (self.last_send[p], p)), "stale"
-            for i in range(self.K):
-                p = (self._rr_next + i) % self.K
-                if p not in busy:
-                    self._rr_next = (p + 1) % self.K
-                    return p, "round_robin"
-            return None
-
-    return RoundRobinCoCoDC
-
-
 def build_strategy(
     spec: TrainSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any, rank: int
 ) -> Any:
@@ -101,20 +67,14 @@ def build_strategy(
             model, optimizer, fragment_update_alpha=spec.fragment_update_alpha, **stream, **outer, **common
         )
     if spec.method == "cocodc":
-        from ..runtime import cocodc as _cocodc
-
-        cls: Any = rt.CoCoDC
-        score = spec.score
-        if score == "round_robin" and "round_robin" not in getattr(_cocodc, "SCORES", ()):
-            cls, score = _round_robin_cocodc(), "l2_global"  # scores computed but unused by the choice
-        return cls(
+        return rt.CoCoDC(
             model,
             optimizer,
             lam=spec.lam,
             lam_mode=spec.lam_mode,
             gamma=spec.gamma,
             syncs_per_period=spec.syncs_per_period,
-            score=score,
+            score=spec.score,
             **stream,
             **outer,
             **common,

@@ -33,12 +33,6 @@ STUDY_PRESET = dict(steps=300, sync_every=50, fragment_sync_delay=5, eval_every=
 QUICK_PRESET = dict(steps=100, sync_every=25, fragment_sync_delay=2, eval_every=25, eval_batches=4)
 
 
-def _round_robin_available() -> bool:
-    from ..runtime import cocodc
-
-    return "round_robin" in getattr(cocodc, "SCORES", ())
-
-
 def matched(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
     K, H = base.num_fragments, base.sync_every
     n = 2 * K  # 8 with the default K = 4
@@ -49,7 +43,6 @@ def matched(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
             base.with_(method="streaming", sync_every=max(base.fragment_sync_delay + 1, H // 2)),
         ),
         (f"CoCoDC adaptive, {n} syncs/H", base.with_(method="cocodc", syncs_per_period=n)),
-        # the runtime's score="round_robin", or the harness's RoundRobinCoCoDC until it has one
         (
             f"CoCoDC round-robin, {n} syncs/H",
             base.with_(method="cocodc", syncs_per_period=n, score="round_robin"),
@@ -206,18 +199,11 @@ def run_study(args: argparse.Namespace) -> int:
         + (" --quick" if args.quick else "")
         + (f" --seeds {args.seeds}" if args.seeds else "")
     )
-    note = ""
-    if args.study == "matched" and not _round_robin_available():
-        note = (
-            "\n\nCoCoDC round-robin: the runtime has no score='round_robin' yet, so this row uses the "
-            "harness's RoundRobinCoCoDC (lowcomm_kernels/train/strategies.py): CoCoDC with the "
-            "fragment choice replaced by cyclic order.\n"
-        )
     header = (
         f"study `{args.study}`: {base.workers} workers, {base.steps} steps, H={base.sync_every}, "
         f"K={base.num_fragments}, tau={base.fragment_sync_delay}, {seeds} seeds; {corpus.describe()}"
     )
-    (out / f"{args.study}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{table}{note}\n")
+    (out / f"{args.study}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{table}\n")
     study_plot(args.study, labels, results, out / f"{args.study}.png")
     write_json(
         out / "results.json",
@@ -230,7 +216,7 @@ def run_study(args: argparse.Namespace) -> int:
             "environment": environment(),
         },
     )
-    print(f"\n{header}\n\n{table}{note}")
+    print(f"\n{header}\n\n{table}")
     print(
         f"\nwrote {out / (args.study + '.md')}, {out / (args.study + '.png')}, {out / 'results.json'} "
         f"({time.perf_counter() - t0:.0f} s)"
