@@ -34,8 +34,8 @@ LAM_MODES = ("absolute", "normalized")
 
 def outer_step_ref(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, *, lr: float,
                    momentum: float, nesterov: bool) -> None:
-    """torch.optim.SGD's update (single-tensor form), in place on g and u."""
-    d = delta_avg.to(g.dtype)
+    """torch.optim.SGD's update (single-tensor form), in place on g and u (treated as flat)."""
+    g, u, d = g.view(-1), u.view(-1), delta_avg.reshape(-1).to(g.dtype)
     if momentum != 0.0:
         u.mul_(momentum).add_(d)
         d = d.add(u, alpha=momentum) if nesterov else u
@@ -45,8 +45,9 @@ def outer_step_ref(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, *,
 def taylor_norms_ref(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
                      x_sent: torch.Tensor, *, lr: float, momentum: float, nesterov: bool) -> torch.Tensor:
     """[Σ v², Σ (v⊙v⊙D)²] in float64 for the g_new the outer step would produce (nothing mutated)."""
-    g_new, u_new = g.clone(), u.clone()
+    g_new, u_new = g.reshape(-1).clone(), u.reshape(-1).clone()
     outer_step_ref(g_new, u_new, delta_avg, lr=lr, momentum=momentum, nesterov=nesterov)
+    x, x_sent = x.reshape(-1), x_sent.reshape(-1)
     v = (x - x_sent).double()
     corr = v * v * (g_new - x_sent).double()
     return torch.stack([(v * v).sum(), (corr * corr).sum()])
@@ -67,8 +68,10 @@ def outer_merge_ref(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x
         lam = lam_effective(lam, taylor_norms_ref(g, u, delta_avg, x, x_sent, lr=lr, momentum=momentum,
                                                   nesterov=nesterov))
     outer_step_ref(g, u, delta_avg, lr=lr, momentum=momentum, nesterov=nesterov)
+    g, x = g.view(-1), x.view(-1)  # flat, like every op: the buffers need only the same numel
     target = g.clone()
     if beta != 0.0 or lam != 0.0:
+        x_sent = x_sent.reshape(-1)
         v = x - x_sent
         target = target + beta * v - lam * v * v * (g - x_sent)
     x.copy_((1.0 - alpha) * target + alpha * x)

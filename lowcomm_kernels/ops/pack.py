@@ -19,9 +19,10 @@ from ._common import code, compiling, cpu_call, cuda_call, ptr
 def pack_ref(g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = None,
              snapshot: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The specification, in plain torch (float64-capable)."""
-    delta = (g - x).to(wire_dtype or g.dtype)
+    # Flat, like every op: g and x need only the same number of elements.
+    delta = (g.reshape(-1) - x.reshape(-1)).to(wire_dtype or g.dtype).reshape(g.shape)
     nonfinite = (~torch.isfinite(delta)).sum(dtype=torch.int64)
-    return delta, (x.clone() if snapshot else None), nonfinite
+    return delta, (x.clone(memory_format=torch.contiguous_format) if snapshot else None), nonfinite
 
 
 def _pack_launch(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None,
@@ -96,7 +97,7 @@ def pack(g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = N
     if snapshot_out is False:
         snapshot = None
     elif snapshot_out is None or snapshot_out is True:
-        snapshot = torch.empty_like(x)
+        snapshot = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
     else:
         snapshot = _checks.tensor("snapshot_out", snapshot_out, dtypes=(x.dtype,))
         _checks.same_device("g", g, snapshot_out=snapshot)
