@@ -136,6 +136,7 @@ def machine_section(data: dict, path: Path) -> list[str]:
     lc = data.get("lowcomm", {})
     v = mi.get("versions", {})
     la0, la1 = mi.get("loadavg_start"), lc.get("loadavg_end")
+    shown = path.relative_to(HERE.parent) if path.is_relative_to(HERE.parent) else path
     three = lambda la: " / ".join(f"{x:.2f}" for x in la)  # noqa: E731
     load = f"{three(la0)} at start, {three(la1)} at end (1 / 5 / 15 min)" if la0 and la1 else "not recorded"
     return [
@@ -149,8 +150,8 @@ def machine_section(data: dict, path: Path) -> list[str]:
         f"python {v.get('python', '?')}, lowcomm_kernels {v.get('lowcomm_kernels', '?')} "
         f"({v.get('native', '?')}), git {v.get('git', '?')}",
         f"- Run: {data.get('datetime', '?')} UTC; memcpy row: {mi.get('memcpy', '?')}",
-        f"- Command: `{lc.get('command', '?')}` then `.venv/bin/python bench/render_results.py` "
-        f"(source: `{path.relative_to(HERE.parent) if path.is_relative_to(HERE.parent) else path}`)",
+        f"- Command: `{lc.get('command', '?')}` then `.venv/bin/python bench/render_results.py"
+        + ("" if path == HERE / "results" / "ops.json" else f" --ops {shown}") + "`",
         "",
     ]
 
