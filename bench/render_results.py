@@ -29,8 +29,10 @@ IMPL_LABEL = {"memcpy_nt": "memcpy (nt stores)", "torch_copy": "torch copy_", "r
               "compile": "torch.compile(ref)", "fused": "fused"}
 INCLUDES = {  # marker -> (file, what to say while it has never been measured)
     "overlap": ("overlap.md", "Not measured yet: `bench/bench_overlap.py` writes bench/results/overlap.md."),
-    "gpu": ("gpu.md", "Not measured yet: run `bash bench/gpu_check.sh` on a machine with an NVIDIA GPU; "
-                      "it writes bench/results/gpu.md."),
+    "gpu": ("gpu.md", "Not measured yet: no GPU was available where this was rendered. Run "
+                      "`bash bench/gpu_check.sh` on a machine with an NVIDIA GPU (it builds the CUDA "
+                      "library, checks Triton and CUDA against the ref, times every op against a device "
+                      "copy and writes bench/results/gpu.md), then re-render."),
 }
 
 
