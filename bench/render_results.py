@@ -273,7 +273,8 @@ def include(marker: str, previous: str) -> list[str]:
         body = path.read_text().strip()
     else:
         m = re.search(re.escape(begin) + r"\n(.*?)\n?" + re.escape(end), previous, re.S)
-        body = m.group(1).strip() if m else missing
+        kept = m.group(1).strip() if m else ""
+        body = kept if kept and not kept.startswith("Not measured yet") else missing  # keep real tables only
     return [begin, body, end, ""]
 
 
