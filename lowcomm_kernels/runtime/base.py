@@ -18,6 +18,7 @@ Subclasses implement ``_advance(t)``, ``_drain()``, ``_state()`` / ``_load_state
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import math
 import os
@@ -83,7 +84,7 @@ def tensor_hash(t: torch.Tensor) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
-class Strategy:
+class Strategy(abc.ABC):
     """Base class: see the module docstring. ``method`` names the algorithm in checkpoints."""
 
     method = "base"
@@ -218,20 +219,25 @@ class Strategy:
         return True
 
     # ----- subclass interface --------------------------------------------------------------------
-    def _advance(self, t: int) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _advance(self, t: int) -> None:
+        """Defined by each strategy."""
 
-    def _drain(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _drain(self) -> None:
+        """Defined by each strategy."""
 
-    def _state(self) -> dict[str, Any]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _state(self) -> dict[str, Any]:
+        """Defined by each strategy."""
 
-    def _load_state(self, sd: dict[str, Any]) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _load_state(self, sd: dict[str, Any]) -> None:
+        """Defined by each strategy."""
 
-    def _guard_values(self) -> list[tuple[str, int]]:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _guard_values(self) -> list[tuple[str, int]]:
+        """Defined by each strategy."""
 
     def finish(self) -> None:
         """End of training: wait for and apply every in-flight sync NOW (earlier than scheduled), so
@@ -239,8 +245,9 @@ class Strategy:
         with torch.no_grad():
             self._finish()
 
-    def _finish(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _finish(self) -> None:
+        """Defined by each strategy."""
 
     def drain(self) -> None:
         """Wait for every in-flight collective. Results stay pending and are applied at their

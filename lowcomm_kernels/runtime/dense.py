@@ -17,6 +17,7 @@ All ranks start from rank 0's parameters (broadcast at construction), so g is id
 
 from __future__ import annotations
 
+import abc
 import datetime
 import time
 from dataclasses import dataclass
@@ -97,9 +98,9 @@ class DenseStrategy(Strategy):
         self.applied_count = 0
 
     # ----- schedule (subclasses) -----------------------------------------------------------------
-    def _sends_at(self, t: int) -> list[tuple[int, str]]:  # pragma: no cover - abstract
+    @abc.abstractmethod
+    def _sends_at(self, t: int) -> list[tuple[int, str]]:
         """(fragment, reason) pairs to send after inner step t, in order."""
-        raise NotImplementedError
 
     def _control_extras(self, p: int, t: int) -> list[float]:
         """Strategy values all-reduced beside fragment p's sync (e.g. CoCoDC timings, scores)."""
