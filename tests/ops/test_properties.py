@@ -152,14 +152,14 @@ def test_pack(
     if snap is False:
         assert snapshot is None
     else:
-        assert torch.equal(
-            snapshot.reshape(-1).view(torch.uint8), x0.reshape(-1).contiguous().view(torch.uint8)
-        )
-
-    def bits(t: torch.Tensor) -> torch.Tensor:  # NaN-safe equality of the values
-        return t.reshape(-1).contiguous().view(torch.uint8)
-
+        assert torch.equal(bits(snapshot), bits(x0))
     assert torch.equal(bits(g), bits(g0)) and torch.equal(bits(x), bits(x0)), "inputs are read-only"
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of t's values in order (NaN-safe equality). clone(contiguous_format), not
+    .contiguous(): an empty stride-2 view counts as contiguous yet cannot be viewed as bytes."""
+    return t.reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.uint8)
 
 
 # ---- outer_merge_ -------------------------------------------------------------------------------
