@@ -33,11 +33,14 @@ def test_ops_example_runs():
 def test_wrapping_example_runs_under_torchrun(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(_block("StreamingDiLoCo"))
+    logs = tmp_path / "logs"  # one stdout file per rank: the two ranks' prints would interleave on one pipe
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          f"--log-dir={logs}", "--redirects=1", str(script)],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = sorted(line.split() for line in out.stdout.splitlines() if line.strip())
-    assert [ln[0] for ln in lines] == ["0", "1"], out.stdout
+    texts = [p.read_text() for p in sorted(logs.rglob("stdout.log"))]
+    lines = sorted(line.split() for text in texts for line in text.splitlines() if line.strip())
+    assert [ln[0] for ln in lines] == ["0", "1"], texts
     for _, syncs, sent in lines:  # rank, number of syncs, bytes sent: both ranks synced the same
         assert int(syncs) > 0 and int(sent) > 0
     assert lines[0][1:] == lines[1][1:]
