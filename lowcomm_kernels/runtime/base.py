@@ -12,8 +12,21 @@ fragments that are due (``_advance``, defined by each strategy). Loops that pref
 ``strategy.step()`` after ``opt.step()`` instead (not both). Leaving the context drains in-flight
 collectives (their results stay pending and are applied at their scheduled step if training goes on).
 
-Subclasses implement ``_advance(t)``, ``_drain()``, ``_state()`` / ``_load_state()`` and
-``_guard_values()``; everything else lives here.
+Subclasses implement ``_advance(t)``, ``_drain()``, ``_state()`` / ``_load_state()``,
+``_guard_values()`` and ``_config_fields()``; everything else lives here, including the rules that
+keep a run from failing silently:
+
+- **Joining**: at construction every rank checks that it runs the same configuration and model as
+  the others (``agreement``), then takes rank 0's parameters, frozen parameters and buffers.
+- **Control vector**: every sync all-reduces, beside its payload, a tiny fp64 vector with one slot
+  per rank for that rank's non-finite count and one for "my parameters no longer view the
+  strategy's buffer", so every rank learns the same facts at the same sync and acts alike.
+- **Non-finite syncs**: skipped on every rank (g and u unchanged); the fragment restarts from the
+  last good global, and a rank whose parameters or inner-optimizer state hold non-finite values
+  restarts entirely (``_restart_poisoned``) with that state cleared. A rank that contributes
+  non-finite values to ``max_nonfinite_syncs`` consecutive syncs stops the job on every rank.
+- **Parameter views**: checked at every send and at ``finish()``; a broken view raises on every rank.
+- **Checkpoints**: checksummed, every tensor's dtype and shape checked (``checkpoint``).
 """
 
 from __future__ import annotations
@@ -24,7 +37,8 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -32,20 +46,25 @@ import torch.distributed as dist
 from torch import nn
 
 from ..profiling import nvtx_range
+from .agreement import agree, broadcast_module_state, module_fields
+from .checkpoint import CheckpointError, expect_tensor, read_checkpoint, write_checkpoint
 from .fragments import FlatFragments, FragmentSpec
 from .metrics import RuntimeMetrics, SyncRecord
 from .transport import WAN, Transport
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 NONFINITE_MODES = ("skip", "raise")
+_OWNER = "_lowcomm_strategy"  # attribute on each wrapped Parameter: weakref to its strategy
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that does not belong to this strategy (version, method, shape) or is unreadable."""
+__all__ = ["CheckpointError", "ConsistencyError", "ParameterViewError", "Strategy"]
 
 
 class ConsistencyError(RuntimeError):
     """Ranks disagree on state that must be identical (g, schedule); names the first differing fragment."""
+
+
+class ParameterViewError(RuntimeError):
+    """A model parameter no longer views the strategy's flat buffer (reassigned after wrapping)."""
 
 
 def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -92,8 +111,9 @@ class Strategy(abc.ABC):
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, *, num_fragments: int,
                  fragments: FragmentSpec = None, process_group: dist.ProcessGroup | None = None,
                  wan: WAN | None = None, wire_dtype: torch.dtype | None = None,
-                 on_nonfinite: str = "skip", timeout_s: float = 300.0, outer_device: str = "model",
-                 metrics_callback: Callable[[SyncRecord], None] | None = None, guard_every: int = 0) -> None:
+                 on_nonfinite: str = "skip", max_nonfinite_syncs: int = 3, timeout_s: float = 300.0,
+                 outer_device: str = "model", metrics_callback: Callable[[SyncRecord], None] | None = None,
+                 guard_every: int = 0) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
@@ -106,11 +126,16 @@ class Strategy(abc.ABC):
         if metrics_callback is not None and not callable(metrics_callback):
             raise TypeError("metrics_callback must be callable or None")
         self.guard_every = check_int("guard_every", guard_every, 0)
+        self.max_nonfinite_syncs = check_int("max_nonfinite_syncs", max_nonfinite_syncs, 1)
         check_int("num_fragments", num_fragments, 1)
         self.group = resolve_group(process_group)
         self.model = model
         self.inner_optimizer = inner_optimizer
+        _refuse_second_wrap(model)
         self.frags = FlatFragments(model, num_fragments, fragments)
+        for grp in self.frags.params:
+            for p in grp:
+                setattr(p, _OWNER, weakref.ref(self))
         dtype = self.frags.dtype
         if wire_dtype is None:
             wire_dtype = dtype
@@ -132,6 +157,109 @@ class Strategy(abc.ABC):
         self._compute_range: Any = None  # open lowcomm/compute range between two hooks
         self._last_end = time.perf_counter()
         self._applied_since_guard = 0
+        self._nonfinite_streak = [0] * self.world  # consecutive syncs each rank made non-finite
+        self._view_problem: str | None = None  # this rank's broken parameter view, found at the last send
+
+    # ----- joining the group ---------------------------------------------------------------------
+    def _join_group(self) -> None:
+        """Agree on the configuration and model with every rank, then start from rank 0's state.
+        Call at the end of a subclass constructor, after its own checks (before any other
+        collective: a mismatch must be named before it can break a collective)."""
+        fields: dict[str, Any] = {"method": self.method, "process group size": self.world,
+                                  "wire_dtype": str(self.wire_dtype), "on_nonfinite": self.on_nonfinite,
+                                  "max_nonfinite_syncs": self.max_nonfinite_syncs,
+                                  "guard_every": self.guard_every,
+                                  "number of fragments": self.frags.num_fragments,
+                                  "fragment sizes": self.frags.sizes()}
+        fields.update({k: _plain(v) for k, v in self._config_fields().items()})
+        fields.update(module_fields(self.model, self.frags.names))
+        agree(self.transport, fields, self.method)
+        trainable = {id(p) for grp in self.frags.params for p in grp}
+        broadcast_module_state(self.transport, self.frags.flat, self.model, trainable)
+
+    @abc.abstractmethod
+    def _config_fields(self) -> dict[str, Any]:
+        """Every knob of this strategy that must be identical on all ranks (name -> value)."""
+
+    def close(self) -> None:
+        """Release the model so it can be wrapped again (the parameters keep viewing the buffer)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._close_compute_range()
+        for grp in self.frags.params:
+            for p in grp:
+                if getattr(p, _OWNER, None) is not None and getattr(p, _OWNER)() is self:
+                    delattr(p, _OWNER)
+
+    # ----- control vector: per-rank facts all-reduced beside every sync ----------------------------
+    def _control(self, nonfinite: torch.Tensor, extras: list[float]) -> torch.Tensor:
+        """fp64 [non-finite count by rank (world), broken views by rank (world), extras...]; this rank
+        fills its own slots, the SUM all-reduce gives everyone everyone's. ``nonfinite`` stays on
+        the device (no host sync)."""
+        w = self.world
+        control = torch.zeros(2 * w + len(extras), dtype=torch.float64, device=self.device)
+        control[self.rank] = nonfinite
+        self._view_problem = self.frags.broken_view(self.model)
+        if self._view_problem is not None:
+            control[w + self.rank] = 1.0
+        if extras:
+            control[2 * w:] = torch.tensor(extras, dtype=torch.float64)
+        return control
+
+    def _extras(self, control: list[float]) -> list[float]:
+        return control[2 * self.world:]
+
+    def _sync_outcome(self, control: list[float], what: str) -> bool:
+        """Act on the per-rank facts of one sync (identical on every rank): raise on every rank if
+        a rank's parameter views broke or a rank stayed non-finite too long; warn and return True
+        (skip) if any rank sent non-finite values; False when the sync is good."""
+        w = self.world
+        broken = [r for r in range(w) if control[w + r] > 0]
+        if broken:
+            mine = f" On this rank: {self._view_problem}." if self._view_problem else ""
+            raise ParameterViewError(f"{what}: the model parameters of rank(s) {broken} no longer view the "
+                                     "strategy's buffer, so they would silently stop being synchronised; "
+                                     f"every rank stops.{mine} Move or convert the model before wrapping it.")
+        counts = control[:w]
+        bad = [r for r in range(w) if counts[r] > 0]
+        for r in range(w):
+            self._nonfinite_streak[r] = self._nonfinite_streak[r] + 1 if counts[r] > 0 else 0
+        if not bad:
+            return False
+        total = int(sum(counts))
+        msg = (f"{what}: {total} non-finite pseudo-gradient entries from rank(s) {bad}; every rank skips "
+               "this sync (g and u unchanged) and restarts it from the last good global")
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(msg)
+        stuck = [r for r in bad if self._nonfinite_streak[r] >= self.max_nonfinite_syncs]
+        if stuck:
+            raise FloatingPointError(f"{what}: rank(s) {stuck} sent non-finite values in "
+                                     f"{self.max_nonfinite_syncs} consecutive syncs even after restarting "
+                                     "from the last good global; stopping every rank instead of training on "
+                                     "(check the data and learning rate of those ranks; the limit is "
+                                     "max_nonfinite_syncs)")
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        return True
+
+    def _poisoned(self) -> bool:
+        """Does this rank hold non-finite parameters or inner-optimizer state? (Checked only after a
+        skipped sync, so its cost does not matter.)"""
+        if not bool(torch.isfinite(self.frags.flat).all()):
+            return True
+        for st in self.inner_optimizer.state.values():
+            for v in (st.values() if isinstance(st, dict) else ()):
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    if not bool(torch.isfinite(v).all()):
+                        return True
+        return False
+
+    def _clear_inner_state(self, params: Iterable[torch.Tensor]) -> None:
+        """Forget the inner optimizer's per-parameter state (momentum, Adam moments and step) for
+        ``params``. Optimizers that follow torch's convention (state created lazily in
+        ``optimizer.state[p]`` on the first step that sees p) start those parameters afresh."""
+        for p in params:
+            self.inner_optimizer.state.pop(p, None)
 
     # ----- buffers -------------------------------------------------------------------------------
     def _outer_buffer(self) -> torch.Tensor:
@@ -207,17 +335,6 @@ class Strategy(abc.ABC):
         if self.metrics_callback is not None:
             self.metrics_callback(rec)
 
-    def _nonfinite(self, count: float, what: str) -> bool:
-        """Handle a sync whose combined non-finite count is ``count`` (identical on every rank)."""
-        if count <= 0:
-            return False
-        msg = (f"{what}: {int(count)} non-finite pseudo-gradient entries summed over the "
-               f"{self.world} ranks; every rank skips this sync (g and u unchanged)")
-        if self.on_nonfinite == "raise":
-            raise FloatingPointError(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        return True
-
     # ----- subclass interface --------------------------------------------------------------------
     @abc.abstractmethod
     def _advance(self, t: int) -> None:
@@ -241,9 +358,14 @@ class Strategy(abc.ABC):
 
     def finish(self) -> None:
         """End of training: wait for and apply every in-flight sync NOW (earlier than scheduled), so
-        the parameters include the last results. Collective; call on every rank at the same step."""
+        the parameters include the last results. Collective; call on every rank at the same step.
+        Also checks, on every rank at once, that the parameters still view the strategy's buffer."""
         with torch.no_grad():
             self._finish()
+            control = self._control(torch.zeros((), dtype=torch.float64), [])
+            self.transport.all_reduce([control], name=f"{self.method} finish at step {self.step_count}",
+                                      payload_bytes=0).wait()
+            self._sync_outcome(control.cpu().tolist(), f"{self.method} finish at step {self.step_count}")
 
     @abc.abstractmethod
     def _finish(self) -> None:
@@ -286,12 +408,22 @@ class Strategy(abc.ABC):
                 **self._state()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore ``state_dict()``. Every tensor's dtype and shape is checked before anything is
+        changed; ``CheckpointError`` names the first entry that does not fit."""
         self._check_shape(sd)
+        step = sd.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"checkpoint entry step should be an int >= 0, got {step!r}")
+        self._validate_state(sd)
         self.drain()
         with torch.no_grad():
             self._load_state(sd)
-        self.step_count = int(sd["step"])
+        self.step_count = step
         self.metrics.steps = self.step_count
+
+    @abc.abstractmethod
+    def _validate_state(self, sd: dict[str, Any]) -> None:
+        """Raise CheckpointError if any entry of ``sd`` has the wrong type, dtype or shape."""
 
     def _check_shape(self, sd: object) -> None:
         if not isinstance(sd, dict) or "format_version" not in sd or "shape" not in sd:
@@ -300,6 +432,8 @@ class Strategy(abc.ABC):
             raise CheckpointError(f"checkpoint format version {sd['format_version']} is not supported "
                                   f"(this build reads version {FORMAT_VERSION})")
         mine, theirs = self.shape(), sd["shape"]
+        if not isinstance(theirs, dict):
+            raise CheckpointError("checkpoint entry shape should be a dict")
         for key in mine:
             if theirs.get(key) != mine[key]:
                 raise CheckpointError(f"checkpoint {key} is {theirs.get(key)!r} but this strategy has "
@@ -307,36 +441,69 @@ class Strategy(abc.ABC):
                                       "fragments, world size and model")
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
-        """Write strategy + model + inner-optimizer state of THIS rank to ``path`` atomically
-        (temporary file in the same directory, then ``os.replace``). One file per rank."""
-        path = os.fspath(path)
+        """Write strategy + model + inner-optimizer state of THIS rank to ``path`` atomically and
+        with a checksum (see ``runtime.checkpoint``). One file per rank."""
         obj = {"format_version": FORMAT_VERSION, "shape": self.shape(), "strategy": self.state_dict(),
                "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-               "optimizer": self.inner_optimizer.state_dict()}
-        tmp = f"{path}.tmp.{os.getpid()}"
-        try:
-            torch.save(obj, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+               "optimizer": self.inner_optimizer.state_dict(),
+               "optimizer_type": _qualname(self.inner_optimizer)}
+        write_checkpoint(obj, path)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
-        """Restore what ``save_checkpoint`` wrote (``weights_only=True``); clear error on mismatch."""
-        try:
-            obj = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise
-        except Exception as e:
-            raise CheckpointError(f"cannot read checkpoint {os.fspath(path)!r}: "
-                                  f"{type(e).__name__}: {e}") from e
+        """Restore what ``save_checkpoint`` wrote. Refuses, with ``CheckpointError`` and nothing
+        changed, a file that fails its checksum, belongs to another method, model or world size,
+        holds a tensor of the wrong dtype or shape, or was written with another inner optimizer."""
+        obj = read_checkpoint(path)
         self._check_shape(obj)
         self._check_shape(obj.get("strategy"))
+        want = _qualname(self.inner_optimizer)
+        if obj.get("optimizer_type") != want:
+            raise CheckpointError(f"checkpoint was written with inner optimizer "
+                                  f"{obj.get('optimizer_type')!r} "
+                                  f"but this strategy wraps {want!r}")
+        model_sd = obj.get("model")
+        if not isinstance(model_sd, dict):
+            raise CheckpointError("checkpoint entry model should be a dict")
+        mine = self.model.state_dict()
+        if set(model_sd) != set(mine):
+            extra, missing = sorted(set(model_sd) - set(mine)), sorted(set(mine) - set(model_sd))
+            raise CheckpointError(f"checkpoint model entries do not match this model "
+                                  f"(unexpected: {extra[:5]}, "
+                                  f"missing: {missing[:5]})")
+        for k, v in mine.items():
+            expect_tensor(f"model[{k!r}]", model_sd[k], tuple(v.shape), v.dtype)
+        if not isinstance(obj.get("optimizer"), dict):
+            raise CheckpointError("checkpoint entry optimizer should be a dict")
+        self._validate_state(obj["strategy"])
         with torch.no_grad():
-            self.model.load_state_dict(obj["model"])  # copies into the flat views, in place
-        self.frags.check_views()
+            self.model.load_state_dict(model_sd)  # copies into the flat views, in place
+        self.frags.check_views(self.model)
         self.inner_optimizer.load_state_dict(obj["optimizer"])
         self.load_state_dict(obj["strategy"])
+
+
+def _qualname(obj: object) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _plain(v: object) -> object:
+    """Configuration values as plain, comparable Python data (dtypes and devices as strings)."""
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, (torch.dtype, torch.device)):
+        return str(v)
+    return v
+
+
+def _refuse_second_wrap(model: nn.Module) -> None:
+    for n, p in model.named_parameters():
+        ref = getattr(p, _OWNER, None)
+        owner = ref() if ref is not None else None
+        if owner is not None:
+            raise ValueError(f"model is already wrapped by a {type(owner).__name__} strategy "
+                             f"(parameter {n!r}); "
+                             "a second strategy would leave the first one synchronising an orphaned "
+                             "buffer. Call first_strategy.close() before wrapping the model again.")
 
 
 def nvtx(name: str):

@@ -28,6 +28,7 @@ import torch
 
 from .. import ops
 from .base import check_float, check_int
+from .checkpoint import CheckpointError, expect_int
 from .dense import DenseStrategy, Pending
 
 SCORES = ("l2_global", "l1_local", "round_robin")
@@ -145,11 +146,19 @@ class CoCoDC(DenseStrategy):
             extras += ops.fragment_norms(diff, self._offsets_all, ord=1).double().cpu().tolist()
         return extras
 
+    def _num_extras(self) -> int:
+        return 2 + (self.K if self.score == "l1_local" else 0)
+
+    def _schedule_fields(self) -> dict[str, Any]:
+        return {"sync_every": self.H, "syncs_per_period": "auto" if self.auto else self.N,
+                "gamma": self.gamma,
+                "score": self.score}
+
     def _on_result(self, pd: Pending, delta_avg: torch.Tensor, control: list[float]) -> None:
         if pd.handle is not None:
             self._ts_last = pd.handle.in_flight_s
         if self.world > 0:
-            tc, ts = control[1] / self.world, control[2] / self.world
+            tc, ts = control[0] / self.world, control[1] / self.world
             if tc > 0:
                 self.T_c = tc
             if ts > 0:
@@ -164,7 +173,7 @@ class CoCoDC(DenseStrategy):
             covered = max(1, pd.send_step - self._covered_from(pd))
             self.scores[p] = norm / covered
         else:
-            self.scores = list(control[3:3 + self.K])
+            self.scores = list(control[2:2 + self.K])
 
     def _covered_from(self, pd: Pending) -> int:
         # prev_send was updated at send time; the pending sync is the latest send of its fragment.
@@ -175,6 +184,27 @@ class CoCoDC(DenseStrategy):
         return {"N": self.N, "last_send": list(self.last_send), "prev_send": list(self.prev_send),
                 "scores": list(self.scores), "T_c": self.T_c, "T_s": self.T_s, "ts_last": self._ts_last,
                 "rr_next": self._rr_next}
+
+    def _validate_state(self, sd: dict[str, Any]) -> None:
+        super()._validate_state(sd)
+        sch = sd["schedule"]
+        expect_int("schedule.N", sch.get("N"), self.K, self.n_max)
+        expect_int("schedule.rr_next", sch.get("rr_next"), 0, self.K - 1)
+        for key, lo in (("last_send", -1), ("prev_send", 0)):
+            vals = sch.get(key)
+            if not isinstance(vals, list) or len(vals) != self.K:
+                raise CheckpointError(f"checkpoint entry schedule.{key} should be a list of {self.K} ints")
+            for i, v in enumerate(vals):
+                expect_int(f"schedule.{key}[{i}]", v, lo)
+        scores = sch.get("scores")
+        if not isinstance(scores, list) or len(scores) != self.K or not all(
+                isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in scores):
+            raise CheckpointError(f"checkpoint entry schedule.scores should be {self.K} finite numbers >= 0")
+        for key in ("T_c", "T_s", "ts_last"):
+            v = sch.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise CheckpointError(f"checkpoint entry schedule.{key} should be a finite number >= 0, "
+                                      f"got {v!r}")
 
     def _load_schedule_state(self, sd: dict[str, Any]) -> None:
         self.N = int(sd["N"])

@@ -3,7 +3,8 @@
 One sync of fragment p (ALGORITHMS.md), sent after inner step t and applied after step t + τ:
 
     send   Δ_p, x_sent ← pack(g_p, x_p)               one pass; Δ in the wire dtype
-           all-reduce SUM of [Δ_p] and of a tiny fp64 control vector [non-finite count, ...]
+           all-reduce SUM of [Δ_p] and of a tiny fp64 control vector (per-rank non-finite counts
+           and view checks, then strategy extras)
     ...    τ inner steps run while the collective is in flight
     apply  Δ̄_p = ΣΔ_p / M; outer_merge_(g_p, u_p, Δ̄_p, x_p, x_sent): Nesterov outer step on
            (g_p, u_p), then x_p ← (1−α)(g_new + β·v − λ·v⊙v⊙D) + α·x_p
@@ -11,25 +12,27 @@ One sync of fragment p (ALGORITHMS.md), sent after inner step t and applied afte
 The apply step is fixed (t + τ) whatever the wall clock did, so training is deterministic; if the
 result is late the wait is counted as exposed communication. τ = 0 is blocking (DiLoCo).
 If the control vector says any rank had a non-finite Δ, every rank skips the outer step (g, u
-unchanged) and resets x_p ← g_p, so a poisoned worker restarts that fragment from the last global.
+unchanged) and resets x_p ← g_p; a rank whose parameters or inner-optimizer state hold non-finite
+values anywhere restarts entirely: x ← g for every fragment, the snapshots of its in-flight syncs
+← g (so their merges land on g_new), and its inner-optimizer state cleared (see ``Strategy``).
 All ranks start from rank 0's parameters (broadcast at construction), so g is identical everywhere.
 """
 
 from __future__ import annotations
 
 import abc
-import datetime
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import ops
 from .base import Strategy, check_float, check_int, nvtx, tensor_hash
+from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .metrics import SyncRecord
-from .transport import Handle, SyncError
+from .transport import Handle
 
 
 @dataclass
@@ -41,7 +44,7 @@ class Pending:
     apply_step: int
     delta: torch.Tensor  # wire dtype, summed in place by the all-reduce
     x_sent: torch.Tensor | None  # snapshot of x_p at send (outer device); None when the merge needs none
-    control: torch.Tensor  # fp64 [non-finite count, strategy extras...], summed in place
+    control: torch.Tensor  # fp64 [per-rank facts (Strategy._control), strategy extras...], summed in place
     handle: Handle | None  # None once restored from a checkpoint (already complete)
     reason: str = "schedule"
     pack_s: float = 0.0
@@ -52,21 +55,6 @@ class Pending:
     def nbytes(self) -> int:
         n = self.delta.numel() * self.delta.element_size()
         return n + (self.x_sent.numel() * self.x_sent.element_size() if self.x_sent is not None else 0)
-
-
-def broadcast_initial(strategy: Strategy) -> None:
-    """Every worker starts from group-rank 0's parameters (as DDP does at construction)."""
-    if strategy.world == 1:
-        return
-    src = dist.get_global_rank(strategy.group, 0)
-    work = dist.broadcast(strategy.frags.flat, src=src, group=strategy.group, async_op=True)
-    try:
-        ok = work.wait(timeout=datetime.timedelta(seconds=strategy.transport.timeout_s))
-    except Exception as e:
-        raise SyncError(f"initial broadcast of the parameters from rank {src} failed: {e}") from e
-    if ok is False:
-        raise SyncError(f"initial broadcast of the parameters from rank {src} did not complete within "
-                        f"{strategy.transport.timeout_s} s")
 
 
 class DenseStrategy(Strategy):
@@ -89,7 +77,7 @@ class DenseStrategy(Strategy):
 
     def _init_buffers(self) -> None:
         """Call at the end of a subclass constructor, after all configuration checks passed."""
-        broadcast_initial(self)
+        self._join_group()
         self.g = self._outer_buffer()
         self.g.copy_(self.frags.flat)
         self.u = self._outer_buffer()
@@ -102,9 +90,22 @@ class DenseStrategy(Strategy):
     def _sends_at(self, t: int) -> list[tuple[int, str]]:
         """(fragment, reason) pairs to send after inner step t, in order."""
 
+    def _config_fields(self) -> dict[str, Any]:
+        return {"fragment_sync_delay": self.tau, "outer_lr": self.outer_lr,
+                "outer_momentum": self.outer_momentum, "nesterov": self.nesterov, **self.merge_kw,
+                **self._schedule_fields()}
+
+    @abc.abstractmethod
+    def _schedule_fields(self) -> dict[str, Any]:
+        """The schedule's knobs (sync_every, ...) for the cross-rank agreement."""
+
     def _control_extras(self, p: int, t: int) -> list[float]:
-        """Strategy values all-reduced beside fragment p's sync (e.g. CoCoDC timings, scores)."""
+        """Strategy values all-reduced beside fragment p's sync (e.g. CoCoDC timings, scores);
+        always ``_num_extras()`` of them."""
         return []
+
+    def _num_extras(self) -> int:
+        return 0
 
     def _on_result(self, pd: Pending, delta_avg: torch.Tensor, control: list[float]) -> None:
         """Called with the averaged result before the merge (CoCoDC updates scores here)."""
@@ -141,13 +142,9 @@ class DenseStrategy(Strategy):
             x_src = x_p if self.outer_dev == self.device else x_p.to(self.outer_dev)
             delta, snap, nonfinite = ops.pack(g_p, x_src, wire_dtype=self.wire_dtype,
                                               snapshot_out=None if self.needs_snapshot else False)
-            extras = self._control_extras(p, t)
-            control = torch.empty(1 + len(extras), dtype=torch.float64, device=self.outer_dev)
-            control[0] = nonfinite  # device-side copy: no host sync
-            if extras:
-                control[1:] = torch.tensor(extras, dtype=torch.float64)
+            control = self._control(nonfinite, self._control_extras(p, t))
             if self.outer_dev != self.device:
-                delta, control = delta.to(self.device), control.to(self.device)
+                delta = delta.to(self.device)
         pack_s = time.perf_counter() - t0
         name = f"{self.method} sync of fragment {p} sent at step {t}"
         handle = self.transport.all_reduce([delta, control], name=name,
@@ -177,11 +174,13 @@ class DenseStrategy(Strategy):
         control = pd.control.cpu().tolist()  # tiny; the skip decision must be known on the host
         t0 = time.perf_counter()
         what = f"{self.method} sync of fragment {p} sent at step {pd.send_step}"
-        skipped = self._nonfinite(control[0], what)
+        skipped = self._sync_outcome(control, what)
         with nvtx("merge"):
             g_p, u_p, x_p = self.frags.slice(self.g, p), self.frags.slice(self.u, p), self.frags.x(p)
             if skipped:
                 x_p.copy_(g_p.to(x_p.device))
+                if self._poisoned():
+                    self._restart_poisoned()
             else:
                 delta = pd.delta
                 if self.world > 1:
@@ -190,7 +189,7 @@ class DenseStrategy(Strategy):
                     delta, x_work = delta.to(self.outer_dev), x_p.to(self.outer_dev)
                 else:
                     x_work = x_p
-                self._on_result(pd, delta, control)
+                self._on_result(pd, delta, self._extras(control))
                 ops.outer_merge_(g_p, u_p, delta, x_work, pd.x_sent, lr=self.outer_lr,
                                  momentum=self.outer_momentum, nesterov=self.nesterov, **self.merge_kw)
                 if x_work is not x_p:
@@ -200,6 +199,17 @@ class DenseStrategy(Strategy):
                                 in_flight_s=pd.in_flight_s, exposed_s=pd.exposed_s,
                                 staleness=t - pd.send_step, skipped=skipped, reason=pd.reason,
                                 pack_s=pd.pack_s, merge_s=time.perf_counter() - t0))
+
+    def _restart_poisoned(self) -> None:
+        """This rank holds non-finite values: restart it entirely from the last good global."""
+        self.frags.flat.copy_(self.g.to(self.device))
+        for pd in self.pending:
+            if pd.x_sent is not None:
+                pd.x_sent.copy_(self.frags.slice(self.g, pd.fragment))
+        self._clear_inner_state(p for grp in self.frags.params for p in grp)
+        warnings.warn(f"rank {self.rank} held non-finite parameters or inner-optimizer state at step "
+                      f"{self.step_count}: it restarts from the last good global with its inner-optimizer "
+                      "state cleared", RuntimeWarning, stacklevel=4)
 
     # ----- checkpoint / guard --------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -213,6 +223,30 @@ class DenseStrategy(Strategy):
                          "reason": pd.reason} for pd in self.pending],
             "schedule": self._schedule_state(),
         }
+
+    def _validate_state(self, sd: dict[str, Any]) -> None:
+        n, dt = self.frags.numel, self.frags.dtype
+        for key in ("g", "u"):
+            expect_tensor(key, sd.get(key), (n,), dt)
+        expect_int("applied_count", sd.get("applied_count"), 0)
+        pending = sd.get("pending")
+        if not isinstance(pending, list) or len(pending) > self.frags.num_fragments:
+            raise CheckpointError(f"checkpoint entry pending should be a list of at most "
+                                  f"{self.frags.num_fragments} syncs")
+        width = 2 * self.world + self._num_extras()
+        for i, q in enumerate(pending):
+            if not isinstance(q, dict):
+                raise CheckpointError(f"checkpoint entry pending[{i}] should be a dict")
+            f = expect_int(f"pending[{i}].fragment", q.get("fragment"), 0, self.frags.num_fragments - 1)
+            size = self.frags.sizes()[f]
+            send = expect_int(f"pending[{i}].send_step", q.get("send_step"), 0)
+            expect_int(f"pending[{i}].apply_step", q.get("apply_step"), send)
+            expect_tensor(f"pending[{i}].delta", q.get("delta"), (size,), self.wire_dtype)
+            expect_tensor(f"pending[{i}].control", q.get("control"), (width,), torch.float64)
+            if q.get("x_sent") is not None or self.needs_snapshot:
+                expect_tensor(f"pending[{i}].x_sent", q.get("x_sent"), (size,), dt)
+        if not isinstance(sd.get("schedule"), dict):
+            raise CheckpointError("checkpoint entry schedule should be a dict")
 
     def _load_state(self, sd: dict[str, Any]) -> None:
         self.g.copy_(sd["g"])
@@ -241,8 +275,8 @@ class DiLoCo(DenseStrategy):
     Δ̄ = mean_m (g − x_m); Nesterov outer step u ← μu + Δ̄, g ← g − η(Δ̄ + μu); x ← g.
 
     One fragment (all parameters), τ = 0. Keywords shared by every strategy: process_group, wan,
-    wire_dtype, on_nonfinite ('skip' | 'raise'), timeout_s, outer_device ('model' | 'cpu'),
-    metrics_callback, guard_every (see ``Strategy``)."""
+    wire_dtype, on_nonfinite ('skip' | 'raise'), max_nonfinite_syncs, timeout_s,
+    outer_device ('model' | 'cpu'), metrics_callback, guard_every (see ``Strategy``)."""
 
     method = "diloco"
 
@@ -252,6 +286,9 @@ class DiLoCo(DenseStrategy):
         super().__init__(model, inner_optimizer, num_fragments=1, fragment_sync_delay=0, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, nesterov=nesterov, **common)
         self._init_buffers()
+
+    def _schedule_fields(self) -> dict[str, Any]:
+        return {"sync_every": self.H}
 
     def _sends_at(self, t: int) -> list[tuple[int, str]]:
         return [(0, "schedule")] if t % self.H == 0 else []
@@ -283,6 +320,9 @@ class StreamingDiLoCo(DenseStrategy):
                          outer_momentum=outer_momentum, nesterov=nesterov, alpha=alpha, **common)
         self.offsets_in_period = [(p * self.H) // K for p in range(K)]
         self._init_buffers()
+
+    def _schedule_fields(self) -> dict[str, Any]:
+        return {"sync_every": self.H}
 
     def _sends_at(self, t: int) -> list[tuple[int, str]]:
         r = t % self.H

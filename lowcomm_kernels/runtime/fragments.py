@@ -113,10 +113,18 @@ class FlatFragments:
         offsets: (K+1,) int64 on flat's device, fragment p = flat[offsets[p]:offsets[p+1]].
         bounds: the same offsets as Python ints.
         params: per fragment, the Parameters in buffer order.
+        names: per fragment, their qualified names in the model (``model.get_parameter(name)``).
     """
 
     def __init__(self, model: nn.Module, num_fragments: int, fragments: FragmentSpec = None) -> None:
         groups = plan_fragments(model, num_fragments, fragments)
+        in_model = {id(p) for p in model.parameters()}
+        for f, grp in enumerate(groups):
+            for p in grp:
+                if id(p) not in in_model:
+                    raise ValueError(f"fragments[{f}] lists a parameter of shape {tuple(p.shape)} that is "
+                                     "not "
+                                     "a parameter of the model")
         devices = {p.device for grp in groups for p in grp}
         if len(devices) != 1:
             raise ValueError(f"model parameters are on mixed devices {sorted(map(str, devices))}; "
@@ -142,6 +150,8 @@ class FlatFragments:
                     p.data = view  # same Parameter object: optimizer refs and state stay valid
                     off += p.numel()
         self.offsets = torch.tensor(bounds, dtype=torch.int64, device=self.device)
+        qual = {id(p): n for n, p in model.named_parameters()}
+        self.names = [[qual[id(p)] for p in grp] for grp in groups]
 
     @property
     def num_fragments(self) -> int:
@@ -161,14 +171,34 @@ class FlatFragments:
     def x(self, p: int) -> torch.Tensor:
         return self.slice(self.flat, p)
 
-    def check_views(self) -> None:
-        """Raise if a parameter no longer views the flat buffer (someone reassigned param.data)."""
-        base = self.flat.data_ptr()
-        off = 0
+    def broken_view(self, model: nn.Module) -> str | None:
+        """None while every parameter still is the wrapped Parameter object and views the flat
+        buffer; otherwise a sentence naming the first one that does not (``model.to()``,
+        ``model.double()``, ``param.data = ...`` or ``load_state_dict(assign=True)`` after wrapping).
+        A pointer comparison per parameter: cheap enough to run at every sync."""
+        base, size, off = self.flat.data_ptr(), self.flat.element_size(), 0
         for f, grp in enumerate(self.params):
-            for p in grp:
-                if p.data.data_ptr() != base + off * self.flat.element_size():
-                    raise RuntimeError(f"a parameter of fragment {f} (shape {tuple(p.shape)}) no longer "
-                                       "views the strategy's flat buffer; was param.data reassigned "
-                                       "(e.g. by model.to()) after wrapping?")
+            for i, p in enumerate(grp):
+                name = self.names[f][i]
+                try:
+                    current = model.get_parameter(name)
+                except AttributeError:
+                    current = None
+                if current is not p:
+                    return (f"parameter {name!r} (fragment {f}) was replaced by another Parameter object "
+                            "after wrapping (e.g. by load_state_dict(assign=True)); the strategy and the "
+                            "inner optimizer still hold the old one")
+                d = p.data
+                if (d.data_ptr() != base + off * size or d.dtype != self.flat.dtype
+                        or d.device != self.flat.device or d.shape != p.shape):
+                    return (f"parameter {name!r} (fragment {f}) no longer views the strategy's flat buffer "
+                            f"(it is now {d.dtype} on {d.device}); was param.data reassigned after wrapping, "
+                            "e.g. by model.to(), model.double() or p.data = ...?")
                 off += p.numel()
+        return None
+
+    def check_views(self, model: nn.Module) -> None:
+        """Raise RuntimeError naming the first parameter that no longer views the flat buffer."""
+        msg = self.broken_view(model)
+        if msg is not None:
+            raise RuntimeError(msg)

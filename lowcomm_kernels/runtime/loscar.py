@@ -14,25 +14,35 @@ derived from the shared seed so no indices travel. Only k-sized buffers are allo
 Heterogeneous workers: ``local_steps`` and ``overlap_steps`` may be per-rank lists. Every rank
 issues exactly one all-reduce (plus its tiny control vector) per round, in round order, so the
 collectives always pair up whatever each rank's step counts are: a faster rank simply waits at its
-merge (counted as exposed). A non-finite y on any rank makes every rank skip that round's merge
-(x keeps its local values; with ``on_nonfinite="raise"`` every rank raises).
+merge (counted as exposed).
+
+Non-finite values: each rank checks its WHOLE x at send (its L1 norm, one read of x per round),
+not only y, so a poisoned rank is found even where the mask did not look. If any
+rank has some, every rank skips that round's merge, and since LOSCAR keeps no global copy to
+restart from, each poisoned rank is restarted from the parameters of the lowest-numbered healthy
+rank (one broadcast of d values, counted in ``metrics.recovery_bytes``) with its inner-optimizer
+state cleared; healthy ranks keep their own x. With ``on_nonfinite="raise"`` every rank raises;
+if every rank is poisoned, every rank raises (nothing finite is left to restart from).
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .. import ops
 from .base import Strategy, check_float, check_int, nvtx, tensor_hash
-from .dense import broadcast_initial
+from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .metrics import SyncRecord
-from .transport import Handle
+from .transport import Handle, SyncError
 
 MERGES = {"delay_corrected": 1.0, "overwrite": 0.0}
 
@@ -44,7 +54,7 @@ class _SparsePending:
     idx: torch.Tensor  # (k,) int64, sorted
     sent: torch.Tensor  # (k,) y = x[S] at send
     wire: torch.Tensor  # (k,) wire dtype, summed in place
-    control: torch.Tensor  # fp64 [non-finite count]
+    control: torch.Tensor  # fp64 per-rank facts (Strategy._control): non-finite counts of x, views
     handle: Handle | None
     pack_s: float = 0.0
     exposed_s: float = 0.0
@@ -85,7 +95,7 @@ class LOSCAR(Strategy):
         self.Q_i, self.overlap_steps = _per_rank("overlap_steps", overlap_steps, self.world, self.rank, 0)
         self.d = self.frags.numel
         self.k = max(1, math.ceil(self.density * self.d))
-        broadcast_initial(self)
+        self._join_group()
         self.round = 0
         self.s = 0  # inner steps into the current round
         self.inflight: _SparsePending | None = None
@@ -110,7 +120,10 @@ class LOSCAR(Strategy):
             idx = ops.mask_indices(self.seed, self.round, self.d, self.k, device=x.device)
             sent = ops.sparse_gather(x, idx)
             wire = sent.to(self.wire_dtype, copy=True)  # all-reduced in place; `sent` is kept for the merge
-            control = (~torch.isfinite(sent)).sum().to(torch.float64).reshape(1)
+            # poisoned anywhere in x: its L1 norm is not finite (one read of x, no d-sized temporary)
+            whole = ops.fragment_norms(x, self.frags.offsets, ord=1)
+            bad = (~torch.isfinite(sent)).sum() + (~torch.isfinite(whole)).sum()
+            control = self._control(bad.to(torch.float64), [])
         pack_s = time.perf_counter() - t0
         name = f"LOSCAR sync of round {self.round} sent at step {t}"
         handle = self.transport.all_reduce([wire, control], name=name,
@@ -142,9 +155,11 @@ class LOSCAR(Strategy):
         self.inflight = None
         self.last_idx = pd.idx
         t0 = time.perf_counter()
-        skipped = self._nonfinite(float(pd.control.cpu()[0]), f"LOSCAR sync of round {pd.round} sent at step "
-                                  f"{pd.send_step}")
-        if not skipped:
+        control = pd.control.cpu().tolist()
+        skipped = self._sync_outcome(control, f"LOSCAR sync of round {pd.round} sent at step {pd.send_step}")
+        if skipped:
+            self._heal([r for r in range(self.world) if control[r] > 0], pd.round)
+        else:
             with nvtx("merge"):
                 if self.world > 1:
                     pd.wire.div_(self.world)
@@ -154,6 +169,37 @@ class LOSCAR(Strategy):
                                 staleness=t - pd.send_step,
                                 skipped=skipped, round=pd.round, pack_s=pd.pack_s,
                                 merge_s=time.perf_counter() - t0))
+
+    def _heal(self, poisoned: list[int], rnd: int) -> None:
+        """Every rank: poisoned ranks take the parameters of the lowest healthy rank (collective)."""
+        healthy = [r for r in range(self.world) if r not in poisoned]
+        if not healthy:
+            raise FloatingPointError(f"LOSCAR round {rnd}: every rank holds non-finite parameters and LOSCAR "
+                                     "keeps no global copy to restart from; stopping every rank")
+        src = healthy[0]
+        x = self.frags.flat
+        buf = x if self.rank in poisoned or self.rank == src else torch.empty_like(x)
+        work = dist.broadcast(buf, src=dist.get_global_rank(self.group, src), group=self.group, async_op=True)
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=self.transport.timeout_s))
+        except Exception as e:
+            raise SyncError(f"LOSCAR round {rnd}: restarting rank(s) {poisoned} from rank {src} failed: "
+                            f"{type(e).__name__}: {e}") from e
+        if ok is False:
+            raise SyncError(f"LOSCAR round {rnd}: restarting rank(s) {poisoned} from rank {src} did not "
+                            f"complete within {self.transport.timeout_s} s")
+        self.metrics.recovery_bytes += x.numel() * x.element_size()
+        if self.rank in poisoned:
+            self._clear_inner_state(p for grp in self.frags.params for p in grp)
+            warnings.warn(f"LOSCAR round {rnd}: rank {self.rank} held non-finite parameters; it restarts "
+                          "from "
+                          f"rank {src}'s parameters with its inner-optimizer state cleared", RuntimeWarning,
+                          stacklevel=4)
+
+    def _config_fields(self) -> dict[str, Any]:
+        return {"density": self.density, "k": self.k, "merge": self.merge, "seed": self.seed,
+                "local_steps (per rank)": list(self.local_steps),
+                "overlap_steps (per rank)": list(self.overlap_steps)}
 
     # ----- checkpoint / guard --------------------------------------------------------------------
     @property
@@ -169,7 +215,6 @@ class LOSCAR(Strategy):
         if self.heterogeneous and not self.at_round_end:
             # Ranks with different step counts are in different rounds at the same step; a cut that
             # is consistent across ranks exists only at round ends (each rank at its own step).
-            from .base import CheckpointError
             raise CheckpointError("LOSCAR with per-rank local_steps/overlap_steps can be checkpointed only "
                                   "at a round end (when strategy.at_round_end is True on every rank)")
         pd = self.inflight
@@ -179,9 +224,26 @@ class LOSCAR(Strategy):
         return {"round": self.round, "s": self.s, "seed": self.seed, "k": self.k, "inflight": inflight,
                 "local_steps": list(self.local_steps), "overlap_steps": list(self.overlap_steps)}
 
+    def _validate_state(self, sd: dict[str, Any]) -> None:
+        for key in ("round", "s", "seed", "k"):
+            expect_int(key, sd.get(key), 0)
+        if (sd.get("local_steps") != list(self.local_steps)
+                or sd.get("overlap_steps") != list(self.overlap_steps)):
+            raise CheckpointError(f"checkpoint has local_steps={sd.get('local_steps')!r}, "
+                                  f"overlap_steps={sd.get('overlap_steps')!r} but this LOSCAR has "
+                                  f"{list(self.local_steps)}, {list(self.overlap_steps)}")
+        q = sd.get("inflight")
+        if q is not None:
+            if not isinstance(q, dict):
+                raise CheckpointError("checkpoint entry inflight should be a dict or None")
+            expect_int("inflight.round", q.get("round"), 0)
+            expect_int("inflight.send_step", q.get("send_step"), 0)
+            expect_tensor("inflight.sent", q.get("sent"), (self.k,), self.frags.dtype)
+            expect_tensor("inflight.wire", q.get("wire"), (self.k,), self.wire_dtype)
+            expect_tensor("inflight.control", q.get("control"), (2 * self.world,), torch.float64)
+
     def _load_state(self, sd: dict[str, Any]) -> None:
         if int(sd["seed"]) != self.seed or int(sd["k"]) != self.k:
-            from .base import CheckpointError
             raise CheckpointError(f"checkpoint has seed={sd['seed']}, k={sd['k']} but this LOSCAR has "
                                   f"seed={self.seed}, k={self.k}")
         self.round, self.s = int(sd["round"]), int(sd["s"])

@@ -49,6 +49,7 @@ class RuntimeMetrics:
     step_compute_s: list[float] = field(default_factory=list)
     extra_memory_bytes: int = 0  # persistent buffers held over plain training (g, u, ...)
     peak_inflight_bytes: int = 0  # largest sum of transient buffers of in-flight syncs
+    recovery_bytes: int = 0  # dense broadcasts that restarted a poisoned LOSCAR rank from a healthy one
 
     def exposed_fraction(self) -> float:
         """Exposed communication as a fraction of total step time (compute + overhead + exposed)."""

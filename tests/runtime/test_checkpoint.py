@@ -11,6 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from lowcomm_kernels.runtime.checkpoint import read_checkpoint  # noqa: E402
 from lowcomm_kernels.runtime.launch import spawn_local  # noqa: E402
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rt_workers.py")
@@ -64,8 +65,8 @@ def test_sigkill_peer_survivor_raises_then_restart_is_bit_identical(tmp_path):
                        ([{**base, "name": "full", "ckpt_at": 10, "ckpt_dir": str(full_dir)}],), timeout_s=120)
     for r in range(2):
         # the survivor's last checkpoint is the uninterrupted run's state at step 10, bit for bit
-        killed = torch.load(killed_dir / f"rank{r}.pt", weights_only=True)
-        clean = torch.load(full_dir / f"rank{r}.pt", weights_only=True)
+        killed = read_checkpoint(killed_dir / f"rank{r}.pt")
+        clean = read_checkpoint(full_dir / f"rank{r}.pt")
         assert killed["strategy"]["step"] == clean["strategy"]["step"] == 10
         _equal_bits(killed["model"], clean["model"])
         for key in ("g", "u"):

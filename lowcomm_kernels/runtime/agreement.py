@@ -1,0 +1,132 @@
+"""Joining the group: every rank checks that it runs the same job, then starts from rank 0's state.
+
+A strategy's collectives pair up only if every rank wraps the same model with the same method and
+schedule. When they do not, gloo either averages pseudo-gradients of different steps without a
+word or aborts the process (SIGABRT on a size mismatch). So before the first collective that
+depends on the configuration, every rank describes what must match as named fields (method, every
+schedule knob, the wire format, each parameter's name/shape/dtype and fragment, each frozen
+parameter and buffer) and the group compares them:
+
+1. all-gather one 64-bit digest of the description (fixed size, so it pairs up whatever differs);
+2. only if the digests differ, all-gather the descriptions themselves and raise
+   ``ConfigMismatchError`` on EVERY rank, naming the first field that differs and each rank's value.
+
+Then ``broadcast_module_state`` makes every rank start from group-rank 0's values of the trainable
+parameters (the flat buffer) and of the frozen parameters and buffers, as DDP does.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .transport import SyncError, Transport
+
+
+class ConfigMismatchError(ValueError):
+    """Ranks of one group were given different configurations or models; names the first difference."""
+
+
+def _digest(fields: dict[str, Any]) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(sorted(fields.items())).encode(), digest_size=8).digest(),
+                          "little") >> 1
+
+
+def _gather_bytes(transport: Transport, data: bytes, name: str) -> list[bytes]:
+    """All-gather variable-length byte strings (lengths first, then padded payloads)."""
+    dev = transport.device
+    n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
+    sizes = [int(s.item()) for s in transport.blocking_all_gather(n, name=name)]
+    buf = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
+    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    outs = transport.blocking_all_gather(buf, name=name)
+    return [bytes(o[:s].cpu().numpy().tobytes()) for o, s in zip(outs, sizes, strict=True)]
+
+
+def first_difference(described: list[dict[str, Any]]) -> str | None:
+    """The first field (in rank 0's order, then any other rank's) whose value differs between ranks,
+    as a sentence with each rank's value; None when all agree."""
+    keys: list[str] = []
+    for d in described:
+        keys.extend(k for k in d if k not in keys)
+    missing = "<absent>"
+    for k in keys:
+        vals = [d.get(k, missing) for d in described]
+        if any(v != vals[0] for v in vals[1:]):
+            shown = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(vals[:8]))
+            more = f", ... ({len(vals)} ranks)" if len(vals) > 8 else ""
+            return f"{k} ({shown}{more})"
+    return None
+
+
+def agree(transport: Transport, fields: dict[str, Any], what: str) -> None:
+    """Raise ``ConfigMismatchError`` on every rank unless ``fields`` is identical on all of them.
+    Values must be plain Python data (compared with ``==``, shown with ``repr``)."""
+    if transport.world == 1:
+        return
+    name = f"agreement on the {what} configuration"
+    mine = torch.tensor([_digest(fields)], dtype=torch.int64, device=transport.device)
+    digests = [int(d.item()) for d in transport.blocking_all_gather(mine, name=name)]
+    if all(d == digests[0] for d in digests):
+        return
+    described = [pickle.loads(b) for b in _gather_bytes(transport, pickle.dumps(fields), name)]
+    diff = first_difference(described) or "the configuration (digests differ, fields compare equal)"
+    raise ConfigMismatchError(f"ranks of the {what} process group were given different configurations; "
+                              f"the first difference is {diff}. Every rank must wrap the same model "
+                              "with the same method, schedule and wire format.")
+
+
+def module_fields(model: nn.Module, names: list[list[str]]) -> dict[str, Any]:
+    """What must match about the model: trainable parameters with their fragment, frozen parameters
+    and buffers, each as (shape, dtype)."""
+    out: dict[str, Any] = {}
+    frag = {n: f for f, grp in enumerate(names) for n in grp}
+    for n, p in model.named_parameters():
+        if n in frag:
+            out[f"parameter {n!r}"] = (tuple(p.shape), str(p.dtype), f"fragment {frag[n]}")
+        else:
+            out[f"frozen parameter {n!r}"] = (tuple(p.shape), str(p.dtype))
+    for n, b in model.named_buffers():
+        out[f"buffer {n!r}"] = (tuple(b.shape), str(b.dtype))
+    return out
+
+
+def broadcast_module_state(transport: Transport, flat: torch.Tensor, model: nn.Module,
+                           trainable: set[int]) -> None:
+    """Every rank takes group-rank 0's flat parameter buffer, frozen parameters and buffers."""
+    if transport.world == 1:
+        return
+    extra = [p.data for p in model.parameters() if id(p) not in trainable]
+    extra += [b for b in model.buffers()]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in extra:
+        if t.numel() > 0:
+            by_dtype.setdefault(t.dtype, []).append(t)
+    src = dist.get_global_rank(transport.group, 0)
+    _broadcast(transport, flat, src, "the parameters")
+    for dtype, ts in by_dtype.items():  # one broadcast per dtype; bool travels as uint8
+        packed = torch.cat([t.detach().reshape(-1).to(flat.device) for t in ts])
+        wire = packed.view(torch.uint8) if dtype == torch.bool else packed
+        _broadcast(transport, wire, src, f"the frozen parameters and buffers ({dtype})")
+        off = 0
+        with torch.no_grad():
+            for t in ts:
+                t.copy_(packed[off:off + t.numel()].view_as(t))
+                off += t.numel()
+
+
+def _broadcast(transport: Transport, t: torch.Tensor, src: int, what: str) -> None:
+    work = dist.broadcast(t, src=src, group=transport.group, async_op=True)
+    try:
+        ok = work.wait(timeout=datetime.timedelta(seconds=transport.timeout_s))
+    except Exception as e:
+        raise SyncError(f"initial broadcast of {what} from rank {src} failed: {e}") from e
+    if ok is False:
+        raise SyncError(f"initial broadcast of {what} from rank {src} did not complete within "
+                        f"{transport.timeout_s} s")
