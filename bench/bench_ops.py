@@ -5,10 +5,10 @@
 
 Rows per (workload, size), run back to back on the same buffers (see workloads.py):
   memcpy_nt   lc_copy_nt, a non-temporal-store copy moving the op's byte count (half read, half
-              written): the honest roofline (BUILD-NOTES.md). Skipped, with a note, if the native
+              written): the honest roofline (docs/design.md). Skipped, with a note, if the native
               library lacks it; the renderer then falls back to torch_copy and says so.
   torch_copy  dst.copy_(src) of the same bytes: torch's copy pays a read-for-ownership of dst and
-              reaches only ~65% of the roofline; kept for context.
+              reaches only ~64-73% of the roofline here (bench/RESULTS.md); kept for context.
   ref         the ``*_ref`` function as written (allocating ops allocate their outputs every call).
   compile     torch.compile of the ref writing into preallocated outputs, compiled once per
               workload (dynamic shapes) and warmed up outside the timing.

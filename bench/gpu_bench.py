@@ -14,7 +14,7 @@ Timing: CUDA events around each call, best of N. Before each call the L2 cache i
 256 MB write) and the stream is kept busy with ``torch.cuda._sleep`` so that the host-side cost of
 launching (argument checks, ctypes, ~10-30 µs) overlaps the sleep instead of being timed: the
 figure is the device time of the op. An op that synchronises with the host inside (the normalized
-Taylor merge reads two sums) pays that sync, as it would in use. Target (DESIGN.md): >= 85% of
+Taylor merge reads two sums) pays that sync, as it would in use. Target (docs/design.md): >= 85% of
 the device copy bandwidth for pack and outer_merge at >= 16M elements.
 ``--device cpu`` times the CPU backends with perf_counter instead (tests this script here).
 """

@@ -20,7 +20,7 @@ Tolerances are those of tests/conftest.py (derived there from the maths): elemen
 rtol = atol = 8·eps of the dtype; reductions rtol = eps + 8·√n·eps_fp64. Exit status 1 when any
 check fails, 0 when all pass, 0 with a "no GPU" message when the device is a GPU that is absent.
 ``--device cpu`` runs the same checks on the CPU backends (and, under TRITON_INTERPRET=1, Triton
-in fp32: the interpreter's bf16 arithmetic is wrong, BUILD-NOTES.md), which is how this script is
+in fp32: the interpreter's bf16 arithmetic is wrong, docs/design.md), which is how this script is
 tested on machines without a GPU.
 """
 

@@ -5,7 +5,7 @@
 Per op and size: best-of-N time, GB/s from the bytes the op must move (each buffer counted once),
 % of the memcpy row of the same bytes measured in the same run, speed-up over eager ref and over
 torch.compile(ref), and, for pack and outer_merge at >= 16M elements, a verdict against the targets
-of issue 2 (>= 80% of memcpy, >= 3x eager ref, not slower than torch.compile(ref)).
+(>= 80% of memcpy, >= 3x eager ref, not slower than torch.compile(ref); docs/design.md).
 
 Two sections come from other engineers' files and are included verbatim when present:
 bench/results/overlap.md (bench_overlap.py) and bench/results/gpu.md (gpu_check.sh). bench/results/
@@ -171,7 +171,7 @@ def interleaved_row(info: dict, seq: dict[str, dict]) -> dict:
 
 
 def headline(data: dict, rows: dict, inter: dict) -> list[str]:
-    out = ["## Targets (issue 2): pack and outer_merge_ at ≥ 16M fp32 elements, fused CPU backend", "",
+    out = ["## Targets: pack and outer_merge_ at ≥ 16M fp32 elements, fused CPU backend", "",
            "Measured interleaved (`test_interleaved`: each round calls the nt memcpy, torch.compile(ref) "
            "and the fused op once each, in rotating order, best of N each), so load from the other "
            "engineers on this shared machine hits all three alike; the speed-up over eager ref uses the "
@@ -255,7 +255,7 @@ def memcpy_summary(rows: dict) -> list[str]:
     out = ["## The memcpy row", "",
            "The roofline is a copy with non-temporal stores (`lc_copy_nt`): torch's `copy_` pays a hidden "
            "read-for-ownership of the destination and shows only part of the memory system's limit "
-           "(BUILD-NOTES.md). Largest copy of each size in this run:", "",
+           "(docs/design.md, \"The memory roofline on a CPU\"). Largest copy of each size in this run:", "",
            "| size | copy bytes (read + write) | nt copy GB/s | torch copy_ GB/s | copy_ / nt |",
            "| --- | --- | --- | --- | --- |"]
     for n in sorted(best):

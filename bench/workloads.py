@@ -265,7 +265,7 @@ def nt_copy_available() -> bool:
 
 def cpu_copy_nt(dst: torch.Tensor, src: torch.Tensor) -> None:
     """memcpy with non-temporal stores from the native library: the honest roofline on CPUs
-    (torch's copy_ pays a hidden read-for-ownership of dst, BUILD-NOTES.md)."""
+    (torch's copy_ pays a hidden read-for-ownership of dst; docs/design.md)."""
     lib = _native.cpu_lib()
     assert lib is not None
     rc = lib.lc_copy_nt(dst.data_ptr(), src.data_ptr(), src.numel() * src.element_size())

@@ -53,7 +53,7 @@ def ptr(t: torch.Tensor | None) -> int | None:
 
 def _locate(libname: str) -> str | None:
     """Path of an installed library. find_spec triggers scikit-build-core's rebuild in an
-    editable install and returns the right path in a normal one (BUILD-NOTES.md)."""
+    editable install and returns the right path in a normal one (docs/design.md, "The build")."""
     try:
         spec = importlib.util.find_spec(f"lowcomm_kernels.{libname}")
     except (ImportError, ValueError):

@@ -1,12 +1,12 @@
 """Shared test plumbing: the tolerance table, the seeded `rng`, backend parametrization, markers.
 
-Tolerances come from the maths, not from trial and error (STYLE.md §3):
+Tolerances come from the maths, not from trial and error (docs/design.md, "Numerics"):
 
 * **elementwise** ops compute each output from a handful of O(1) inputs with at most ~8 roundings
   (outer_merge: the SGD step, then g_new + β·v − λ·v·v·D and the α mix). Each rounding is at most
   ½ ulp of an O(1) intermediate, and a backend may fuse (FMA) or reorder them, so two correct
   implementations differ by at most ~8·eps relative to the inputs' scale: rtol = atol = 8·eps
-  (fp64 ≈ 1.8e-15, fp32 ≈ 9.5e-7 — the "~1e-6 relative" of STYLE.md). atol assumes O(1)
+  (fp64 ≈ 1.8e-15, fp32 ≈ 9.5e-7, i.e. ~1e-6 relative). atol assumes O(1)
   intermediates; `assert_close(scale=...)` multiplies it by the largest intermediate's magnitude.
 * **reductions** of n non-negative terms (‖·‖₁, ‖·‖₂²), formed identically on both sides, then
   accumulated in fp64 in different orders

@@ -1,6 +1,6 @@
 // lc_copy_nt: memcpy with non-temporal stores, the benchmarks' roofline row. torch's copy_ pays a
-// read-for-ownership of every destination line and shows ~65% of what the memory system moves
-// (BUILD-NOTES.md); this copy shows the real limit of a 1-read / 1-write stream.
+// read-for-ownership of every destination line and shows ~64-73% of what the memory system moves
+// (bench/RESULTS.md, docs/design.md); this copy shows the real limit of a 1-read / 1-write stream.
 #include <immintrin.h>
 #include <string.h>
 

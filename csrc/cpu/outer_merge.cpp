@@ -9,7 +9,7 @@ namespace cpu {
 namespace {
 
 // In place: plain stores. Every output line was just read, so it is already owned; streaming
-// stores would evict it and measured slower (BUILD-NOTES.md).
+// stores would evict it and measured slower (docs/design.md).
 template <class T, class A, bool kMom, bool kNest, bool kFull>
 void merge_loop(T* __restrict g, T* __restrict u, const A* __restrict d, T* __restrict x,
                 const T* __restrict xs, int64_t n, const MergeCoef<T> c) {

@@ -8,7 +8,7 @@ Datasets
   generate a deterministic stand-in (numpy seed 0) with labels from a planted logistic model. Its
   numbers are not a9a's numbers.
 
-Protocol (ALGORITHMS.md, LOSCAR-SGD): 4 workers with relative step times (1, 2, 3, 6). A round has
+Protocol (docs/algorithms.md, LOSCAR-SGD): 4 workers with relative step times (1, 2, 3, 6). A round has
 a fixed wall-clock length R; a worker c x slower runs c x fewer steps in it: N_i = N / c_i local
 steps before sending, Q_i = Q / c_i while the sparse all-reduce is in flight. Variants:
 - delay-corrected: merge x[S] <- mean(y[S]) + (z[S] - y[S])

@@ -45,7 +45,7 @@ class TrainSpec:
     warmup_steps: int = 40
     min_lr_frac: float = 0.1
     grad_clip: float = 1.0
-    # outer optimizer and schedules (ALGORITHMS.md symbols in comments)
+    # outer optimizer and schedules (docs/algorithms.md symbols in comments)
     sync_every: int = 50  # H
     outer_lr: float = 0.7
     outer_momentum: float = 0.9

@@ -4,7 +4,7 @@
 The op modules in ``lowcomm_kernels.ops`` import these launchers lazily (only when the backend is
 ``triton``), so importing the package never imports Triton. Kernels are plain ``@triton.jit``
 functions launched directly, not ``torch.library.triton_op``: on CPU under ``TRITON_INTERPRET=1``
-a ``triton_op`` breaks ``opcheck`` and ``torch.compile`` (BUILD-NOTES.md); the ops layer registers
+a ``triton_op`` breaks ``opcheck`` and ``torch.compile`` (docs/design.md); the ops layer registers
 the ops with ``custom_op`` instead.
 
 ``TRITON_INTERPRET`` is read by Triton when a kernel is *decorated*, i.e. when one of these

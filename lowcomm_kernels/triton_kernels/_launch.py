@@ -3,8 +3,8 @@
 On a GPU a program handles ``GPU_BLOCK`` elements: 2048 fp32 = 16 per thread with 4 warps, enough
 for 128-bit loads and few enough registers for the 5-stream merge kernel. Under
 ``TRITON_INTERPRET=1`` (CPU tensors) every program is a Python-level numpy evaluation, so the cost
-is per program, not per element (1M elements: ~0.05 s with 65536 per program, ~3 s with 256;
-BUILD-NOTES.md): there one program takes up to ``INTERPRET_BLOCK`` elements.
+is per program, not per element (1M elements: ~0.05 s with 65536 per program, ~3 s with 256):
+there one program takes up to ``INTERPRET_BLOCK`` elements.
 
 Kernels here call only Triton *builtins* (``tl.full``, ``tl.reduce``, ...), never the
 ``@triton.jit`` helpers of ``triton.language.standard`` (``tl.sum``, ``tl.max``, ``tl.zeros``):

@@ -8,7 +8,7 @@ gradient Δ̄ and momentum buffer u (ops/outer_merge.py ``outer_step_ref``):
     g_new =  g − η·step
 
 rounded exactly as torch rounds each step (see ``_outer_step``: two of them are FMAs in torch),
-then the delay-compensated merge (ALGORITHMS.md, CoCoDC (a), with the sign fix):
+then the delay-compensated merge (docs/algorithms.md, CoCoDC (a), with the sign fix):
 
     v = x − x_sent,  D = g_new − x_sent
     x <- (1−α)·(g_new + β·v − λ·v⊙v⊙D) + α·x

@@ -1,4 +1,4 @@
-"""Property-based tests of every op (issue 5 item 1): pack, outer_merge_ and mask_indices here,
+"""Property-based tests of every op: pack, outer_merge_ and mask_indices here,
 the indexed ops in test_properties_indexed.py, the contract they check in _contract.py. Random
 sizes, dtypes, strides, offsets and scalars, valid and invalid. Each call either matches the ref or
 raises the documented ValueError/TypeError naming a violated argument; on an error no byte of any
