@@ -1,5 +1,5 @@
 """The overlapping runtime: DiLoCo, Streaming DiLoCo, CoCoDC and LOSCAR-SGD as drop-in wrappers
-around a model and its inner optimizer (see ``base`` for the loop API, ALGORITHMS.md for the maths).
+around a model and its inner optimizer (see ``base`` for the loop API, docs/algorithms.md for the maths).
 
 Modules, one concept each: ``fragments`` (flat buffers), ``transport`` (async collectives, WAN
 emulation, timeouts), ``metrics``, ``base`` (hooking, checkpoints, guard), ``dense`` (DiLoCo,

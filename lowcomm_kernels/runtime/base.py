@@ -169,10 +169,10 @@ class Strategy(abc.ABC):
                                   "wire_dtype": str(self.wire_dtype), "on_nonfinite": self.on_nonfinite,
                                   "max_nonfinite_syncs": self.max_nonfinite_syncs,
                                   "guard_every": self.guard_every,
-                                  "number of fragments": self.frags.num_fragments,
-                                  "fragment sizes": self.frags.sizes()}
+                                  "number of fragments": self.frags.num_fragments}
         fields.update({k: _plain(v) for k, v in self._config_fields().items()})
         fields.update(module_fields(self.model, self.frags.names))
+        fields["fragment sizes"] = self.frags.sizes()
         agree(self.transport, fields, self.method)
         trainable = {id(p) for grp in self.frags.params for p in grp}
         broadcast_module_state(self.transport, self.frags.flat, self.model, trainable)
@@ -217,7 +217,7 @@ class Strategy(abc.ABC):
         w = self.world
         broken = [r for r in range(w) if control[w + r] > 0]
         if broken:
-            mine = f" On this rank: {self._view_problem}." if self._view_problem else ""
+            mine = f" On this rank: {self._view_problem.rstrip('.')}." if self._view_problem else ""
             raise ParameterViewError(f"{what}: the model parameters of rank(s) {broken} no longer view the "
                                      "strategy's buffer, so they would silently stop being synchronised; "
                                      f"every rank stops.{mine} Move or convert the model before wrapping it.")
@@ -410,16 +410,21 @@ class Strategy(abc.ABC):
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore ``state_dict()``. Every tensor's dtype and shape is checked before anything is
         changed; ``CheckpointError`` names the first entry that does not fit."""
+        self._validate(sd)
+        self.drain()
+        with torch.no_grad():
+            self._load_state(sd)
+        self.step_count = sd["step"]
+        self.metrics.steps = self.step_count
+
+    def _validate(self, sd: object) -> None:
+        """Everything ``load_state_dict`` will read, checked before anything changes."""
         self._check_shape(sd)
+        assert isinstance(sd, dict)
         step = sd.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise CheckpointError(f"checkpoint entry step should be an int >= 0, got {step!r}")
         self._validate_state(sd)
-        self.drain()
-        with torch.no_grad():
-            self._load_state(sd)
-        self.step_count = step
-        self.metrics.steps = self.step_count
 
     @abc.abstractmethod
     def _validate_state(self, sd: dict[str, Any]) -> None:
@@ -455,7 +460,7 @@ class Strategy(abc.ABC):
         holds a tensor of the wrong dtype or shape, or was written with another inner optimizer."""
         obj = read_checkpoint(path)
         self._check_shape(obj)
-        self._check_shape(obj.get("strategy"))
+        self._validate(obj.get("strategy"))
         want = _qualname(self.inner_optimizer)
         if obj.get("optimizer_type") != want:
             raise CheckpointError(f"checkpoint was written with inner optimizer "
@@ -474,7 +479,6 @@ class Strategy(abc.ABC):
             expect_tensor(f"model[{k!r}]", model_sd[k], tuple(v.shape), v.dtype)
         if not isinstance(obj.get("optimizer"), dict):
             raise CheckpointError("checkpoint entry optimizer should be a dict")
-        self._validate_state(obj["strategy"])
         with torch.no_grad():
             self.model.load_state_dict(model_sd)  # copies into the flat views, in place
         self.frags.check_views(self.model)

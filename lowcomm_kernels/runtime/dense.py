@@ -1,6 +1,6 @@
 """Dense fragment syncs (DiLoCo, Streaming DiLoCo; CoCoDC builds on this): send, overlap, apply.
 
-One sync of fragment p (ALGORITHMS.md), sent after inner step t and applied after step t + τ:
+One sync of fragment p (docs/algorithms.md), sent after inner step t and applied after step t + τ:
 
     send   Δ_p, x_sent ← pack(g_p, x_p)               one pass; Δ in the wire dtype
            all-reduce SUM of [Δ_p] and of a tiny fp64 control vector (per-rank non-finite counts

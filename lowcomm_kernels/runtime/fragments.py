@@ -192,8 +192,8 @@ class FlatFragments:
                 if (d.data_ptr() != base + off * size or d.dtype != self.flat.dtype
                         or d.device != self.flat.device or d.shape != p.shape):
                     return (f"parameter {name!r} (fragment {f}) no longer views the strategy's flat buffer "
-                            f"(it is now {d.dtype} on {d.device}); was param.data reassigned after wrapping, "
-                            "e.g. by model.to(), model.double() or p.data = ...?")
+                            f"(it is now {d.dtype} on {d.device}): param.data was reassigned after wrapping "
+                            "(by model.to(), model.double(), p.data = ... or the like)")
                 off += p.numel()
         return None
 

@@ -1,6 +1,6 @@
 """LOSCAR-SGD (Maziane et al. 2026): sparse, overlapped, delay-corrected local SGD.
 
-Round r on worker i (ALGORITHMS.md): from x_i run N_i local steps; y_i = x_i[S_r] is sent; run Q_i
+Round r on worker i (docs/algorithms.md): from x_i run N_i local steps; y_i = x_i[S_r] is sent; run Q_i
 more steps while the all-reduce is in flight; z_i = x_i; then with m̄ = mean_i y_i[S_r]
 
     delay_corrected:  x_i[j] ← m̄_j + (z_i[j] − y_i[j])   for j ∈ S_r

@@ -1,4 +1,4 @@
-"""Single-process float64 simulation of the four methods, written straight from ALGORITHMS.md.
+"""Single-process float64 simulation of the four methods, written straight from docs/algorithms.md.
 
 Independent of ``lowcomm_kernels.runtime``: M workers are M model copies in this process, the
 all-reduce is a Python mean, and every rule is spelled out on plain tensors. The only shared

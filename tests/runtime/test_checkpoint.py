@@ -1,6 +1,6 @@
 """Checkpoints: resume is bit-identical (CPU), a SIGKILLed peer makes survivors raise within the
 timeout, and restarting every rank from the last checkpoint ends bit-identical to an uninterrupted
-run (issue 3.7, 5.3, 5.4)."""
+run."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad configuration is a clear error at construction (issue 5.6); a group of size 1 is valid and
+"""Bad configuration is a clear error at construction; a group of size 1 is valid and
 trains exactly like the float64 simulation with M = 1."""
 
 from __future__ import annotations

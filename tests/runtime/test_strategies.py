@@ -1,4 +1,4 @@
-"""Every strategy on 2 real gloo ranks against the float64 simulation written from ALGORITHMS.md.
+"""Every strategy on 2 real gloo ranks against the float64 simulation written from docs/algorithms.md.
 
 One spawn (module fixture) runs all scenarios, because starting torch in a fresh process costs far
 more than the few dozen tiny training steps of each scenario.
