@@ -9,15 +9,22 @@ import argparse
 import datetime as _dt
 import math
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
-from .train.errors import UsageError  # noqa: E402  (re-exported for callers)
-from .train.spec import LAM_MODES, MERGES, METHODS, SCORES, WIRE_DTYPES
+from .train.errors import SpecError, UsageError
+from .train.spec import INT_FIELDS, LAM_MODES, MERGES, METHODS, RANGES, SCORES, WIRE_DTYPES
 
 
 class _Parser(argparse.ArgumentParser):
+    """Raises UsageError instead of printing usage and exiting; a bad flag value comes out of
+    parse_args as an ArgumentError (exit_on_error=False) that main() words as '--flag message'."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, exit_on_error=False, **kwargs)
+
     def error(self, message: str) -> NoReturn:  # one line instead of usage + message
         raise UsageError(f"{self.prog}: {message}")
 
@@ -30,20 +37,24 @@ PRESETS = {
 }
 
 
-def _int(text: str) -> int:
+def _integer(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _int(text: str) -> int:
+    value = _integer(text)
     if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
 def _positive_int(text: str) -> int:
-    value = _int(text)
+    value = _integer(text)
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
     return value
 
 
@@ -57,24 +68,48 @@ def _float(text: str) -> float:
     return value
 
 
+def _in_range(field: str) -> Callable[[str], int | float]:
+    """The type of a numeric TrainSpec knob's flag: the text parsed as the field is (int or float) and
+    checked against the field's range, so an error names the flag and the value as typed, before any
+    change of units."""
+    parse = _integer if field in INT_FIELDS else _float
+    allowed = RANGES[field]
+
+    def check(text: str) -> int | float:
+        value = parse(text)
+        if not allowed.contains(value):
+            raise argparse.ArgumentTypeError(f"{allowed.describe()}, got {text}")
+        return value
+
+    return check
+
+
 def _syncs(text: str) -> str | int:
     return "auto" if text == "auto" else _positive_int(text)
 
 
 def _speeds(text: str) -> tuple[float, ...]:
-    return tuple(_float(t) for t in text.split(",") if t.strip())
+    values = tuple(_float(t) for t in text.split(",") if t.strip())
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"needs positive numbers separated by commas, got {text!r}")
+    return values
 
 
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """Knobs shared by `train`, `compare` and `profile`; None means 'the preset's value'."""
+
+    def knob(group: Any, flag: str, field: str, help: str | None = None, same_units: bool = True) -> None:
+        # a flag in other units than its field keeps its own dest (args.latency_ms for latency_s)
+        group.add_argument(flag, type=_in_range(field), dest=field if same_units else None, help=help)
+
     g = p.add_argument_group("run")
     g.add_argument("--data", help="text file or folder of text files (default: the Python standard library)")
-    g.add_argument("--workers", type=_positive_int, default=None, help="worker processes (default 4)")
-    g.add_argument("--steps", type=_positive_int, help="inner steps per worker")
-    g.add_argument("--batch-size", type=_positive_int, help="sequences per worker per step (default 8)")
-    g.add_argument("--seed", type=_int, default=None, help="seed (model init, data order, masks)")
-    g.add_argument("--eval-every", type=_positive_int, help="steps between validation evaluations")
-    g.add_argument("--eval-batches", type=_positive_int, help="validation batches per evaluation")
+    knob(g, "--workers", "workers", "worker processes (default 4)")
+    knob(g, "--steps", "steps", "inner steps per worker")
+    knob(g, "--batch-size", "batch_size", "sequences per worker per step (default 8)")
+    knob(g, "--seed", "seed", "seed (model init, data order, masks)")
+    knob(g, "--eval-every", "eval_every", "steps between validation evaluations")
+    knob(g, "--eval-batches", "eval_batches", "validation batches per evaluation")
     g.add_argument("--out", help="output folder (default runs/<command>-<UTC timestamp>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     m = p.add_argument_group("model")
@@ -84,29 +119,29 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     m.add_argument("--mlp-hidden", type=_positive_int, help="SwiGLU hidden size (default 172)")
     m.add_argument("--seq-len", type=_positive_int, help="context length in bytes (default 64)")
     o = p.add_argument_group("optimisation and sync")
-    o.add_argument("--lr", type=_float, help="inner AdamW learning rate (default 3e-3)")
-    o.add_argument("--weight-decay", type=_float)
-    o.add_argument("--warmup", type=_int, dest="warmup_steps", help="linear warm-up steps")
-    o.add_argument("--sync-every", type=_positive_int, help="H: inner steps between syncs of a fragment")
-    o.add_argument("--outer-lr", type=_float, help="outer Nesterov learning rate (default 0.7)")
-    o.add_argument("--outer-momentum", type=_float, help="outer momentum (default 0.9)")
-    o.add_argument("--fragments", type=_positive_int, dest="num_fragments", help="K fragments (default 4)")
-    o.add_argument("--delay", type=_int, dest="fragment_sync_delay", help="tau: overlap steps")
-    o.add_argument("--alpha", type=_float, dest="fragment_update_alpha", help="Streaming DiLoCo merge mix")
-    o.add_argument("--lam", type=_float, help="CoCoDC lambda (default 0.5)")
+    knob(o, "--lr", "lr", "inner AdamW learning rate (default 3e-3)")
+    knob(o, "--weight-decay", "weight_decay")
+    knob(o, "--warmup", "warmup_steps", "linear warm-up steps")
+    knob(o, "--sync-every", "sync_every", "H: inner steps between syncs of a fragment")
+    knob(o, "--outer-lr", "outer_lr", "outer Nesterov learning rate (default 0.7)")
+    knob(o, "--outer-momentum", "outer_momentum", "outer momentum (default 0.9)")
+    knob(o, "--fragments", "num_fragments", "K fragments (default 4)")
+    knob(o, "--delay", "fragment_sync_delay", "tau: overlap steps")
+    knob(o, "--alpha", "fragment_update_alpha", "Streaming DiLoCo merge mix")
+    knob(o, "--lam", "lam", "CoCoDC lambda (default 0.5)")
     o.add_argument("--lam-mode", choices=LAM_MODES)
-    o.add_argument("--gamma", type=_float, help="CoCoDC link utilisation (default 0.4)")
+    knob(o, "--gamma", "gamma", "CoCoDC link utilisation (default 0.4)")
     o.add_argument("--syncs-per-period", type=_syncs, help="CoCoDC N per H: 'auto' or an int")
     o.add_argument("--score", choices=SCORES, help="CoCoDC fragment choice")
-    o.add_argument("--density", type=_float, help="LOSCAR p: fraction of coordinates averaged")
-    o.add_argument("--local-steps", type=_positive_int, help="LOSCAR steps before sending")
-    o.add_argument("--overlap-steps", type=_int, help="LOSCAR steps while in flight")
+    knob(o, "--density", "density", "LOSCAR p: fraction of coordinates averaged")
+    knob(o, "--local-steps", "local_steps", "LOSCAR steps before sending")
+    knob(o, "--overlap-steps", "overlap_steps", "LOSCAR steps while in flight")
     o.add_argument("--merge", choices=MERGES, help="LOSCAR merge")
     o.add_argument("--wire-dtype", choices=WIRE_DTYPES)
     o.add_argument("--worker-speeds", type=_speeds, help="relative step times, e.g. 1,2,3,6")
     w = p.add_argument_group("emulated WAN")
-    w.add_argument("--latency-ms", type=_float, help="one-way latency per collective (default 50)")
-    w.add_argument("--bandwidth-mbps", type=_float, help="link bandwidth in Mbit/s (default 100)")
+    knob(w, "--latency-ms", "latency_s", "one-way latency per collective (default 50)", same_units=False)
+    knob(w, "--bandwidth-mbps", "bandwidth_bytes_per_s", "link bandwidth in Mbit/s (default 100)", False)
 
 
 _SPEC_FIELDS = (
@@ -117,8 +152,31 @@ _SPEC_FIELDS = (
 ).split()
 
 
+# The flag of each TrainSpec / ModelConfig field, for errors (SpecError.render) in the user's words.
+FLAGS: dict[str, str] = {
+    **{name: "--" + name.replace("_", "-") for name in _SPEC_FIELDS},
+    "warmup_steps": "--warmup",
+    "num_fragments": "--fragments",
+    "fragment_sync_delay": "--delay",
+    "fragment_update_alpha": "--alpha",
+    "latency_s": "--latency-ms",
+    "bandwidth_bytes_per_s": "--bandwidth-mbps",
+    "ModelConfig.dim": "--dim",
+    "ModelConfig.n_layers": "--layers",
+    "ModelConfig.n_heads": "--heads",
+    "ModelConfig.mlp_hidden": "--mlp-hidden",
+    "ModelConfig.seq_len": "--seq-len",
+}
+
+
+def usage_error(exc: SpecError) -> UsageError:
+    """The spec's error with the flags in place of the field names."""
+    return UsageError(exc.render(FLAGS))
+
+
 def spec_from_args(args: argparse.Namespace, method: str, preset: dict | None = None):
-    """A validated TrainSpec: dataclass defaults < preset < explicit command-line values."""
+    """A validated TrainSpec: dataclass defaults < preset < explicit command-line values.
+    Raises :class:`UsageError` naming the flags of the bad knobs."""
     from .train.model import ModelConfig
     from .train.spec import TrainSpec
 
@@ -142,18 +200,36 @@ def spec_from_args(args: argparse.Namespace, method: str, preset: dict | None = 
         )
         if getattr(args, a, None) is not None
     }
-    values["model"] = ModelConfig(**model_kw)
-    values["data"] = getattr(args, "data", None)
-    return TrainSpec(method=method, **values)
+    try:
+        values["model"] = ModelConfig(**model_kw)
+        values["data"] = getattr(args, "data", None)
+        return TrainSpec(method=method, **values)
+    except SpecError as exc:
+        raise usage_error(exc) from None
 
 
 def out_dir(args: argparse.Namespace, command: str) -> Path:
-    if args.out:
-        path = Path(args.out)
+    """The output folder, created; a UsageError naming --out when it cannot be a writable folder
+    (an existing file, a read-only place), so that bad input fails before any worker starts."""
+    if args.out is not None:
+        if not args.out.strip():
+            raise UsageError(f"--out needs a folder, got {args.out!r}")
+        path, name = Path(args.out), f"--out {args.out}"
     else:
         stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
         path = Path("runs") / f"{command}-{stamp}"
-    path.mkdir(parents=True, exist_ok=True)
+        name = f"output folder {path} (choose another with --out)"
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{name} is an existing file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{name}: cannot create the folder ({exc.strerror or exc})") from None
+    try:  # a file, since permission bits tell root nothing (a read-only mount, /proc)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".lowcomm-write-check-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{name}: cannot write files in the folder ({exc.strerror or exc})") from None
     return path
 
 
@@ -208,6 +284,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .train import commands
 
         return commands.dispatch(args)
+    except argparse.ArgumentError as exc:  # a flag's value: "--latency-ms must be >= 0, got -1"
+        print(
+            f"error: {exc.argument_name} {exc.message}" if exc.argument_name else f"error: {exc}",
+            file=sys.stderr,
+        )
+        return 2
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

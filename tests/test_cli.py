@@ -6,7 +6,9 @@ whole path: corpus -> launcher -> runtime strategies -> table, JSON and PNG plot
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -218,3 +220,183 @@ def test_console_script_bad_input_has_no_traceback(tmp_path: Path):
 def test_bench_without_bench_folder_is_a_clear_error(tmp_path: Path, capsys):
     assert main(["bench", "--bench-dir", str(tmp_path / "nobench")]) == 2
     assert "is not a folder" in capsys.readouterr().err
+
+
+# ---- --out: a folder the run can write, checked before any worker starts ------------------------
+
+OUT_COMMANDS = {
+    "compare": ["compare"],
+    "train": ["train", "--method", "diloco"],
+    "profile": ["profile"],
+    "study": ["compare", "--study", "matched"],
+    "logreg": ["compare", "--task", "logreg"],
+    "bench": ["bench"],
+}
+
+
+@pytest.fixture
+def no_workers(monkeypatch):
+    """Fail the test if a command gets as far as starting workers (or the benchmark subprocess)."""
+    import lowcomm_kernels.train.commands as commands
+    import lowcomm_kernels.train.launcher as launcher
+    import lowcomm_kernels.train.logreg as logreg
+
+    def started(*a, **k):
+        raise AssertionError("a worker was started before the bad --out was reported")
+
+    monkeypatch.setattr(launcher, "launch", started)
+    monkeypatch.setattr(logreg, "run_jobs", started)
+    monkeypatch.setattr(commands.subprocess, "call", started)
+
+
+def _one_error_line(capsys) -> str:
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), captured.err
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", list(OUT_COMMANDS))
+def test_out_is_an_existing_file(tmp_path: Path, capsys, no_workers, command: str):
+    target = tmp_path / "results.txt"
+    target.write_text("keep me")
+    assert main([*OUT_COMMANDS[command], "--out", str(target)]) == 2
+    assert _one_error_line(capsys) == f"error: --out {target} is an existing file, not a folder"
+    assert target.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("command", list(OUT_COMMANDS))
+def test_out_under_a_file(tmp_path: Path, capsys, no_workers, command: str):
+    (tmp_path / "f").write_text("")
+    out = tmp_path / "f" / "run"
+    assert main([*OUT_COMMANDS[command], "--out", str(out)]) == 2
+    assert _one_error_line(capsys).startswith(f"error: --out {out}: cannot create the folder (")
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+@pytest.mark.parametrize("command", ["train", "logreg", "bench"])
+@pytest.mark.parametrize("where", ["/proc/lowcomm-out", "/proc"])
+def test_out_in_an_unwritable_place(capsys, no_workers, command: str, where: str):
+    # /proc refuses new files even to root (for whom permission bits change nothing)
+    assert main([*OUT_COMMANDS[command], "--out", where]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"error: --out {where}: cannot "), line
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_out_under_a_read_only_folder(tmp_path: Path, capsys, no_workers):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        assert main(["train", "--method", "dp", "--out", str(ro / "run")]) == 2
+        assert _one_error_line(capsys).startswith(f"error: --out {ro / 'run'}: cannot create the folder (")
+        assert main(["train", "--method", "dp", "--out", str(ro)]) == 2
+        assert _one_error_line(capsys).startswith(f"error: --out {ro}: cannot write files in the folder (")
+    finally:
+        ro.chmod(0o700)
+
+
+# ---- errors name the flag and the value as typed, not the converted internal field ---------------
+
+FLAG_COMMANDS = {
+    "compare": ["compare"],
+    "train": ["train", "--method", "dp"],
+    "profile": ["profile"],
+    "study": ["compare", "--study", "matched"],
+    "logreg": ["compare", "--task", "logreg"],
+}
+FLAG_ERRORS = [
+    (["--latency-ms", "-1"], "--latency-ms must be >= 0, got -1"),
+    (["--latency-ms", "-0.5"], "--latency-ms must be >= 0, got -0.5"),
+    (["--latency-ms", "inf"], "--latency-ms expected a finite number, got 'inf'"),
+    (["--bandwidth-mbps", "0"], "--bandwidth-mbps must be > 0, got 0"),
+    (["--bandwidth-mbps", "-5"], "--bandwidth-mbps must be > 0, got -5"),
+    (["--bandwidth-mbps", "inf"], "--bandwidth-mbps expected a finite number, got 'inf'"),
+    (["--bandwidth-mbps", "nan"], "--bandwidth-mbps expected a finite number, got 'nan'"),
+    (["--bandwidth-mbps", "1e-400"], "--bandwidth-mbps must be > 0, got 1e-400"),
+    (["--alpha", "2"], "--alpha must be in [0, 1], got 2"),
+    (["--delay", "-1"], "--delay must be >= 0, got -1"),
+    (["--fragments", "0"], "--fragments must be >= 1, got 0"),
+    (["--warmup", "-3"], "--warmup must be >= 0, got -3"),
+    (["--density", "0"], "--density must be in (0, 1], got 0"),
+    (["--lr", "0"], "--lr must be > 0, got 0"),
+    (["--workers", "1.5"], "--workers expected an integer, got '1.5'"),
+    (["--worker-speeds", "1,0,2"], "--worker-speeds needs positive numbers separated by commas, got '1,0,2'"),
+]
+
+
+@pytest.mark.parametrize("command", list(FLAG_COMMANDS))
+@pytest.mark.parametrize(("flag", "expected"), FLAG_ERRORS, ids=[" ".join(f) for f, _ in FLAG_ERRORS])
+def test_bad_flag_value_names_the_flag_as_typed(capsys, no_workers, command, flag, expected):
+    assert main([*FLAG_COMMANDS[command], *flag]) == 2
+    assert _one_error_line(capsys) == f"error: {expected}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["train", "--method", "streaming", "--sync-every", "5"],
+            "--delay (5) must be < --sync-every // --fragments = 1 (the per-fragment period)",
+        ),
+        (
+            ["train", "--method", "cocodc", "--syncs-per-period", "100"],
+            "--syncs-per-period (100) must lie in [--fragments = 4, --sync-every // --delay = 10]",
+        ),
+        (
+            ["train", "--method", "loscar", "--worker-speeds", "1,2"],
+            "--worker-speeds needs --workers = 4 positive values, got 1,2",
+        ),
+        (["compare", "--dim", "30"], "--dim (30) must be divisible by --heads (4) with an even head size"),
+        (["compare", "--study", "matched", "--sync-every", "2"], "--delay x --fragments (20) must be"),
+    ],
+)
+def test_knobs_that_disagree_are_named_by_their_flags(capsys, no_workers, argv, expected):
+    assert main(argv) == 2
+    assert _one_error_line(capsys).startswith(f"error: {expected}")
+
+
+def test_every_flag_named_in_errors_exists():
+    """FLAGS (field -> flag, used to word SpecError) matches the parser's flags and dests."""
+    from lowcomm_kernels.cli import FLAGS, build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    options = {s: a.dest for a in sub.choices["train"]._actions for s in a.option_strings}
+    for field, flag in FLAGS.items():
+        assert flag in options, (field, flag)
+        if not field.startswith("ModelConfig.") and flag not in ("--latency-ms", "--bandwidth-mbps"):
+            assert options[flag] == field, (field, flag)
+
+
+def _small_corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "small.txt"
+    path.write_text("x = 1\n" * 1000)  # 6000 bytes: 5400 train, 600 validation
+    return path
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--seq-len", "3000"], "--seq-len 3000 needs more than 3001 bytes of training text per worker"),
+        (["--seq-len", "700", "--workers", "1"], "--seq-len 700 needs more than 701 bytes of validation"),
+        (["--seed", "4294967296"], "--seed must be in [0, 4294967295], got 4294967296"),
+        (["--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
+        (["--out", ""], "--out needs a folder, got ''"),
+        (["--data", " "], "--data needs a file or folder, got ' '"),
+    ],
+)
+@pytest.mark.parametrize("command", ["train", "profile", "study"])
+def test_odd_values_fail_before_any_worker(tmp_path, capsys, no_workers, command, argv, expected):
+    data = [] if "--data" in argv else ["--data", str(_small_corpus(tmp_path))]
+    assert main([*FLAG_COMMANDS[command], *data, *argv]) == 2
+    assert _one_error_line(capsys).startswith(f"error: {expected}")
+
+
+def test_study_seeds_past_the_largest_seed(capsys, no_workers):
+    assert main(["compare", "--study", "lambda", "--seed", "4294967295", "--seeds", "2"]) == 2
+    assert _one_error_line(capsys) == (
+        "error: --seed 4294967295 with --seeds 2 needs seed 4294967296; the largest is 4294967295"
+    )

@@ -33,18 +33,32 @@ def environment() -> dict:
     }
 
 
-def load_checked_corpus(data: str | None) -> Corpus:
+def load_checked_corpus(data: str | None, specs: list[TrainSpec]) -> Corpus:
+    """The corpus of --data; UsageError when it is missing or too short for the specs' windows (each
+    worker samples --seq-len + 1 bytes from its share of the training text), before any spawn."""
+    if data is not None and not data.strip():
+        raise UsageError(f"--data needs a file or folder, got {data!r}")
     try:
-        return load_corpus(data)
+        corpus = load_corpus(data)
     except CorpusError as exc:
         raise UsageError(str(exc)) from None
+    for spec in specs:
+        window, share = spec.model.seq_len + 1, corpus.train.numel() // spec.workers
+        if share <= window:
+            raise UsageError(
+                f"--seq-len {spec.model.seq_len} needs more than {window} bytes of training text per "
+                f"worker; {corpus.source} gives {share} with --workers {spec.workers}"
+            )
+        if corpus.val.numel() <= window:
+            raise UsageError(
+                f"--seq-len {spec.model.seq_len} needs more than {window} bytes of validation text; "
+                f"{corpus.source} gives {corpus.val.numel()}"
+            )
+    return corpus
 
 
 def build_specs(args: argparse.Namespace, methods: list[str], preset: dict | None) -> list[TrainSpec]:
-    try:
-        return [spec_from_args(args, m, preset) for m in methods]
-    except (ValueError, TypeError) as exc:
-        raise UsageError(str(exc)) from None
+    return [spec_from_args(args, m, preset) for m in methods]  # UsageError naming the flags
 
 
 def run_and_report(
@@ -101,7 +115,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
         return run_logreg_compare(args)
     methods = _parse_methods(args.methods)
     specs = build_specs(args, methods, PRESETS["quick" if args.quick else "default"])
-    corpus = load_checked_corpus(args.data)
+    corpus = load_checked_corpus(args.data, specs)
     out = out_dir(args, "compare")
     quick = " --quick" if args.quick else ""
     title = f"lowcomm compare{quick}: {specs[0].workers} workers, {specs[0].steps} steps"
@@ -111,7 +125,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     specs = build_specs(args, [args.method], PRESETS["default"])
-    corpus = load_checked_corpus(args.data)
+    corpus = load_checked_corpus(args.data, specs)
     out = out_dir(args, f"train-{args.method}")
     title = f"lowcomm train --method {args.method}: {specs[0].workers} workers, {specs[0].steps} steps"
     run_and_report(specs, corpus, out, target=args.target, progress=not args.no_progress, title=title)

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import SpecError
+
 VOCAB_SIZE = 256  # byte-level
 
 
@@ -30,14 +32,15 @@ class ModelConfig:
     rope_base: float = 10000.0
 
     def __post_init__(self) -> None:
+        """Raise :class:`SpecError` naming the bad field as ``<ModelConfig.field>``."""
         for name in ("dim", "n_layers", "n_heads", "mlp_hidden", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+                raise SpecError(f"<ModelConfig.{name}> must be a positive int, got {value!r}")
         if self.dim % self.n_heads != 0 or (self.dim // self.n_heads) % 2 != 0:
-            raise ValueError(
-                f"ModelConfig.dim={self.dim} must be divisible by n_heads={self.n_heads} "
-                "with an even head size (rotary embeddings rotate pairs)"
+            raise SpecError(
+                f"<ModelConfig.dim> ({self.dim}) must be divisible by <ModelConfig.n_heads> "
+                f"({self.n_heads}) with an even head size (rotary embeddings rotate pairs)"
             )
 
     def to_dict(self) -> dict:

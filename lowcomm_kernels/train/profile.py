@@ -98,7 +98,7 @@ def run_profile(args: argparse.Namespace) -> int:
     specs = build_specs(args, [args.method], preset)
     out = out_dir(args, f"profile-{args.method}")
     spec = specs[0].with_(profile_dir=str(out.resolve()))
-    corpus = load_checked_corpus(args.data)
+    corpus = load_checked_corpus(args.data, specs)
     t0 = time.perf_counter()
     run_and_report(
         [spec],

@@ -6,9 +6,11 @@ receives (it pickles), so a run is fully described by it and it is saved beside 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from .errors import SpecError
 from .model import ModelConfig
 
 # CLI names of the methods, in the order the comparison shows them.
@@ -24,6 +26,71 @@ LAM_MODES = ("absolute", "normalized")
 MERGES = ("delay_corrected", "overwrite")
 SCORES = ("l2_global", "l1_local", "round_robin")
 WIRE_DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of a numeric knob: ``lo`` to ``hi`` (None: unbounded), ends included unless open."""
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def contains(self, v: Any) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            return False
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+
+    def describe(self) -> str:
+        def num(v: float | None) -> str:
+            return f"{v:g}" if isinstance(v, float) else str(v)
+
+        if self.hi is None:
+            return f"must be {'>' if self.lo_open else '>='} {num(self.lo)}"
+        if self.lo is None:
+            return f"must be {'<' if self.hi_open else '<='} {num(self.hi)}"
+        left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
+        return f"must be in {left}{num(self.lo)}, {num(self.hi)}{right}"
+
+
+# Numeric knobs and their ranges, the one table that both TrainSpec.validate and the CLI's flags check
+# (a flag in other units, --latency-ms and --bandwidth-mbps, is a positive multiple of its field, so
+# a bound of 0 holds in either unit).
+POSITIVE, NON_NEGATIVE = Range(0, lo_open=True), Range(0)
+RANGES: dict[str, Range] = {
+    "workers": Range(1),
+    "steps": Range(1),
+    "batch_size": Range(1),
+    "sync_every": Range(1),
+    "num_fragments": Range(1),
+    "eval_every": Range(1),
+    "eval_batches": Range(1),
+    "warmup_steps": NON_NEGATIVE,
+    "fragment_sync_delay": NON_NEGATIVE,
+    "local_steps": Range(1),
+    "overlap_steps": NON_NEGATIVE,
+    "seed": Range(0, 2**32 - 1),  # the data order's generator is seeded with seed * 1_000_003 + rank
+    "lr": POSITIVE,
+    "outer_lr": POSITIVE,
+    "bandwidth_bytes_per_s": POSITIVE,
+    "latency_s": NON_NEGATIVE,
+    "weight_decay": NON_NEGATIVE,
+    "outer_momentum": NON_NEGATIVE,
+    "lam": NON_NEGATIVE,
+    "gamma": NON_NEGATIVE,
+    "grad_clip": NON_NEGATIVE,
+    "fragment_update_alpha": Range(0, 1),
+    "min_lr_frac": Range(0, 1, lo_open=True),
+    "density": Range(0, 1, lo_open=True),
+}
+INT_FIELDS = (
+    "workers steps batch_size sync_every num_fragments eval_every eval_batches warmup_steps "
+    "fragment_sync_delay local_steps overlap_steps seed"
+).split()
+OPTIONAL_FIELDS = ("local_steps", "overlap_steps")  # None: derived (resolved_local_steps/_overlap_steps)
 
 
 @dataclass
@@ -92,70 +159,62 @@ class TrainSpec:
         return self.overlap_steps if self.overlap_steps is not None else self.fragment_sync_delay
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad knob (the CLI prints it and exits with 2)."""
+        """Raise :class:`SpecError` naming the first bad knob as ``<field>`` (the CLI shows its flag
+        and exits with 2)."""
 
         def need(cond: bool, msg: str) -> None:
             if not cond:
-                raise ValueError(msg)
+                raise SpecError(msg)
 
         need(self.method in METHODS, f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
-        need(isinstance(self.workers, int) and self.workers >= 1, f"workers must be >= 1, got {self.workers}")
-        for name in ("steps", "batch_size", "sync_every", "num_fragments", "eval_every", "eval_batches"):
+        for name in INT_FIELDS:
             v = getattr(self, name)
-            need(isinstance(v, int) and v >= 1, f"{name} must be an int >= 1, got {v!r}")
-        need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        need(
-            self.fragment_sync_delay >= 0, f"fragment_sync_delay must be >= 0, got {self.fragment_sync_delay}"
-        )
-        for name in ("lr", "outer_lr", "bandwidth_bytes_per_s"):
+            if v is None and name in OPTIONAL_FIELDS:
+                continue
+            need(isinstance(v, int) and not isinstance(v, bool), f"<{name}> must be an int, got {v!r}")
+        for name, allowed in RANGES.items():
             v = getattr(self, name)
-            need(v > 0, f"{name} must be > 0, got {v}")
-        for name in ("latency_s", "weight_decay", "outer_momentum", "lam", "gamma", "grad_clip"):
-            v = getattr(self, name)
-            need(v >= 0, f"{name} must be >= 0, got {v}")
-        need(
-            0.0 <= self.fragment_update_alpha <= 1.0,
-            f"fragment_update_alpha must be in [0, 1], got {self.fragment_update_alpha}",
-        )
-        need(0.0 < self.min_lr_frac <= 1.0, f"min_lr_frac must be in (0, 1], got {self.min_lr_frac}")
-        need(0.0 < self.density <= 1.0, f"density must be in (0, 1], got {self.density}")
-        need(self.lam_mode in LAM_MODES, f"lam_mode must be one of {LAM_MODES}, got {self.lam_mode!r}")
-        need(self.merge in MERGES, f"merge must be one of {MERGES}, got {self.merge!r}")
-        need(self.score in SCORES, f"score must be one of {SCORES}, got {self.score!r}")
+            if v is None and name in OPTIONAL_FIELDS:
+                continue
+            need(allowed.contains(v), f"<{name}> {allowed.describe()}, got {v!r}")
+        need(self.lam_mode in LAM_MODES, f"<lam_mode> must be one of {LAM_MODES}, got {self.lam_mode!r}")
+        need(self.merge in MERGES, f"<merge> must be one of {MERGES}, got {self.merge!r}")
+        need(self.score in SCORES, f"<score> must be one of {SCORES}, got {self.score!r}")
         need(
             self.wire_dtype in WIRE_DTYPES,
-            f"wire_dtype must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}",
+            f"<wire_dtype> must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}",
         )
         need(
             self.syncs_per_period == "auto"
             or (isinstance(self.syncs_per_period, int) and self.syncs_per_period >= 1),
-            f"syncs_per_period must be 'auto' or an int >= 1, got {self.syncs_per_period!r}",
+            f"<syncs_per_period> must be 'auto' or an int >= 1, got {self.syncs_per_period!r}",
         )
         # The runtime's schedule constraints, checked here so bad input fails before any spawn.
         K, H, tau = self.num_fragments, self.sync_every, self.fragment_sync_delay
         if self.method == "streaming":
-            need(K <= H, f"fragments ({K}) must be <= sync_every ({H})")
+            need(K <= H, f"<num_fragments> ({K}) must be <= <sync_every> ({H})")
             need(
                 tau < H // K,
-                f"delay ({tau}) must be < sync_every // fragments = {H // K} (the per-fragment period)",
+                f"<fragment_sync_delay> ({tau}) must be < <sync_every> // <num_fragments> = {H // K} "
+                "(the per-fragment period)",
             )
         if self.method == "cocodc":
-            need(tau * K <= H, f"delay x fragments ({tau * K}) must be <= sync_every ({H})")
+            need(
+                tau * K <= H,
+                f"<fragment_sync_delay> x <num_fragments> ({tau * K}) must be <= <sync_every> ({H})",
+            )
             if isinstance(self.syncs_per_period, int):
                 n_max = H if tau == 0 else H // tau
                 need(
                     K <= self.syncs_per_period <= n_max,
-                    f"syncs_per_period ({self.syncs_per_period}) must lie in [fragments={K}, "
-                    f"sync_every // delay = {n_max}]",
+                    f"<syncs_per_period> ({self.syncs_per_period}) must lie in [<num_fragments> = {K}, "
+                    f"<sync_every> // <fragment_sync_delay> = {n_max}]",
                 )
-        if self.local_steps is not None:
-            need(self.local_steps >= 1, f"local_steps must be >= 1, got {self.local_steps}")
-        if self.overlap_steps is not None:
-            need(self.overlap_steps >= 0, f"overlap_steps must be >= 0, got {self.overlap_steps}")
         if self.worker_speeds is not None:
             need(
                 len(self.worker_speeds) == self.workers and all(s > 0 for s in self.worker_speeds),
-                f"worker_speeds needs {self.workers} positive values, got {self.worker_speeds}",
+                f"<worker_speeds> needs <workers> = {self.workers} positive values, "
+                f"got {','.join(f'{s:g}' for s in self.worker_speeds)}",
             )
 
     def with_(self, **changes: Any) -> TrainSpec:

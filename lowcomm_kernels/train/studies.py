@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .report import RunResult, auto_target, mean_std
-from .spec import TrainSpec
+from .spec import RANGES, TrainSpec
 
 # Shorter runs than `compare`: a study multiplies configurations by seeds.
 STUDY_PRESET = dict(steps=300, sync_every=50, fragment_sync_delay=5, eval_every=25, eval_batches=8)
@@ -163,9 +163,9 @@ def study_plot(name: str, labels: list[str], results: list[RunResult], path: Pat
 
 
 def run_study(args: argparse.Namespace) -> int:
-    from ..cli import out_dir, spec_from_args
+    from ..cli import out_dir, spec_from_args, usage_error
     from .commands import environment, load_checked_corpus
-    from .errors import UsageError
+    from .errors import SpecError, UsageError
     from .launcher import LaunchError, launch
     from .report import write_json
 
@@ -173,16 +173,20 @@ def run_study(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown study {args.study!r}; choose from {', '.join(STUDIES)}")
     if args.task != "lm":
         raise UsageError("--study runs on the language-model task (--task lm)")
-    try:
-        base = spec_from_args(args, "cocodc", QUICK_PRESET if args.quick else STUDY_PRESET)
-        configs = STUDIES[args.study](base)
-    except (ValueError, TypeError) as exc:
-        raise UsageError(str(exc)) from None
+    base = spec_from_args(args, "cocodc", QUICK_PRESET if args.quick else STUDY_PRESET)
     seeds = args.seeds or 3
-    first_seed = base.seed
-    specs = [spec.with_(name=label, seed=first_seed + s) for label, spec in configs for s in range(seeds)]
+    last_seed, max_seed = base.seed + seeds - 1, RANGES["seed"].hi
+    if max_seed is not None and last_seed > max_seed:
+        raise UsageError(
+            f"--seed {base.seed} with --seeds {seeds} needs seed {last_seed}; the largest is {max_seed}"
+        )
+    try:  # a configuration of the study may not fit the flags given
+        configs = STUDIES[args.study](base)
+        specs = [spec.with_(name=label, seed=base.seed + s) for label, spec in configs for s in range(seeds)]
+    except SpecError as exc:
+        raise usage_error(exc) from None
     labels = [label for label, _ in configs]
-    corpus = load_checked_corpus(args.data)
+    corpus = load_checked_corpus(args.data, specs)
     out = out_dir(args, f"study-{args.study}")
     t0 = time.perf_counter()
     try:
