@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import abc
 import hashlib
-import math
 import os
 import time
-import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -45,10 +43,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._checks import integer
 from ..profiling import nvtx_range
 from .agreement import agree, broadcast_module_state, module_fields
 from .checkpoint import CheckpointError, expect_tensor, read_checkpoint, write_checkpoint
 from .fragments import FlatFragments, FragmentSpec
+from .log import rank_logger
 from .metrics import RuntimeMetrics, SyncRecord
 from .transport import WAN, Transport
 
@@ -75,26 +75,6 @@ def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if group is None or dist.get_rank(group) < 0:
         raise ValueError("process_group: this rank is not a member of the given process group")
     return group
-
-
-def check_int(name: str, value: object, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    return value
-
-
-def check_float(name: str, value: object, lo: float, hi: float | None = None, *,
-                lo_open: bool = False, hi_open: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"{name} must be a finite real number, got {value!r}")
-    v = float(value)
-    if v < lo or (lo_open and v == lo) or (hi is not None and (v > hi or (hi_open and v == hi))):
-        lo_s = f"{'(' if lo_open else '['}{lo}"
-        hi_s = f"{hi}{')' if hi_open else ']'}" if hi is not None else "inf)"
-        raise ValueError(f"{name} must lie in {lo_s}, {hi_s}, got {v}")
-    return v
 
 
 def tensor_hash(t: torch.Tensor) -> int:
@@ -125,9 +105,9 @@ class Strategy(abc.ABC):
             raise ValueError(f"outer_device must be 'model' or 'cpu', got {outer_device!r}")
         if metrics_callback is not None and not callable(metrics_callback):
             raise TypeError("metrics_callback must be callable or None")
-        self.guard_every = check_int("guard_every", guard_every, 0)
-        self.max_nonfinite_syncs = check_int("max_nonfinite_syncs", max_nonfinite_syncs, 1)
-        check_int("num_fragments", num_fragments, 1)
+        self.guard_every = integer("guard_every", guard_every, lo=0)
+        self.max_nonfinite_syncs = integer("max_nonfinite_syncs", max_nonfinite_syncs, lo=1)
+        integer("num_fragments", num_fragments, lo=1)
         self.group = resolve_group(process_group)
         self.model = model
         self.inner_optimizer = inner_optimizer
@@ -150,6 +130,7 @@ class Strategy(abc.ABC):
         self.transport = Transport(self.group, device=self.device, wan=wan, timeout_s=timeout_s)
         self.world = self.transport.world
         self.rank = self.transport.rank
+        self.log = rank_logger(self.rank)
         self.metrics = RuntimeMetrics()
         self.metrics_callback = metrics_callback
         self.step_count = 0
@@ -239,7 +220,7 @@ class Strategy(abc.ABC):
                                      "from the last good global; stopping every rank instead of training on "
                                      "(check the data and learning rate of those ranks; the limit is "
                                      "max_nonfinite_syncs)")
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        self.log.warning(msg)
         return True
 
     def _poisoned(self) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from .. import ops
-from .base import check_float, check_int
+from .._checks import integer, scalar
 from .checkpoint import CheckpointError, expect_int
 from .dense import DenseStrategy, Pending
 
@@ -46,24 +46,24 @@ class CoCoDC(DenseStrategy):
                  lam: float = 0.5, lam_mode: str = "normalized", gamma: float = 0.4,
                  syncs_per_period: str | int = "auto", score: str = "l2_global", outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, **common: Any) -> None:
-        H = self.H = check_int("sync_every", sync_every, 1)
-        K = check_int("num_fragments", num_fragments, 1)
-        tau = check_int("fragment_sync_delay", fragment_sync_delay, 0)
+        H = self.H = integer("sync_every", sync_every, lo=1)
+        K = integer("num_fragments", num_fragments, lo=1)
+        tau = integer("fragment_sync_delay", fragment_sync_delay, lo=0)
         if tau * K > H:
             raise ValueError(f"fragment_sync_delay={tau} is too long: fragment_sync_delay x num_fragments "
                              f"= {tau * K} must be <= sync_every={H} (the per-fragment period is H/K)")
         self.n_max = H if tau == 0 else H // tau
-        lam = check_float("lam", lam, 0.0)
+        lam = scalar("lam", lam, lo=0.0)
         if lam_mode not in ("absolute", "normalized"):
             raise ValueError(f"lam_mode must be 'absolute' or 'normalized', got {lam_mode!r}")
-        self.gamma = check_float("gamma", gamma, 0.0, lo_open=True)
+        self.gamma = scalar("gamma", gamma, lo=0.0, lo_open=True)
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         self.score = score
         if syncs_per_period == "auto":
             self.auto = True
         else:
-            n = check_int("syncs_per_period", syncs_per_period, 1) if not isinstance(syncs_per_period, str) \
+            n = integer("syncs_per_period", syncs_per_period, lo=1) if not isinstance(syncs_per_period, str) \
                 else None
             if n is None:
                 raise ValueError(f"syncs_per_period must be 'auto' or an int, got {syncs_per_period!r}")

@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import abc
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import ops
-from .base import Strategy, check_float, check_int, nvtx, tensor_hash
+from .._checks import integer, scalar
+from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .metrics import SyncRecord
 from .transport import Handle
@@ -67,9 +67,9 @@ class DenseStrategy(Strategy):
                  outer_lr: float, outer_momentum: float, nesterov: bool = True, alpha: float = 0.0,
                  beta: float = 0.0, lam: float = 0.0, lam_mode: str = "absolute", **common: Any) -> None:
         super().__init__(model, inner_optimizer, num_fragments=num_fragments, **common)
-        self.tau = check_int("fragment_sync_delay", fragment_sync_delay, 0)
-        self.outer_lr = check_float("outer_lr", outer_lr, 0.0)
-        self.outer_momentum = check_float("outer_momentum", outer_momentum, 0.0, 1.0, hi_open=True)
+        self.tau = integer("fragment_sync_delay", fragment_sync_delay, lo=0)
+        self.outer_lr = scalar("outer_lr", outer_lr, lo=0.0)
+        self.outer_momentum = scalar("outer_momentum", outer_momentum, lo=0.0, hi=1.0, hi_open=True)
         if not isinstance(nesterov, bool):
             raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
         self.nesterov = nesterov
@@ -207,9 +207,8 @@ class DenseStrategy(Strategy):
             if pd.x_sent is not None:
                 pd.x_sent.copy_(self.frags.slice(self.g, pd.fragment))
         self._clear_inner_state(p for grp in self.frags.params for p in grp)
-        warnings.warn(f"rank {self.rank} held non-finite parameters or inner-optimizer state at step "
-                      f"{self.step_count}: it restarts from the last good global with its inner-optimizer "
-                      "state cleared", RuntimeWarning, stacklevel=4)
+        self.log.warning(f"held non-finite parameters or inner-optimizer state at step {self.step_count}: "
+                         "restarting from the last good global with the inner-optimizer state cleared")
 
     # ----- checkpoint / guard --------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -282,7 +281,7 @@ class DiLoCo(DenseStrategy):
 
     def __init__(self, model, inner_optimizer, *, sync_every: int, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, **common: Any) -> None:
-        self.H = check_int("sync_every", sync_every, 1)
+        self.H = integer("sync_every", sync_every, lo=1)
         super().__init__(model, inner_optimizer, num_fragments=1, fragment_sync_delay=0, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, nesterov=nesterov, **common)
         self._init_buffers()
@@ -306,16 +305,16 @@ class StreamingDiLoCo(DenseStrategy):
     def __init__(self, model, inner_optimizer, *, sync_every: int, num_fragments: int,
                  fragment_sync_delay: int, fragment_update_alpha: float = 0.0, outer_lr: float = 0.7,
                  outer_momentum: float = 0.9, nesterov: bool = True, **common: Any) -> None:
-        self.H = check_int("sync_every", sync_every, 1)
-        K = check_int("num_fragments", num_fragments, 1)
-        tau = check_int("fragment_sync_delay", fragment_sync_delay, 0)
+        self.H = integer("sync_every", sync_every, lo=1)
+        K = integer("num_fragments", num_fragments, lo=1)
+        tau = integer("fragment_sync_delay", fragment_sync_delay, lo=0)
         if K > self.H:
             raise ValueError(f"num_fragments={K} must be <= sync_every={self.H} (one send slot per fragment)")
         if tau >= self.H // K:
             raise ValueError(f"fragment_sync_delay={tau} must be < sync_every // num_fragments = "
                              f"{self.H // K} (the per-fragment period), so each result lands before "
                              "the next fragment is sent")
-        alpha = check_float("fragment_update_alpha", fragment_update_alpha, 0.0, 1.0)
+        alpha = scalar("fragment_update_alpha", fragment_update_alpha, lo=0.0, hi=1.0)
         super().__init__(model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, nesterov=nesterov, alpha=alpha, **common)
         self.offsets_in_period = [(p * self.H) // K for p in range(K)]

@@ -30,7 +30,6 @@ from __future__ import annotations
 import datetime
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from .. import ops
-from .base import Strategy, check_float, check_int, nvtx, tensor_hash
+from .._checks import integer, scalar
+from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .metrics import SyncRecord
 from .transport import Handle, SyncError
@@ -67,9 +67,9 @@ def _per_rank(name: str, value: int | Sequence[int], world: int, rank: int, lo: 
         if len(value) != world:
             raise ValueError(f"{name} lists {len(value)} values but the process group has {world} ranks "
                              "(give one per rank, or a single int)")
-        vals = [check_int(f"{name}[{i}]", v, lo) for i, v in enumerate(value)]
+        vals = [integer(f"{name}[{i}]", v, lo=lo) for i, v in enumerate(value)]
     else:
-        vals = [check_int(name, value, lo)] * world
+        vals = [integer(name, value, lo=lo)] * world
     return vals[rank], vals
 
 
@@ -81,15 +81,11 @@ class LOSCAR(Strategy):
     def __init__(self, model, inner_optimizer, *, density: float, local_steps: int | Sequence[int],
                  overlap_steps: int | Sequence[int], merge: str = "delay_corrected", seed: int = 0,
                  **common: Any) -> None:
-        if isinstance(density, bool) or not isinstance(density, (int, float)) or not math.isfinite(density):
-            raise TypeError(f"density must be a finite real number, got {density!r}")
-        if not 0.0 < float(density) <= 1.0:
-            raise ValueError(f"density must lie in (0, 1], got {density}")
-        self.density = check_float("density", density, 0.0, 1.0, lo_open=True)
+        self.density = scalar("density", density, lo=0.0, hi=1.0, lo_open=True)
         if merge not in MERGES:
             raise ValueError(f"merge must be one of {tuple(MERGES)}, got {merge!r}")
         self.merge = merge
-        self.seed = check_int("seed", seed, 0)
+        self.seed = integer("seed", seed, lo=0)
         super().__init__(model, inner_optimizer, num_fragments=1, **common)
         self.N_i, self.local_steps = _per_rank("local_steps", local_steps, self.world, self.rank, 1)
         self.Q_i, self.overlap_steps = _per_rank("overlap_steps", overlap_steps, self.world, self.rank, 0)
@@ -191,10 +187,8 @@ class LOSCAR(Strategy):
         self.metrics.recovery_bytes += x.numel() * x.element_size()
         if self.rank in poisoned:
             self._clear_inner_state(p for grp in self.frags.params for p in grp)
-            warnings.warn(f"LOSCAR round {rnd}: rank {self.rank} held non-finite parameters; it restarts "
-                          "from "
-                          f"rank {src}'s parameters with its inner-optimizer state cleared", RuntimeWarning,
-                          stacklevel=4)
+            self.log.warning(f"LOSCAR round {rnd}: held non-finite parameters; restarting from rank {src}'s "
+                             "parameters with the inner-optimizer state cleared")
 
     def _config_fields(self) -> dict[str, Any]:
         return {"density": self.density, "k": self.k, "merge": self.merge, "seed": self.seed,

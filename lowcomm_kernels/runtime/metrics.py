@@ -13,7 +13,7 @@ Definitions (all per worker, wall clock from ``time.perf_counter``):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -55,8 +55,3 @@ class RuntimeMetrics:
         """Exposed communication as a fraction of total step time (compute + overhead + exposed)."""
         total = self.compute_s + self.overhead_s + self.exposed_comm_s
         return self.exposed_comm_s / total if total > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["exposed_fraction"] = self.exposed_fraction()
-        return d

@@ -145,10 +145,6 @@ class Transport:
         self._cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device=device) if self._cuda else None
 
-    @property
-    def side_stream(self) -> torch.cuda.Stream | None:
-        return self._side
-
     def all_reduce(self, tensors: list[torch.Tensor], *, name: str,
                    payload_bytes: int | None = None) -> Handle:
         """Start SUM all-reduces of ``tensors`` (in place). ``payload_bytes`` (default: all of them)

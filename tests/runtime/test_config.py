@@ -34,7 +34,7 @@ EXPECTED = {  # case -> (exception type, words the message must contain)
     "cocodc_n_out_of_range": ("ValueError", "syncs_per_period=5"),
     "density_zero": ("ValueError", "density"),
     "density_above_one": ("ValueError", "density"),
-    "density_nan": ("TypeError", "density"),
+    "density_nan": ("ValueError", "density must be finite"),
     "local_steps_wrong_len": ("ValueError", "local_steps"),
     "mixed_devices": ("ValueError", "mixed devices"),
     "no_trainable": ("ValueError", "no trainable parameters"),
