@@ -30,8 +30,7 @@ from .. import ops
 from .._checks import integer, scalar
 from .checkpoint import CheckpointError, expect_int
 from .dense import DenseStrategy, Pending
-
-SCORES = ("l2_global", "l1_local", "round_robin")
+from .schedule import LAM_MODES, SCORES, check_cocodc_schedule, cocodc_max_syncs
 
 
 class CoCoDC(DenseStrategy):
@@ -49,28 +48,18 @@ class CoCoDC(DenseStrategy):
         H = self.H = integer("sync_every", sync_every, lo=1)
         K = integer("num_fragments", num_fragments, lo=1)
         tau = integer("fragment_sync_delay", fragment_sync_delay, lo=0)
-        if tau * K > H:
-            raise ValueError(f"fragment_sync_delay={tau} is too long: fragment_sync_delay x num_fragments "
-                             f"= {tau * K} must be <= sync_every={H} (the per-fragment period is H/K)")
-        self.n_max = H if tau == 0 else H // tau
+        if not isinstance(syncs_per_period, str):
+            integer("syncs_per_period", syncs_per_period, lo=1)
+        check_cocodc_schedule(H, K, tau, syncs_per_period)
+        self.n_max = cocodc_max_syncs(H, tau)
+        self.auto = syncs_per_period == "auto"
         lam = scalar("lam", lam, lo=0.0)
-        if lam_mode not in ("absolute", "normalized"):
-            raise ValueError(f"lam_mode must be 'absolute' or 'normalized', got {lam_mode!r}")
+        if lam_mode not in LAM_MODES:
+            raise ValueError(f"lam_mode must be one of {LAM_MODES}, got {lam_mode!r}")
         self.gamma = scalar("gamma", gamma, lo=0.0, lo_open=True)
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         self.score = score
-        if syncs_per_period == "auto":
-            self.auto = True
-        else:
-            n = integer("syncs_per_period", syncs_per_period, lo=1) if not isinstance(syncs_per_period, str) \
-                else None
-            if n is None:
-                raise ValueError(f"syncs_per_period must be 'auto' or an int, got {syncs_per_period!r}")
-            if not K <= n <= self.n_max:
-                raise ValueError(f"syncs_per_period={n} must lie in [num_fragments={K}, "
-                                 f"sync_every // fragment_sync_delay = {self.n_max}]")
-            self.auto = False
         super().__init__(model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, nesterov=nesterov, beta=1.0, lam=lam,
                          lam_mode=lam_mode,

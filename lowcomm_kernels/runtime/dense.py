@@ -32,6 +32,7 @@ from .._checks import integer, scalar
 from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .metrics import SyncRecord
+from .schedule import check_streaming_schedule
 from .transport import Handle
 
 
@@ -308,12 +309,7 @@ class StreamingDiLoCo(DenseStrategy):
         self.H = integer("sync_every", sync_every, lo=1)
         K = integer("num_fragments", num_fragments, lo=1)
         tau = integer("fragment_sync_delay", fragment_sync_delay, lo=0)
-        if K > self.H:
-            raise ValueError(f"num_fragments={K} must be <= sync_every={self.H} (one send slot per fragment)")
-        if tau >= self.H // K:
-            raise ValueError(f"fragment_sync_delay={tau} must be < sync_every // num_fragments = "
-                             f"{self.H // K} (the per-fragment period), so each result lands before "
-                             "the next fragment is sent")
+        check_streaming_schedule(self.H, K, tau)
         alpha = scalar("fragment_update_alpha", fragment_update_alpha, lo=0.0, hi=1.0)
         super().__init__(model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, nesterov=nesterov, alpha=alpha, **common)

@@ -42,9 +42,8 @@ from .._checks import integer, scalar
 from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .metrics import SyncRecord
+from .schedule import LOSCAR_MERGES
 from .transport import Handle, SyncError
-
-MERGES = {"delay_corrected": 1.0, "overwrite": 0.0}
 
 
 @dataclass
@@ -82,8 +81,8 @@ class LOSCAR(Strategy):
                  overlap_steps: int | Sequence[int], merge: str = "delay_corrected", seed: int = 0,
                  **common: Any) -> None:
         self.density = scalar("density", density, lo=0.0, hi=1.0, lo_open=True)
-        if merge not in MERGES:
-            raise ValueError(f"merge must be one of {tuple(MERGES)}, got {merge!r}")
+        if merge not in LOSCAR_MERGES:
+            raise ValueError(f"merge must be one of {tuple(LOSCAR_MERGES)}, got {merge!r}")
         self.merge = merge
         self.seed = integer("seed", seed, lo=0)
         super().__init__(model, inner_optimizer, num_fragments=1, **common)
@@ -159,7 +158,8 @@ class LOSCAR(Strategy):
             with nvtx("merge"):
                 if self.world > 1:
                     pd.wire.div_(self.world)
-                ops.sparse_scatter_merge_(self.frags.flat, pd.idx, pd.wire, pd.sent, beta=MERGES[self.merge])
+                ops.sparse_scatter_merge_(self.frags.flat, pd.idx, pd.wire, pd.sent,
+                                          beta=LOSCAR_MERGES[self.merge])
         self._record(SyncRecord(fragment=-1, send_step=pd.send_step, apply_step=t, bytes=pd.wire_bytes,
                                 in_flight_s=pd.in_flight_s, exposed_s=pd.exposed_s,
                                 staleness=t - pd.send_step,
