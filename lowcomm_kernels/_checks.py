@@ -1,5 +1,9 @@
 """Input validation shared by every op. Each check names the offending argument and runs
-before anything is written, so a rejected call leaves every buffer untouched."""
+before anything is written, so a rejected call leaves every buffer untouched.
+
+Most checks need real data (pointers, index values, concrete scalars), so they run in eager calls
+and in the body of each registered op, never on the fake tensors of a torch.compile trace; the
+fake kernels use only ``same_device`` (see ``ops._common``)."""
 
 from __future__ import annotations
 
@@ -12,10 +16,15 @@ FLOAT_DTYPES = (torch.float32, torch.float64)
 WIRE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 
 
-def tensor(name: str, t: object, *, dtypes: Iterable[torch.dtype] | None = None,
-           contiguous: bool = True, dim: int | None = None) -> torch.Tensor:
+def is_tensor(name: str, t: object) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def tensor(name: str, t: object, *, dtypes: Iterable[torch.dtype] | None = None,
+           contiguous: bool = True, dim: int | None = None) -> torch.Tensor:
+    is_tensor(name, t)
     if dtypes is not None:
         dtypes = tuple(dtypes)
         if t.dtype not in dtypes:
@@ -25,6 +34,9 @@ def tensor(name: str, t: object, *, dtypes: Iterable[torch.dtype] | None = None,
         raise ValueError(f"{name} must be {dim}-dimensional, got shape {tuple(t.shape)}")
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()}); call .contiguous() first")
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor: meta tensors have no data, so the op cannot read or "
+                         "write it; pass a tensor on a real device")
     return t
 
 
@@ -56,8 +68,6 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling():
-        return False  # fake tensors have no storage; aliasing is checked in eager calls
     if a.device != b.device or a.numel() == 0 or b.numel() == 0:
         return False
     a0, a1 = _span(a)
@@ -91,16 +101,18 @@ def scalar(name: str, value: object, *, lo: float | None = None, hi: float | Non
     return v
 
 
-def integer(name: str, value: object, *, lo: int | None = None, hi: int | None = None) -> int:
+def integer(name: str, value: object, *, lo: int | None = None, hi: int | None = None, why: str = "") -> int:
+    """An int (or a 1-element integer tensor) in [lo, hi]; `why` explains the range in the error."""
     if isinstance(value, bool) or not isinstance(value, int):
         if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
             value = int(value.item())
         else:
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise ValueError(f"{name} must be <= {hi}, got {value}")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if lo is not None and hi is not None else (
+            f">= {lo}" if lo is not None else f"<= {hi}")
+        # int(): a symbolic int (torch.compile) cannot be formatted while tracing
+        raise ValueError(f"{name} must be {bound}{why}, got {int(value)}")
     return int(value)
 
 
@@ -109,7 +121,7 @@ def index(name: str, idx: object, *, n: int, device: torch.device, strictly_incr
     t = tensor(name, idx, dtypes=(torch.int64,), dim=1)
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but the data is on {device}")
-    if t.numel() and not torch.compiler.is_compiling():  # value checks need real data
+    if t.numel():
         if strictly_increasing:
             if t.numel() > 1 and not bool((t[1:] > t[:-1]).all()):
                 raise ValueError(f"{name} must be strictly increasing (sorted, no duplicates), "

@@ -4,6 +4,10 @@ Default by device: CPU tensors -> ``cpu`` (csrc C++, when the native library loa
 CUDA tensors -> ``triton`` when Triton imports, else ``ref``. ``LOWCOMM_BACKEND`` and every op's
 ``backend=`` argument override the default (the argument wins); asking for a backend that cannot
 run on the given device is an error, never a silent fallback.
+
+The choice is made in every call, by the op's implementation: under ``torch.compile`` that is the
+registered op's body, when the compiled code runs (never while tracing: this reads the
+environment and loads libraries).
 """
 
 from __future__ import annotations
@@ -53,9 +57,6 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     return [b for b in _config.BACKENDS if available(b, device)]
 
 
-# Under torch.compile the choice is evaluated once at trace time and baked in as a constant
-# (it reads the environment and loads libraries, which dynamo must not trace).
-@torch.compiler.assume_constant_result
 def resolve(backend: str | None, device: torch.device, entry: str | None = None) -> str:
     """The backend that runs a call on `device` (see the module docstring)."""
     chosen = backend if backend is not None else _config.backend_override()

@@ -14,7 +14,7 @@ import torch
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
-from ._common import code, compiling, cpu_call, cuda_call, ptr
+from ._common import code, compiling, cpu_call, cuda_call, declare, ptr, traced_call
 
 ORDS = (1, 2)
 
@@ -61,25 +61,9 @@ def _norms_launch(buf: torch.Tensor, offsets: torch.Tensor, ord: int, out: torch
         out.copy_(acc)
 
 
-@torch.library.custom_op("lowcomm::fragment_norms", mutates_args=())
-def _norms_op(buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str) -> torch.Tensor:
-    out = torch.empty(max(offsets.numel() - 1, 0), dtype=buf.dtype, device=buf.device)
-    _norms_launch(buf, offsets, ord, out, backend)
-    return out
-
-
-@_norms_op.register_fake
-def _(buf, offsets, ord, backend):
-    return buf.new_empty(max(offsets.shape[0] - 1, 0))
-
-
-@torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
-def fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2,
-                   backend: str | None = None) -> torch.Tensor:
-    """Norms of the K segments [offsets[i], offsets[i+1]) of `buf` (flattened).
-
-    buf: fp32/fp64 contiguous. offsets: 1-D int64 of K+1 non-decreasing entries in [0, buf.numel()],
-    on buf's device. ord: 1 or 2. Returns a (K,) tensor of buf's dtype."""
+def _norms_impl(buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str | None) -> torch.Tensor:
+    """Check, choose the backend, launch: the registered op's body, and the eager path of
+    fragment_norms."""
     _checks.tensor("buf", buf, dtypes=_checks.FLOAT_DTYPES)
     _checks.tensor("offsets", offsets, dtypes=(torch.int64,), dim=1)
     _checks.same_device("buf", buf, offsets=offsets)
@@ -90,13 +74,37 @@ def fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2,
     if offsets.numel() == 0:
         raise ValueError("offsets must hold at least one entry (K+1 boundaries for K segments)")
     b = _dispatch.resolve(backend, buf.device, "lc_fragment_norms")
-    if compiling():  # the value checks below need real data; they run in every eager call
-        return torch.ops.lowcomm.fragment_norms(buf, offsets, ord, b)
     if offsets.numel() > 1 and not bool((offsets[1:] >= offsets[:-1]).all()):
         raise ValueError("offsets must be non-decreasing")
-    lo, hi = int(offsets.min()), int(offsets.max())
+    lo, hi = (int(v) for v in torch.aminmax(offsets))
     if lo < 0 or hi > buf.numel():
         raise ValueError(f"offsets must lie in [0, {buf.numel()}] (buf.numel()), got min {lo}, max {hi}")
     out = torch.empty(offsets.numel() - 1, dtype=buf.dtype, device=buf.device)
     _norms_launch(buf, offsets, ord, out, b)
     return out
+
+
+@torch.library.custom_op("lowcomm::fragment_norms", mutates_args=())
+def _norms_op(buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str | None) -> torch.Tensor:
+    return _norms_impl(buf, offsets, ord, backend)
+
+
+@_norms_op.register_fake
+def _(buf, offsets, ord, backend):
+    _checks.same_device("buf", buf, offsets=offsets)  # see _common
+    return buf.new_empty(max(offsets.numel() - 1, 0))
+
+
+declare("fragment_norms")
+
+
+@torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
+def fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2,
+                   backend: str | None = None) -> torch.Tensor:
+    """Norms of the K segments [offsets[i], offsets[i+1]) of `buf` (flattened).
+
+    buf: fp32/fp64 contiguous. offsets: 1-D int64 of K+1 non-decreasing entries in [0, buf.numel()],
+    on buf's device. ord: 1 or 2. Returns a (K,) tensor of buf's dtype."""
+    if compiling():
+        return traced_call("fragment_norms", buf, offsets, ord, backend)
+    return _norms_impl(buf, offsets, ord, backend)

@@ -17,7 +17,7 @@ import torch
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
-from ._common import compiling, cpu_call, cuda_call, ptr
+from ._common import compiling, cpu_call, cuda_call, declare, ptr, traced_call
 
 ROUNDS = 4
 _M64 = (1 << 64) - 1
@@ -91,12 +91,36 @@ def _mask_perm_launch(n: int, k: int, keys, out: torch.Tensor, backend: str) -> 
         raise ValueError(f"unknown backend {backend!r}")
 
 
+_KEY = " (a non-negative int64: the registered op and a 0-d tensor carry it as one)"
+
+
+def _check_ints(seed: object, round: object, n: object, k: object) -> tuple[int, int, int, int]:
+    seed = _checks.integer("seed", seed, lo=0, hi=(1 << 63) - 1, why=_KEY)
+    round = _checks.integer("round", round, lo=0, hi=(1 << 63) - 1, why=_KEY)
+    n = _checks.integer("n", n, lo=0, hi=(1 << 62))
+    k = _checks.integer("k", k, lo=0)
+    if k > n:
+        raise ValueError(f"k must be <= n, got k={int(k)} > n={int(n)}")
+    return seed, round, n, k
+
+
+def _mask_indices_impl(seed: int, round: int, n: int, k: int, device: torch.device,
+                       backend: str | None) -> torch.Tensor:
+    """Check, choose the backend, launch: the registered op's body, and the eager path of mask_indices."""
+    seed, round, n, k = _check_ints(seed, round, n, k)
+    if device.type == "meta":
+        raise ValueError("device is meta: meta tensors hold no data, so there are no indices to compute")
+    b = _dispatch.resolve(backend, device, "lc_mask_perm")
+    with nvtx_range("mask_indices"):
+        out = torch.empty(k, dtype=torch.int64, device=device)
+        _mask_perm_launch(n, k, mask_keys(seed, round, n), out, b)
+        return torch.sort(out).values
+
+
 @torch.library.custom_op("lowcomm::mask_indices", mutates_args=())
 def _mask_indices_op(seed: int, round: int, n: int, k: int, device: torch.device,
-                     backend: str) -> torch.Tensor:
-    out = torch.empty(k, dtype=torch.int64, device=device)
-    _mask_perm_launch(n, k, mask_keys(seed, round, n), out, backend)
-    return torch.sort(out).values
+                     backend: str | None) -> torch.Tensor:
+    return _mask_indices_impl(seed, round, n, k, device, backend)
 
 
 @_mask_indices_op.register_fake
@@ -104,21 +128,16 @@ def _(seed, round, n, k, device, backend):
     return torch.empty(k, dtype=torch.int64, device=device)
 
 
+declare("mask_indices")
+
+
 def mask_indices(seed: int, round: int, n: int, k: int, *, device: torch.device | str | None = None,
                  backend: str | None = None) -> torch.Tensor:
     """Sorted int64 tensor of exactly k distinct indices in [0, n), the same everywhere for the same
-    (seed, round, n, k). 0 <= k <= n; seed and round are non-negative ints (hashed to 64 bits)."""
-    seed = _checks.integer("seed", seed, lo=0)
-    round = _checks.integer("round", round, lo=0)
-    n = _checks.integer("n", n, lo=0, hi=(1 << 62))
-    k = _checks.integer("k", k, lo=0)
-    if k > n:
-        raise ValueError(f"k must be <= n, got k={k} > n={n}")
+    (seed, round, n, k). 0 <= k <= n; seed and round are ints in [0, 2**63) (hashed to 64 bits)."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    b = _dispatch.resolve(backend, dev, "lc_mask_perm")
     if compiling():
-        return torch.ops.lowcomm.mask_indices(seed, round, n, k, dev, b)
-    with nvtx_range("mask_indices"):
-        out = torch.empty(k, dtype=torch.int64, device=dev)
-        _mask_perm_launch(n, k, mask_keys(seed, round, n), out, b)
-        return torch.sort(out).values
+        # Host integers, known while tracing: checked here (a k < 0 would fail in the fake kernel,
+        # a seed >= 2**63 in the op's int64 schema), and again by the op's body.
+        return traced_call("mask_indices", *_check_ints(seed, round, n, k), dev, backend)
+    return _mask_indices_impl(seed, round, n, k, dev, backend)

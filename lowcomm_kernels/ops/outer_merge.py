@@ -27,7 +27,7 @@ import torch
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
-from ._common import code, compiling, cpu_call, cuda_call, ptr
+from ._common import code, compiling, cpu_call, cuda_call, declare, ptr, traced_call
 
 LAM_MODES = ("absolute", "normalized")
 
@@ -121,33 +121,10 @@ def _outer_merge_launch(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alph
             raise ValueError(f"unknown backend {backend!r}")
 
 
-@torch.library.custom_op("lowcomm::outer_merge_", mutates_args=("g", "u", "x"))
-def _outer_merge_op(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
-                    x_sent: torch.Tensor | None, lr: float, momentum: float, nesterov: bool, alpha: float,
-                    beta: float, lam: float, lam_mode: str, backend: str) -> None:
-    _outer_merge_launch(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode,
-                        backend)
-
-
-@_outer_merge_op.register_fake
-def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend):
-    return None
-
-
-@torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
-def outer_merge_(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
-                 x_sent: torch.Tensor | None = None, *, lr: float, momentum: float = 0.0,
-                 nesterov: bool = True, alpha: float = 0.0, beta: float = 0.0, lam: float = 0.0,
-                 lam_mode: str = "absolute", backend: str | None = None) -> None:
-    """Nesterov outer step on (g, u) with Δ̄, then the delay-compensated merge into x. In place.
-
-    Args:
-        g, u, x: fp32/fp64, same numel/dtype/device, contiguous, pairwise distinct. Mutated.
-        delta_avg: averaged pseudo-gradient Δ̄, g's dtype or bfloat16 (the wire dtype).
-        x_sent: snapshot of x at send time; required when beta or lam is non-zero.
-        lr >= 0, 0 <= momentum < 1, 0 <= alpha <= 1, beta and lam >= 0 finite.
-        lam_mode: 'absolute' (λ as given) or 'normalized' (λ·‖v‖/‖v⊙v⊙D‖).
-    """
+def _check(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam,
+           lam_mode) -> tuple[float, float, float, float, float]:
+    """Every check of an outer_merge_ call, before anything is written; returns the scalars
+    (lr, momentum, alpha, beta, lam) as floats."""
     for name, t in (("g", g), ("u", u), ("x", x)):
         _checks.tensor(name, t, dtypes=_checks.FLOAT_DTYPES)
     _checks.tensor("delta_avg", delta_avg, dtypes=(g.dtype, torch.bfloat16))
@@ -168,9 +145,49 @@ def outer_merge_(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: t
     if x_sent is not None:
         _checks.tensor("x_sent", x_sent, dtypes=(g.dtype,))
     _checks.distinct({"g": g, "u": u, "delta_avg": delta_avg, "x": x, "x_sent": x_sent})
-    b = _dispatch.resolve(backend, g.device, "lc_outer_merge")
+    return lr, momentum, alpha, beta, lam
+
+
+def _outer_merge_impl(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode,
+                      backend) -> None:
+    """Check, choose the backend, launch: the registered op's body, and the eager path of outer_merge_."""
+    lr, momentum, alpha, beta, lam = _check(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta,
+                                            lam, lam_mode)
+    _outer_merge_launch(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode,
+                        _dispatch.resolve(backend, g.device, "lc_outer_merge"))
+
+
+@torch.library.custom_op("lowcomm::outer_merge_", mutates_args=("g", "u", "x"))
+def _outer_merge_op(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
+                    x_sent: torch.Tensor | None, lr: float, momentum: float, nesterov: bool, alpha: float,
+                    beta: float, lam: float, lam_mode: str, backend: str | None) -> None:
+    _outer_merge_impl(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend)
+
+
+@_outer_merge_op.register_fake
+def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend):
+    _checks.same_device("g", g, u=u, delta_avg=delta_avg, x=x, x_sent=x_sent)  # see _common
+
+
+declare("outer_merge_")
+
+
+@torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
+def outer_merge_(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
+                 x_sent: torch.Tensor | None = None, *, lr: float, momentum: float = 0.0,
+                 nesterov: bool = True, alpha: float = 0.0, beta: float = 0.0, lam: float = 0.0,
+                 lam_mode: str = "absolute", backend: str | None = None) -> None:
+    """Nesterov outer step on (g, u) with Δ̄, then the delay-compensated merge into x. In place.
+
+    Args:
+        g, u, x: fp32/fp64, same numel/dtype/device, contiguous, pairwise distinct. Mutated.
+        delta_avg: averaged pseudo-gradient Δ̄, g's dtype or bfloat16 (the wire dtype).
+        x_sent: snapshot of x at send time; required when beta or lam is non-zero.
+        lr >= 0, 0 <= momentum < 1, 0 <= alpha <= 1, beta and lam >= 0 finite.
+        lam_mode: 'absolute' (λ as given) or 'normalized' (λ·‖v‖/‖v⊙v⊙D‖).
+    """
+    args = (g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend)
     if compiling():
-        torch.ops.lowcomm.outer_merge_(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam,
-                                       lam_mode, b)
+        traced_call("outer_merge_", *args)
     else:
-        _outer_merge_launch(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, b)
+        _outer_merge_impl(*args)

@@ -13,7 +13,7 @@ import torch
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
-from ._common import code, compiling, cpu_call, cuda_call, ptr
+from ._common import code, compiling, cpu_call, cuda_call, declare, ptr, traced_call
 
 
 def pack_ref(g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = None,
@@ -52,15 +52,46 @@ def _pack_launch(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot
     return nonfinite
 
 
+def _check(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None) -> None:
+    """Every check of pack's tensors (named as pack's arguments), before anything is written."""
+    _checks.tensor("g", g, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
+    _checks.same_device("g", g, x=x)
+    _checks.same_dtype("g", g, x=x)
+    _checks.same_numel("g", g, x=x)
+    _checks.tensor("delta_out", delta, dtypes=(g.dtype, torch.bfloat16))
+    _checks.same_device("g", g, delta_out=delta)
+    _checks.same_numel("g", g, delta_out=delta)
+    if snapshot is not None:
+        _checks.tensor("snapshot_out", snapshot, dtypes=(x.dtype,))
+        _checks.same_device("g", g, snapshot_out=snapshot)
+        _checks.same_numel("g", g, snapshot_out=snapshot)
+    # g and x may alias each other (delta = 0); outputs may alias nothing.
+    _checks.no_alias([("delta_out", delta, "g", g), ("delta_out", delta, "x", x),
+                      ("snapshot_out", snapshot, "g", g), ("snapshot_out", snapshot, "x", x),
+                      ("delta_out", delta, "snapshot_out", snapshot)])
+
+
+def _pack_impl(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None,
+               backend: str | None) -> torch.Tensor:
+    """Check, choose the backend, launch: the registered op's body, and the eager path of pack."""
+    _check(g, x, delta, snapshot)
+    return _pack_launch(g, x, delta, snapshot, _dispatch.resolve(backend, g.device, "lc_pack"))
+
+
 @torch.library.custom_op("lowcomm::pack", mutates_args=("delta", "snapshot"))
 def _pack_op(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None,
-             backend: str) -> torch.Tensor:
-    return _pack_launch(g, x, delta, snapshot, backend)
+             backend: str | None) -> torch.Tensor:
+    return _pack_impl(g, x, delta, snapshot, backend)
 
 
 @_pack_op.register_fake
 def _(g, x, delta, snapshot, backend):
+    _checks.same_device("g", g, x=x, delta_out=delta, snapshot_out=snapshot)  # see _common
     return g.new_empty((), dtype=torch.int64)
+
+
+declare("pack")
 
 
 @torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
@@ -79,36 +110,26 @@ def pack(g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = N
     Returns:
         (delta, snapshot or None, nonfinite) with nonfinite a 0-d int64 tensor.
     """
-    _checks.tensor("g", g, dtypes=_checks.FLOAT_DTYPES)
-    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
-    _checks.same_device("g", g, x=x)
-    _checks.same_dtype("g", g, x=x)
-    _checks.same_numel("g", g, x=x)
+    # What the outputs are made from is checked here, in eager and compiled calls alike; the rest
+    # in _check, on the real data (see _common).
+    _checks.is_tensor("g", g)
+    _checks.is_tensor("x", x)
     if wire_dtype is None:
         wire_dtype = delta_out.dtype if isinstance(delta_out, torch.Tensor) else g.dtype
     if wire_dtype not in (g.dtype, torch.bfloat16):
-        raise TypeError(f"wire_dtype must be {g.dtype} (g's dtype) or torch.bfloat16, got {wire_dtype}")
+        raise TypeError(f"wire_dtype must be g's dtype ({g.dtype}) or torch.bfloat16, got {wire_dtype}")
     if delta_out is None:
         delta_out = torch.empty(g.shape, dtype=wire_dtype, device=g.device)
-    else:
-        _checks.tensor("delta_out", delta_out, dtypes=(wire_dtype,))
-        _checks.same_device("g", g, delta_out=delta_out)
-        _checks.same_numel("g", g, delta_out=delta_out)
+    elif _checks.is_tensor("delta_out", delta_out).dtype != wire_dtype:
+        raise TypeError(f"delta_out has dtype {delta_out.dtype}; expected the wire dtype {wire_dtype}")
     if snapshot_out is False:
         snapshot = None
     elif snapshot_out is None or snapshot_out is True:
         snapshot = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
     else:
-        snapshot = _checks.tensor("snapshot_out", snapshot_out, dtypes=(x.dtype,))
-        _checks.same_device("g", g, snapshot_out=snapshot)
-        _checks.same_numel("g", g, snapshot_out=snapshot)
-    # g and x may alias each other (delta = 0); outputs may alias nothing.
-    _checks.no_alias([("delta_out", delta_out, "g", g), ("delta_out", delta_out, "x", x),
-                      ("snapshot_out", snapshot, "g", g), ("snapshot_out", snapshot, "x", x),
-                      ("delta_out", delta_out, "snapshot_out", snapshot)])
-    b = _dispatch.resolve(backend, g.device, "lc_pack")
+        snapshot = _checks.is_tensor("snapshot_out", snapshot_out)
     if compiling():
-        nonfinite = torch.ops.lowcomm.pack(g, x, delta_out, snapshot, b)
+        nonfinite = traced_call("pack", g, x, delta_out, snapshot, backend)
     else:
-        nonfinite = _pack_launch(g, x, delta_out, snapshot, b)
+        nonfinite = _pack_impl(g, x, delta_out, snapshot, backend)
     return delta_out, snapshot, nonfinite

@@ -13,7 +13,7 @@ import torch
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
-from ._common import code, compiling, cpu_call, cuda_call, ptr
+from ._common import code, compiling, cpu_call, cuda_call, declare, ptr, traced_call
 
 
 def sparse_gather_ref(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -62,25 +62,57 @@ def _scatter_merge_launch(x, idx, avg, sent, beta: float, backend: str) -> None:
             raise ValueError(f"unknown backend {backend!r}")
 
 
+def _gather_impl(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend: str | None) -> None:
+    """Check, choose the backend, launch: the registered op's body, and the eager path of
+    sparse_gather. Every check runs before anything is written."""
+    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
+    idx = _checks.index("idx", idx, n=x.numel(), device=x.device, strictly_increasing=False)
+    _checks.tensor("out", out, dtypes=(x.dtype,))
+    _checks.same_device("x", x, out=out)
+    _checks.same_numel("idx", idx, out=out)
+    _checks.no_alias([("out", out, "x", x), ("out", out, "idx", idx)])
+    _gather_launch(x, idx, out, _dispatch.resolve(backend, x.device, "lc_sparse_gather"))
+
+
+def _scatter_merge_impl(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor,
+                        beta: float, backend: str | None) -> None:
+    """Check, choose the backend, launch: the registered op's body, and the eager path of
+    sparse_scatter_merge_. Every check runs before anything is written."""
+    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
+    idx = _checks.index("idx", idx, n=x.numel(), device=x.device, strictly_increasing=True)
+    _checks.tensor("avg", avg, dtypes=(x.dtype, torch.bfloat16))
+    _checks.tensor("sent", sent, dtypes=(x.dtype,))
+    _checks.same_device("x", x, avg=avg, sent=sent)
+    _checks.same_numel("idx", idx, avg=avg, sent=sent)
+    beta = _checks.scalar("beta", beta, lo=0.0)
+    _checks.distinct({"x": x, "idx": idx, "avg": avg, "sent": sent})
+    b = _dispatch.resolve(backend, x.device, "lc_sparse_scatter_merge")
+    _scatter_merge_launch(x, idx, avg, sent, beta, b)
+
+
 @torch.library.custom_op("lowcomm::sparse_gather", mutates_args=("out",))
-def _gather_op(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend: str) -> None:
-    _gather_launch(x, idx, out, backend)
+def _gather_op(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend: str | None) -> None:
+    _gather_impl(x, idx, out, backend)
 
 
 @_gather_op.register_fake
 def _(x, idx, out, backend):
-    return None
+    _checks.same_device("x", x, idx=idx, out=out)  # see _common
 
 
 @torch.library.custom_op("lowcomm::sparse_scatter_merge_", mutates_args=("x",))
 def _scatter_merge_op(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor, beta: float,
-                      backend: str) -> None:
-    _scatter_merge_launch(x, idx, avg, sent, beta, backend)
+                      backend: str | None) -> None:
+    _scatter_merge_impl(x, idx, avg, sent, beta, backend)
 
 
 @_scatter_merge_op.register_fake
 def _(x, idx, avg, sent, beta, backend):
-    return None
+    _checks.same_device("x", x, idx=idx, avg=avg, sent=sent)  # see _common
+
+
+declare("sparse_gather")
+declare("sparse_scatter_merge_")
 
 
 @torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
@@ -88,20 +120,13 @@ def sparse_gather(x: torch.Tensor, idx: torch.Tensor, *, out: torch.Tensor | Non
                   backend: str | None = None) -> torch.Tensor:
     """y = x.flatten()[idx]. x: fp32/fp64 contiguous; idx: 1-D int64 in [0, x.numel()) (duplicates
     allowed); out: optional (k,) buffer of x's dtype that must not alias x or idx."""
-    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
-    idx = _checks.index("idx", idx, n=x.numel(), device=x.device, strictly_increasing=False)
     if out is None:
-        out = torch.empty(idx.numel(), dtype=x.dtype, device=x.device)
-    else:
-        _checks.tensor("out", out, dtypes=(x.dtype,))
-        _checks.same_device("x", x, out=out)
-        _checks.same_numel("idx", idx, out=out)
-        _checks.no_alias([("out", out, "x", x), ("out", out, "idx", idx)])
-    b = _dispatch.resolve(backend, x.device, "lc_sparse_gather")
+        _checks.is_tensor("x", x)
+        out = torch.empty(_checks.is_tensor("idx", idx).numel(), dtype=x.dtype, device=x.device)
     if compiling():
-        torch.ops.lowcomm.sparse_gather(x, idx, out, b)
+        traced_call("sparse_gather", x, idx, out, backend)
     else:
-        _gather_launch(x, idx, out, b)
+        _gather_impl(x, idx, out, backend)
     return out
 
 
@@ -113,16 +138,7 @@ def sparse_scatter_merge_(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor,
     idx must be strictly increasing (as mask_indices returns it): with a duplicate the result
     would depend on write order. avg: (k,) of x's dtype or bfloat16; sent: (k,) of x's dtype;
     neither may alias x. beta finite and >= 0."""
-    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
-    idx = _checks.index("idx", idx, n=x.numel(), device=x.device, strictly_increasing=True)
-    _checks.tensor("avg", avg, dtypes=(x.dtype, torch.bfloat16))
-    _checks.tensor("sent", sent, dtypes=(x.dtype,))
-    _checks.same_device("x", x, avg=avg, sent=sent)
-    _checks.same_numel("idx", idx, avg=avg, sent=sent)
-    beta = _checks.scalar("beta", beta, lo=0.0)
-    _checks.distinct({"x": x, "idx": idx, "avg": avg, "sent": sent})
-    b = _dispatch.resolve(backend, x.device, "lc_sparse_scatter_merge")
     if compiling():
-        torch.ops.lowcomm.sparse_scatter_merge_(x, idx, avg, sent, beta, b)
+        traced_call("sparse_scatter_merge_", x, idx, avg, sent, beta, backend)
     else:
-        _scatter_merge_launch(x, idx, avg, sent, beta, b)
+        _scatter_merge_impl(x, idx, avg, sent, beta, backend)

@@ -198,6 +198,9 @@ BAD = [
     ("n huge", (1, 2, (1 << 62) + 1, 1), ValueError, "n"),
     ("seed < 0", (-1, 2, 10, 3), ValueError, "seed"),
     ("round < 0", (1, -2, 10, 3), ValueError, "round"),
+    ("seed 2**64", (2**64, 2, 10, 3), ValueError, "seed"),
+    ("seed 2**63", (2**63, 2, 10, 3), ValueError, "seed"),
+    ("round 2**64", (1, 2**64, 10, 3), ValueError, "round"),
     ("seed float", (1.5, 2, 10, 3), TypeError, "seed"),
     ("round bool", (1, True, 10, 3), TypeError, "round"),
     ("n float", (1, 2, 10.0, 3), TypeError, "n"),
@@ -209,6 +212,18 @@ BAD = [
 @pytest.mark.parametrize(("what", "args", "exc", "arg"), BAD, ids=[b[0] for b in BAD])
 def test_bad_input(backend, what, args, exc, arg, close):
     close.assert_rejected(lambda: mask_indices(*args, backend=backend), exc, arg)
+
+
+@pytest.mark.parametrize("arg", ["seed", "round"])
+def test_keys_beyond_int64_are_refused_with_the_range(arg):
+    """seed = 2**64 once gave the set of seed 0 (keys were reduced mod 2**64). Keys are int64, as
+    the registered op and a 0-d tensor carry them: the error names the argument and the range."""
+    for bad in (2**63, 2**64, 2**64 + 5):
+        kw = dict(seed=1, round=2, n=10, k=3) | {arg: bad}
+        with pytest.raises(ValueError, match=rf"^{arg} must be in \[0, {2**63 - 1}\].*got {bad}$"):
+            mask_indices(**kw)
+    top = dict(seed=1, round=2) | {arg: 2**63 - 1}
+    assert mask_indices(top["seed"], top["round"], 1000, 10).shape == (10,)
 
 
 def test_bad_backend(close):

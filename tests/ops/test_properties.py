@@ -312,7 +312,7 @@ def test_mask_indices(backend, seed, rnd, n, k_off, k_frac, clean):
     for name, val in (("seed", seed), ("round", rnd), ("n", n), ("k", k)):
         if isinstance(val, bool) or not isinstance(val, int):
             v.append((name, TypeError))
-        elif val < 0:
+        elif val < 0 or (name in ("seed", "round") and val >= 2**63):  # seed and round are int64
             v.append((name, ValueError))
     if isinstance(n, int) and not isinstance(n, bool) and n > 2**62:
         v.append(("n", ValueError))
