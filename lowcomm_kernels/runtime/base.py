@@ -174,18 +174,25 @@ class Strategy(abc.ABC):
                     delattr(p, _OWNER)
 
     # ----- control vector: per-rank facts all-reduced beside every sync ----------------------------
-    def _control(self, nonfinite: torch.Tensor, extras: list[float]) -> torch.Tensor:
-        """fp64 [non-finite count by rank (world), broken views by rank (world), extras...]; this rank
-        fills its own slots, the SUM all-reduce gives everyone everyone's. ``nonfinite`` stays on
-        the device (no host sync)."""
+    def _control(self, nonfinite: torch.Tensor, extras: list[float],
+                 device_extras: torch.Tensor | None = None) -> torch.Tensor:
+        """fp64 [non-finite count by rank (world), broken views by rank (world), extras...,
+        device_extras...]; this rank fills its own slots, the SUM all-reduce gives everyone
+        everyone's. Built on the host (pinned) and copied without blocking; ``nonfinite`` and
+        ``device_extras`` stay on the device: no host synchronisation."""
         w = self.world
-        control = torch.zeros(2 * w + len(extras), dtype=torch.float64, device=self.device)
-        control[self.rank] = nonfinite
         self._view_problem = self.frags.broken_view(self.model)
+        n_dev = 0 if device_extras is None else device_extras.numel()
+        host = torch.zeros(2 * w + len(extras) + n_dev, dtype=torch.float64,
+                           pin_memory=self.device.type == "cuda")
         if self._view_problem is not None:
-            control[w + self.rank] = 1.0
+            host[w + self.rank] = 1.0
         if extras:
-            control[2 * w:] = torch.tensor(extras, dtype=torch.float64)
+            host[2 * w:2 * w + len(extras)] = torch.tensor(extras, dtype=torch.float64)
+        control = host.to(self.device, non_blocking=True)
+        control[self.rank] = nonfinite
+        if device_extras is not None:
+            control[2 * w + len(extras):] = device_extras.reshape(-1)
         return control
 
     def _extras(self, control: list[float]) -> list[float]:
@@ -344,9 +351,10 @@ class Strategy(abc.ABC):
         with torch.no_grad():
             self._finish()
             control = self._control(torch.zeros((), dtype=torch.float64), [])
-            self.transport.all_reduce([control], name=f"{self.method} finish at step {self.step_count}",
-                                      payload_bytes=0).wait()
-            self._sync_outcome(control.cpu().tolist(), f"{self.method} finish at step {self.step_count}")
+            what = f"{self.method} finish at step {self.step_count}"
+            handle = self.transport.all_reduce([control], name=what, payload_bytes=0, host=control)
+            handle.wait()
+            self._sync_outcome(handle.host_values(), what)
 
     @abc.abstractmethod
     def _finish(self) -> None:

@@ -30,6 +30,7 @@ from .. import ops
 from .._checks import integer, scalar
 from .checkpoint import CheckpointError, expect_int
 from .dense import DenseStrategy, Pending
+from .host import DeviceToHost
 from .schedule import LAM_MODES, SCORES, check_cocodc_schedule, cocodc_max_syncs
 
 
@@ -76,6 +77,10 @@ class CoCoDC(DenseStrategy):
         self.n_history: list[int] = []
         self._rr_next = 0  # round_robin: the next fragment in the cycle
         self._offsets_all = self.frags.offsets.to(self.outer_dev)
+        # [0, size_p] per fragment, made once (no host-to-device copy per sync)
+        self._whole = [torch.tensor([0, n], dtype=torch.int64, device=self.outer_dev)
+                       for n in self.frags.sizes()]
+        self._norms_due: dict[int, tuple[DeviceToHost, int]] = {}  # l2_global norms not yet read
         self._init_buffers()
 
     # ----- schedule ------------------------------------------------------------------------------
@@ -86,6 +91,7 @@ class CoCoDC(DenseStrategy):
 
     def choose(self, t: int) -> tuple[int, str] | None:
         """The fragment for a send slot after step t (see the module docstring), or None."""
+        self._resolve_scores()
         busy = {pd.fragment for pd in self.pending}
         free = [p for p in range(self.K) if p not in busy]
         if not free:
@@ -125,15 +131,15 @@ class CoCoDC(DenseStrategy):
         super()._advance(t)
 
     # ----- values all-reduced beside each sync ---------------------------------------------------
-    def _control_extras(self, p: int, t: int) -> list[float]:
+    def _control_extras(self, p: int, t: int) -> tuple[list[float], torch.Tensor | None]:
         tc = self._tc_sum / self._tc_n if self._tc_n else 0.0
         self._tc_sum, self._tc_n = 0.0, 0
-        extras = [tc, self._ts_last]
-        if self.score == "l1_local":
+        norms = None
+        if self.score == "l1_local":  # stays on the device, reduced beside the sync
             x_all = self.frags.flat if self.outer_dev == self.device else self.frags.flat.to(self.outer_dev)
             diff, _, _ = ops.pack(self.g, x_all, snapshot_out=False)  # g − x for every fragment, one pass
-            extras += ops.fragment_norms(diff, self._offsets_all, ord=1).double().cpu().tolist()
-        return extras
+            norms = ops.fragment_norms(diff, self._offsets_all, ord=1).to(self.device, torch.float64)
+        return [tc, self._ts_last], norms
 
     def _num_extras(self) -> int:
         return 2 + (self.K if self.score == "l1_local" else 0)
@@ -156,13 +162,18 @@ class CoCoDC(DenseStrategy):
         if self.score == "round_robin":
             return
         if self.score == "l2_global":
+            # R_p = ‖Δ̄_p‖₂ / I_p, computed on the device now and read on the host at the next choice
             d = delta_avg if delta_avg.dtype != torch.bfloat16 else delta_avg.to(self.g.dtype)
-            offs = torch.tensor([0, d.numel()], dtype=torch.int64, device=d.device)
-            norm = float(ops.fragment_norms(d, offs, ord=2)[0])
+            norm = ops.fragment_norms(d, self._whole[p], ord=2).double()
             covered = max(1, pd.send_step - self._covered_from(pd))
-            self.scores[p] = norm / covered
+            self._norms_due[p] = (DeviceToHost(norm), covered)
         else:
             self.scores = list(control[2:2 + self.K])
+
+    def _resolve_scores(self) -> None:
+        for p, (norm, covered) in self._norms_due.items():
+            self.scores[p] = norm.values()[0] / covered
+        self._norms_due.clear()
 
     def _covered_from(self, pd: Pending) -> int:
         # prev_send was updated at send time; the pending sync is the latest send of its fragment.
@@ -170,6 +181,7 @@ class CoCoDC(DenseStrategy):
 
     # ----- checkpoint ----------------------------------------------------------------------------
     def _schedule_state(self) -> dict[str, Any]:
+        self._resolve_scores()
         return {"N": self.N, "last_send": list(self.last_send), "prev_send": list(self.prev_send),
                 "scores": list(self.scores), "T_c": self.T_c, "T_s": self.T_s, "ts_last": self._ts_last,
                 "rr_next": self._rr_next}

@@ -52,6 +52,7 @@ class Pending:
     exposed_s: float = 0.0  # accumulated by drain() before the apply
     in_flight_s: float = 0.0
     wire_bytes: int = 0
+    control_host: list[float] | None = None  # restored from a checkpoint: the reduced control
 
     def nbytes(self) -> int:
         n = self.delta.numel() * self.delta.element_size()
@@ -100,10 +101,10 @@ class DenseStrategy(Strategy):
     def _schedule_fields(self) -> dict[str, Any]:
         """The schedule's knobs (sync_every, ...) for the cross-rank agreement."""
 
-    def _control_extras(self, p: int, t: int) -> list[float]:
-        """Strategy values all-reduced beside fragment p's sync (e.g. CoCoDC timings, scores);
-        always ``_num_extras()`` of them."""
-        return []
+    def _control_extras(self, p: int, t: int) -> tuple[list[float], torch.Tensor | None]:
+        """Strategy values all-reduced beside fragment p's sync (e.g. CoCoDC timings, scores):
+        host floats, then optionally a device tensor; ``_num_extras()`` of them in all."""
+        return [], None
 
     def _num_extras(self) -> int:
         return 0
@@ -143,12 +144,12 @@ class DenseStrategy(Strategy):
             x_src = x_p if self.outer_dev == self.device else x_p.to(self.outer_dev)
             delta, snap, nonfinite = ops.pack(g_p, x_src, wire_dtype=self.wire_dtype,
                                               snapshot_out=None if self.needs_snapshot else False)
-            control = self._control(nonfinite, self._control_extras(p, t))
+            control = self._control(nonfinite, *self._control_extras(p, t))
             if self.outer_dev != self.device:
                 delta = delta.to(self.device)
         pack_s = time.perf_counter() - t0
         name = f"{self.method} sync of fragment {p} sent at step {t}"
-        handle = self.transport.all_reduce([delta, control], name=name,
+        handle = self.transport.all_reduce([delta, control], name=name, host=control,
                                            payload_bytes=delta.numel() * delta.element_size())
         pd = Pending(p, t, t + self.tau, delta, snap, control, handle, reason, pack_s,
                      wire_bytes=handle.wire_bytes)
@@ -172,7 +173,8 @@ class DenseStrategy(Strategy):
     def _apply(self, pd: Pending, t: int) -> None:
         self._wait(pd)
         p = pd.fragment
-        control = pd.control.cpu().tolist()  # tiny; the skip decision must be known on the host
+        # the skip decision must be known on the host: read from the pinned mirror, no sync
+        control = pd.handle.host_values() if pd.handle is not None else pd.control_host
         t0 = time.perf_counter()
         what = f"{self.method} sync of fragment {p} sent at step {pd.send_step}"
         skipped = self._sync_outcome(control, what)
@@ -257,7 +259,7 @@ class DenseStrategy(Strategy):
             x_sent = None if q["x_sent"] is None else q["x_sent"].to(self.outer_dev)
             self.pending.append(Pending(int(q["fragment"]), int(q["send_step"]), int(q["apply_step"]),
                                         q["delta"].to(self.device), x_sent, q["control"].to(self.device),
-                                        None, str(q["reason"])))
+                                        None, str(q["reason"]), control_host=q["control"].tolist()))
         self._load_schedule_state(sd["schedule"])
 
     def _guard_values(self) -> list[tuple[str, int]]:

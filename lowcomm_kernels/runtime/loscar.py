@@ -59,6 +59,7 @@ class _SparsePending:
     exposed_s: float = 0.0
     in_flight_s: float = 0.0
     wire_bytes: int = 0
+    control_host: list[float] | None = None  # restored from a checkpoint: the reduced control
 
 
 def _per_rank(name: str, value: int | Sequence[int], world: int, rank: int, lo: int) -> tuple[int, list[int]]:
@@ -121,7 +122,7 @@ class LOSCAR(Strategy):
             control = self._control(bad.to(torch.float64), [])
         pack_s = time.perf_counter() - t0
         name = f"LOSCAR sync of round {self.round} sent at step {t}"
-        handle = self.transport.all_reduce([wire, control], name=name,
+        handle = self.transport.all_reduce([wire, control], name=name, host=control,
                                            payload_bytes=wire.numel() * wire.element_size())
         self.inflight = _SparsePending(self.round, t, idx, sent, wire, control, handle, pack_s,
                                        wire_bytes=handle.wire_bytes)
@@ -150,7 +151,7 @@ class LOSCAR(Strategy):
         self.inflight = None
         self.last_idx = pd.idx
         t0 = time.perf_counter()
-        control = pd.control.cpu().tolist()
+        control = pd.handle.host_values() if pd.handle is not None else pd.control_host
         skipped = self._sync_outcome(control, f"LOSCAR sync of round {pd.round} sent at step {pd.send_step}")
         if skipped:
             self._heal([r for r in range(self.world) if control[r] > 0], pd.round)
@@ -248,7 +249,8 @@ class LOSCAR(Strategy):
             dev = self.frags.device
             idx = ops.mask_indices(self.seed, int(q["round"]), self.d, self.k, device=dev)
             self.inflight = _SparsePending(int(q["round"]), int(q["send_step"]), idx, q["sent"].to(dev),
-                                           q["wire"].to(dev), q["control"].to(dev), None)
+                                           q["wire"].to(dev), q["control"].to(dev), None,
+                                           control_host=q["control"].tolist())
 
     def _guard_values(self) -> list[tuple[str, int]]:
         sched = torch.tensor([self.round, self.seed, self.k, self.d], dtype=torch.int64)

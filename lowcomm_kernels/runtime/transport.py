@@ -5,10 +5,14 @@ process group and returns a ``Handle`` at once; ``Handle.wait()`` blocks until t
 used and returns the seconds it blocked (the *exposed* communication).
 
 - CPU / gloo: ``dist.all_reduce(async_op=True)``; gloo runs it on its own worker threads.
-- CUDA / NCCL: the collective is issued on a dedicated side stream that first waits on an event
-  recorded on the compute stream; ``wait()`` makes the *compute stream* wait on the side stream's
-  completion event, so there is no host synchronisation on the hot path (exposed time on the host
-  is then ~0; the GPU timeline in Nsight shows the real stall).
+- CUDA / NCCL: the collective is issued on a dedicated side stream of the tensors' device that
+  first waits on an event recorded on that device's compute stream. A small ``host`` tensor (the
+  control vector) is then copied into pinned host memory on the side stream, and a completion
+  event recorded. ``wait()`` polls that event on the host (bounded by ``timeout_s``, so a dead
+  peer is a ``SyncError`` in time, not a kill by NCCL's watchdog minutes later), then makes the
+  device's compute stream wait on it. The host thus blocks only for the collective, never for the
+  compute stream, and the blocked time is the real exposed communication; ``host_values()`` then
+  reads the control vector from pinned memory with no further synchronisation.
 - WAN emulation: ``WAN(latency_s, bandwidth_bytes_per_s)`` gives each collective a completion
   deadline ``start + latency + wire_bytes / bandwidth``, where ``start`` is when the link is free
   (collectives queue on one serial link, so bandwidth is shared) and ``wire_bytes`` is what a ring
@@ -23,6 +27,7 @@ from __future__ import annotations
 import datetime
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -59,13 +64,29 @@ def ring_wire_bytes(payload_bytes: int, world: int) -> int:
     return 0 if world <= 1 else int(round(2 * (world - 1) * payload_bytes / world))
 
 
+def wait_until(done: Callable[[], bool], timeout_s: float) -> bool:
+    """Poll ``done()`` until it is true (True) or ``timeout_s`` passed (False); short spins first,
+    then sleeps growing to 1 ms, so a result that is nearly there is not delayed by a sleep."""
+    t_end = time.perf_counter() + timeout_s
+    pause = 0.0
+    while not done():
+        if time.perf_counter() >= t_end:
+            return done()
+        if pause:
+            time.sleep(pause)
+        pause = min(1e-3, max(2e-5, pause * 2))
+    return True
+
+
 class Handle:
     """One in-flight all-reduce (possibly several tensors). ``wait()`` at most once."""
 
     def __init__(self, transport: Transport, works: list, name: str, t_send: float, deadline: float,
-                 wire_bytes: int, done_event: torch.cuda.Event | None) -> None:
+                 wire_bytes: int, done_event: torch.cuda.Event | None,
+                 host: torch.Tensor | None = None) -> None:
         self._transport = transport
         self._works = works
+        self._host = host  # CPU (pinned on CUDA) copy of the reduced control vector
         self.name = name
         self.t_send = t_send
         self.deadline = deadline
@@ -73,6 +94,11 @@ class Handle:
         self._done_event = done_event
         self.t_complete: float | None = None  # first time the result was known to be usable
         self.waited = False
+
+    def _completed(self) -> bool:
+        if self._done_event is not None:
+            return self._done_event.query()
+        return all(w.is_completed() for w in self._works)
 
     def poll(self) -> bool:
         """Non-blocking: has the collective completed (and its emulated deadline passed)?"""
@@ -82,7 +108,7 @@ class Handle:
         if now < self.deadline:
             return False
         try:
-            done = all(w.is_completed() for w in self._works)
+            done = self._completed()
         except Exception:  # a failed work: let wait() raise the named error
             return False
         if done:
@@ -95,21 +121,24 @@ class Handle:
             return 0.0
         t0 = time.perf_counter()
         with nvtx_range("wait"):
-            timeout = datetime.timedelta(seconds=self._transport.timeout_s)
-            # CUDA: the side stream already waits on NCCL; a dead peer is caught by NCCL's watchdog
-            # (the process group's timeout), so only the stream ordering is needed here.
+            tr = self._transport
+            if self._done_event is not None:  # CUDA: host waits for the collective only, bounded
+                try:
+                    ok = wait_until(self._done_event.query, tr.timeout_s)
+                except Exception as e:  # an aborted communicator reports through the event
+                    raise self._failed(e) from e
+                if not ok:
+                    tr.abort()
+                    raise SyncError(f"{self.name} did not complete within {tr.timeout_s} s (a peer died or "
+                                    "the link broke); the NCCL communicator was aborted")
+                torch.cuda.current_stream(tr.device).wait_event(self._done_event)
             for w in ([] if self._done_event is not None else self._works):
                 try:
-                    ok = w.wait(timeout=timeout)
-                except Exception as e:  # gloo: peer closed / timeout; NCCL: aborted communicator
-                    raise SyncError(f"{self.name} failed after {time.perf_counter() - self.t_send:.1f} s "
-                                    f"(a peer died or the link broke; "
-                                    f"timeout {self._transport.timeout_s} s): "
-                                    f"{type(e).__name__}: {e}") from e
+                    ok = w.wait(timeout=datetime.timedelta(seconds=tr.timeout_s))
+                except Exception as e:  # gloo: peer closed / timeout
+                    raise self._failed(e) from e
                 if ok is False:
-                    raise SyncError(f"{self.name} did not complete within {self._transport.timeout_s} s")
-            if self._done_event is not None:  # CUDA: order the compute stream after the collective
-                torch.cuda.current_stream().wait_event(self._done_event)
+                    raise SyncError(f"{self.name} did not complete within {tr.timeout_s} s")
             remaining = self.deadline - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)
@@ -118,6 +147,20 @@ class Handle:
             self.t_complete = max(t1 if t1 - t0 > 1e-4 else t0, self.deadline)
         self.waited = True
         return t1 - t0
+
+    def _failed(self, e: BaseException) -> SyncError:
+        return SyncError(f"{self.name} failed after {time.perf_counter() - self.t_send:.1f} s (a peer died "
+                         f"or the link broke; timeout {self._transport.timeout_s} s): "
+                         f"{type(e).__name__}: {e}")
+
+    def host_values(self) -> list[float]:
+        """The reduced ``host`` tensor as Python floats (call after ``wait()``): read from pinned
+        memory that the side stream filled before its completion event, so no synchronisation."""
+        if not self.waited:
+            raise RuntimeError(f"{self.name}: host_values() before wait()")
+        if self._host is None:
+            raise RuntimeError(f"{self.name}: this collective mirrors no tensor to the host")
+        return self._host.tolist()
 
     @property
     def in_flight_s(self) -> float:
@@ -145,10 +188,22 @@ class Transport:
         self._cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device=device) if self._cuda else None
 
-    def all_reduce(self, tensors: list[torch.Tensor], *, name: str,
-                   payload_bytes: int | None = None) -> Handle:
+    def abort(self) -> None:
+        """Best effort after a timed-out NCCL collective: abort the communicator so the process can
+        exit instead of hanging in NCCL (gloo needs nothing: its waits already timed out)."""
+        try:
+            backend = self.group._get_backend(self.device)
+            abort = getattr(backend, "abort", None)
+            if abort is not None:
+                abort()
+        except Exception:  # noqa: BLE001 (private API, absent or different across versions)
+            pass
+
+    def all_reduce(self, tensors: list[torch.Tensor], *, name: str, payload_bytes: int | None = None,
+                   host: torch.Tensor | None = None) -> Handle:
         """Start SUM all-reduces of ``tensors`` (in place). ``payload_bytes`` (default: all of them)
-        is what the WAN model charges; tiny control tensors travel beside the payload."""
+        is what the WAN model charges; tiny control tensors travel beside the payload. ``host``, one
+        of ``tensors`` (small), is mirrored to the host after the reduction: ``Handle.host_values()``."""
         if payload_bytes is None:
             payload_bytes = sum(t.numel() * t.element_size() for t in tensors)
         wire = ring_wire_bytes(payload_bytes, self.world)
@@ -173,12 +228,17 @@ class Transport:
                         w.wait()  # stream-level: orders the side stream after NCCL, no host block
                     for t in tensors:
                         t.record_stream(self._side)
+                    mirror = None
+                    if host is not None:
+                        mirror = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
+                        mirror.copy_(host, non_blocking=True)
                     done_event = torch.cuda.Event()
                     done_event.record(self._side)
             else:
                 works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
                          for t in tensors]
-        return Handle(self, works, name, now, deadline, wire, done_event)
+                mirror = host  # already on the host; valid once the works completed
+        return Handle(self, works, name, now, deadline, wire, done_event, mirror)
 
     def blocking_all_gather(self, t: torch.Tensor, *, name: str) -> list[torch.Tensor]:
         """All-gather of a small tensor with the same timeout (used by the consistency guard)."""
