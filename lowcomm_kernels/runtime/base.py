@@ -125,7 +125,7 @@ class Strategy(abc.ABC):
         self.wire_dtype = wire_dtype
         self.on_nonfinite = on_nonfinite
         self.device = self.frags.device
-        # g and u may live on the CPU (pinned) to save accelerator memory; ops then run on the CPU.
+        # g and u may live on the CPU to save accelerator memory; ops then run on the CPU.
         self.outer_dev = torch.device("cpu") if outer_device == "cpu" else self.device
         self.transport = Transport(self.group, device=self.device, wan=wan, timeout_s=timeout_s)
         self.world = self.transport.world
@@ -253,9 +253,26 @@ class Strategy(abc.ABC):
     def _outer_buffer(self) -> torch.Tensor:
         """A zeroed buffer laid out like the flat parameters, on the outer device (pinned CPU if the
         model is on a GPU)."""
-        pin = self.outer_dev.type == "cpu" and self.device.type == "cuda"
-        buf = torch.zeros(self.frags.numel, dtype=self.frags.dtype, device=self.outer_dev, pin_memory=pin)
+        # g and u never cross PCIe (the ops run where they live), so they are not pinned; the buffers
+        # that do cross go through ``to_outer`` / ``to_model`` below.
+        return torch.zeros(self.frags.numel, dtype=self.frags.dtype, device=self.outer_dev)
+
+    def to_outer(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (on the model's device) on the outer device. GPU -> CPU goes through pinned memory;
+        the CPU op that reads it next needs the data, so this waits for the compute stream: keeping
+        the outer state on the CPU trades that wait for accelerator memory."""
+        if self.outer_dev == self.device:
+            return t
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
         return buf
+
+    def to_model(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (on the outer device) on the model's device: pinned, copied without blocking."""
+        if t.device == self.device:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     # ----- the user-facing loop API --------------------------------------------------------------
     def __enter__(self) -> Strategy:

@@ -136,7 +136,7 @@ class CoCoDC(DenseStrategy):
         self._tc_sum, self._tc_n = 0.0, 0
         norms = None
         if self.score == "l1_local":  # stays on the device, reduced beside the sync
-            x_all = self.frags.flat if self.outer_dev == self.device else self.frags.flat.to(self.outer_dev)
+            x_all = self.to_outer(self.frags.flat)
             diff, _, _ = ops.pack(self.g, x_all, snapshot_out=False)  # g − x for every fragment, one pass
             norms = ops.fragment_norms(diff, self._offsets_all, ord=1).to(self.device, torch.float64)
         return [tc, self._ts_last], norms

@@ -141,12 +141,11 @@ class DenseStrategy(Strategy):
         with nvtx("pack"):
             g_p = self.frags.slice(self.g, p)
             x_p = self.frags.x(p)
-            x_src = x_p if self.outer_dev == self.device else x_p.to(self.outer_dev)
+            x_src = self.to_outer(x_p)
             delta, snap, nonfinite = ops.pack(g_p, x_src, wire_dtype=self.wire_dtype,
                                               snapshot_out=None if self.needs_snapshot else False)
             control = self._control(nonfinite, *self._control_extras(p, t))
-            if self.outer_dev != self.device:
-                delta = delta.to(self.device)
+            delta = self.to_model(delta)
         pack_s = time.perf_counter() - t0
         name = f"{self.method} sync of fragment {p} sent at step {t}"
         handle = self.transport.all_reduce([delta, control], name=name, host=control,
@@ -181,22 +180,19 @@ class DenseStrategy(Strategy):
         with nvtx("merge"):
             g_p, u_p, x_p = self.frags.slice(self.g, p), self.frags.slice(self.u, p), self.frags.x(p)
             if skipped:
-                x_p.copy_(g_p.to(x_p.device))
+                x_p.copy_(self.to_model(g_p))
                 if self._poisoned():
                     self._restart_poisoned()
             else:
                 delta = pd.delta
                 if self.world > 1:
                     delta.div_(self.world)  # gloo has no AVG; SUM then scale the received buffer
-                if self.outer_dev != self.device:
-                    delta, x_work = delta.to(self.outer_dev), x_p.to(self.outer_dev)
-                else:
-                    x_work = x_p
+                delta, x_work = self.to_outer(delta), self.to_outer(x_p)
                 self._on_result(pd, delta, self._extras(control))
                 ops.outer_merge_(g_p, u_p, delta, x_work, pd.x_sent, lr=self.outer_lr,
                                  momentum=self.outer_momentum, nesterov=self.nesterov, **self.merge_kw)
                 if x_work is not x_p:
-                    x_p.copy_(x_work)
+                    x_p.copy_(self.to_model(x_work))
         self.applied_count += 1
         self._record(SyncRecord(fragment=p, send_step=pd.send_step, apply_step=t, bytes=pd.wire_bytes,
                                 in_flight_s=pd.in_flight_s, exposed_s=pd.exposed_s,
@@ -205,7 +201,7 @@ class DenseStrategy(Strategy):
 
     def _restart_poisoned(self) -> None:
         """This rank holds non-finite values: restart it entirely from the last good global."""
-        self.frags.flat.copy_(self.g.to(self.device))
+        self.frags.flat.copy_(self.to_model(self.g))
         for pd in self.pending:
             if pd.x_sent is not None:
                 pd.x_sent.copy_(self.frags.slice(self.g, pd.fragment))

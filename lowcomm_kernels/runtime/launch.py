@@ -1,11 +1,23 @@
-"""Run a function on M local worker processes joined by a gloo process group (tests, benchmarks).
+"""The one way this package starts worker processes on this machine: M ranks joined by gloo.
 
-``spawn_local("path/to/file.py:fn", world=2, args=(...,))`` starts ``world`` processes with the
-``spawn`` start method; each sets one intra-op thread, initialises gloo over 127.0.0.1 on a free
-port, calls ``fn(rank, world, *args)`` and returns its (picklable) result through a file. The target
-is named by file path so it need not be importable as a module (test files, scripts).
-Returns the per-rank results; raises ``RuntimeError`` with each failed rank's traceback. A rank may
-also be expected to die (``allow_dead``), as in the dead-peer tests.
+``launch(fn, world, args)`` starts ``world`` processes with the ``spawn`` start method. Each sets one
+intra-op thread, joins a gloo process group over 127.0.0.1 on a free port and calls
+``fn(rank, world, *args)``. The protocol, per rank over a pipe of its own (so a rank killed halfway
+cannot block the others), pickled by value:
+
+- progress: ``send(payload)`` inside a worker calls ``on_message(rank, payload)`` in the parent;
+- result: ``fn``'s return value, once; ``launch`` returns them in rank order;
+- error: ``fn`` raised; the parent gets its one-line summary and traceback. A rank that exits without
+  either (killed, out of memory) or outlives ``timeout_s`` is a failure too, unless in ``allow_dead``
+  (whose result is then None).
+
+On a failure, ``launch`` stops every rank at once (``stop_on_failure``, what a training run wants:
+the others would wait on it in collectives) or waits for the rest (what a test of failures wants,
+to see each rank's error), then raises :class:`WorkerError`. A rank leaves with ``os._exit`` after
+its report: a clean ``destroy_process_group()`` can block on peers that are still working (or dead).
+
+``spawn_local("path/to/file.py:fn", world, args)`` names the target by file path, so it need not
+be importable as a module (test files, benchmark scripts), and waits for every rank.
 
 For real multi-node runs use ``torchrun`` instead (see README); this is the single-machine harness.
 """
@@ -18,13 +30,16 @@ import os
 import pickle
 import socket
 import sys
-import tempfile
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch.multiprocessing as mp
+
+_to_parent: Connection | None = None  # set in each worker process
 
 
 def free_port() -> int:
@@ -34,7 +49,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _load(target: str):
+def send(payload: Any) -> None:
+    """From inside a worker: hand ``payload`` to the parent's ``on_message(rank, payload)``."""
+    if _to_parent is None:
+        raise RuntimeError("send() works only inside a worker started by launch()")
+    _to_parent.send_bytes(pickle.dumps(("message", payload)))
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    summary: str  # one line: "ValueError: ...", "exited with code -9 without a result ...", "hung ..."
+    traceback: str = ""
+
+
+class WorkerError(RuntimeError):
+    """Ranks failed. ``failures`` lists them in the order they were seen (``failures[0]`` is the
+    first); the message has each one's summary and traceback, in rank order."""
+
+    def __init__(self, failures: list[RankFailure]) -> None:
+        self.failures = failures
+        lines = [
+            f"rank {f.rank}: {f.summary}" + (f"\n{f.traceback}" if f.traceback else "")
+            for f in sorted(failures, key=lambda f: f.rank)
+        ]
+        super().__init__("worker failure(s):\n" + "\n".join(lines))
+
+
+def _load(target: str) -> Callable[..., Any]:
     path, _, name = target.rpartition(":")
     spec = importlib.util.spec_from_file_location(f"_lowcomm_target_{abs(hash(path))}", path)
     if spec is None or spec.loader is None:
@@ -45,67 +87,143 @@ def _load(target: str):
     return getattr(mod, name)
 
 
-def _entry(rank: int, world: int, port: int, target: str, args: tuple, out_dir: str, pg_timeout_s: float,
-           env: dict[str, str]) -> None:
+def _entry(
+    rank: int,
+    world: int,
+    port: int,
+    fn: Callable[..., Any] | str,
+    args: tuple,
+    conn: Connection,
+    pg_timeout_s: float | None,
+    env: dict[str, str],
+) -> None:
+    global _to_parent
     os.environ.update(env)
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    out = os.path.join(out_dir, f"rank{rank}.pkl")
+    torch.set_num_threads(1)  # M ranks share the cores: more intra-op threads only thrash
+    _to_parent = conn
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
-        result = _load(target)(rank, world, *args)
-        payload = ("ok", result)
-    except BaseException as e:  # report every failure to the parent, with its traceback
-        payload = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-    with open(out + ".tmp", "wb") as f:
-        pickle.dump(payload, f)
-    os.replace(out + ".tmp", out)
-    # Leave at once: a clean destroy_process_group() can block on peers that are still working (or
-    # dead), and the parent only needs the result file.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        timeout = {} if pg_timeout_s is None else {"timeout": datetime.timedelta(seconds=pg_timeout_s)}
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **timeout
+        )
+        target = _load(fn) if isinstance(fn, str) else fn
+        report = pickle.dumps(("result", target(rank, world, *args)))
+    except BaseException as e:  # every failure goes to the parent, with its traceback
+        report = pickle.dumps(("error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+    try:
+        conn.send_bytes(report)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
-def spawn_local(target: str, world: int, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
-                pg_timeout_s: float = 60.0, allow_dead: Sequence[int] = (),
-                env: dict[str, str] | None = None) -> list[Any]:
-    """Run ``target(rank, world, *args)`` on ``world`` gloo ranks; see the module docstring.
-    Ranks in ``allow_dead`` may exit without a result (their entry is None)."""
+def launch(
+    fn: Callable[..., Any] | str,
+    world: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout_s: float | None = None,
+    pg_timeout_s: float | None = None,
+    allow_dead: Sequence[int] = (),
+    env: dict[str, str] | None = None,
+    on_message: Callable[[int, Any], None] | None = None,
+    stop_on_failure: bool = True,
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; see the module docstring.
+
+    fn: a picklable function, or ``"path/to/file.py:name"``. pg_timeout_s: the process group's
+    timeout (None: torch's default). Returns the ranks' results; raises :class:`WorkerError`."""
     ctx = mp.get_context("spawn")
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="lowcomm_spawn_") as out_dir:
-        procs = [ctx.Process(target=_entry, args=(r, world, port, target, tuple(args), out_dir, pg_timeout_s,
-                                                  dict(env or {})), daemon=False) for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in hung:
-            procs[r].kill()
-            procs[r].join()
-        results: list[Any] = []
-        errors = []
-        for r in range(world):
-            path = os.path.join(out_dir, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                if r in allow_dead:
-                    results.append(None)
+    procs, pipes = [], {}
+    for rank in range(world):
+        reader, writer = ctx.Pipe(duplex=False)
+        p = ctx.Process(
+            target=_entry,
+            args=(rank, world, port, fn, tuple(args), writer, pg_timeout_s, dict(env or {})),
+            daemon=False,
+        )
+        p.start()
+        writer.close()  # the child holds the only writing end: end of file = the rank has exited
+        procs.append(p)
+        pipes[reader] = rank
+    results: list[Any] = [None] * world
+    failures: list[RankFailure] = []
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while pipes and not (failures and stop_on_failure):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            for reader in wait(list(pipes), timeout=left):
+                rank = pipes[reader]
+                try:
+                    kind, *body = pickle.loads(reader.recv_bytes())
+                except (EOFError, OSError, pickle.UnpicklingError):  # exited without a report
+                    del pipes[reader]
+                    reader.close()
+                    if rank not in allow_dead:
+                        procs[rank].join(timeout=5)
+                        code = procs[rank].exitcode
+                        failures.append(
+                            RankFailure(
+                                rank, f"exited with code {code} without a result (killed? out of memory?)"
+                            )
+                        )
                     continue
-                why = "hung (killed after timeout)" if r in hung else f"exit code {procs[r].exitcode}"
-                errors.append(f"rank {r}: no result ({why})")
-                results.append(None)
-                continue
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status == "error":
-                errors.append(f"rank {r}: {value}")
-            results.append(value if status == "ok" else None)
-        if errors:
-            raise RuntimeError("worker failure(s):\n" + "\n".join(errors))
-        return results
+                if kind == "message":
+                    if on_message is not None:
+                        on_message(rank, body[0])
+                    continue
+                del pipes[reader]  # a result or an error is a rank's last word
+                reader.close()
+                if kind == "result":
+                    results[rank] = body[0]
+                else:
+                    failures.append(RankFailure(rank, body[0], body[1]))
+        if not (failures and stop_on_failure):
+            failures += [
+                RankFailure(rank, f"hung: no result after {timeout_s:g} s (killed)")
+                for rank in sorted(pipes.values())
+                if rank not in allow_dead
+            ]
+    finally:
+        for p in procs:  # ranks still running: stopped (a failure elsewhere, the timeout, Ctrl-C)
+            if p.is_alive():
+                p.kill()
+        for p in procs:
+            p.join()
+        for reader in pipes:
+            reader.close()
+    if failures:
+        raise WorkerError(failures)
+    return results
+
+
+def spawn_local(
+    target: str,
+    world: int,
+    args: Sequence[Any] = (),
+    *,
+    timeout_s: float = 120.0,
+    pg_timeout_s: float = 60.0,
+    allow_dead: Sequence[int] = (),
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``target`` ("path/to/file.py:fn") on ``world`` gloo ranks and wait for every one of them.
+    Returns the per-rank results; ranks in ``allow_dead`` may exit without one (their entry is None).
+    Raises :class:`WorkerError` (a RuntimeError) with each failed rank's traceback."""
+    return launch(
+        target,
+        world,
+        args,
+        timeout_s=timeout_s,
+        pg_timeout_s=pg_timeout_s,
+        allow_dead=allow_dead,
+        env=env,
+        stop_on_failure=False,
+    )
