@@ -4,7 +4,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from . import ops  # noqa: E402,F401  (registers torch.ops.lowcomm.*)
+from . import ops  # noqa: F401  (registers torch.ops.lowcomm.*)
 
 # Strategies, imported lazily so `import lowcomm_kernels` (ops only) stays light.
 _RUNTIME_EXPORTS = ("DiLoCo", "StreamingDiLoCo", "CoCoDC", "LOSCAR", "WAN")

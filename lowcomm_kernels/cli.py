@@ -6,16 +6,13 @@ Exit codes: 0 success; 2 bad input (one line on stderr, no traceback); 1 a run f
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import math
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
-from .train.errors import SpecError, UsageError
-from .train.spec import INT_FIELDS, LAM_MODES, MERGES, METHODS, RANGES, SCORES, WIRE_DTYPES
+from .train.errors import UsageError
+from .train.spec import INT_FIELDS, LAM_MODES, MERGES, METHODS, RANGES, SCORES, WIRE_DTYPE_NAMES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,14 +24,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:  # one line instead of usage + message
         raise UsageError(f"{self.prog}: {message}")
-
-
-# Defaults of the LM comparison; `--quick` swaps in the second set. Measured on the 2-core dev
-# machine at load ~5 (README_main_job.md): default 5 min 42 s for the five methods, quick 1 min 34 s.
-PRESETS = {
-    "default": dict(steps=600, sync_every=50, fragment_sync_delay=5, eval_every=50, eval_batches=8),
-    "quick": dict(steps=120, sync_every=20, fragment_sync_delay=3, eval_every=20, eval_batches=4),
-}
 
 
 def _integer(text: str) -> int:
@@ -137,110 +126,11 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     knob(o, "--local-steps", "local_steps", "LOSCAR steps before sending")
     knob(o, "--overlap-steps", "overlap_steps", "LOSCAR steps while in flight")
     o.add_argument("--merge", choices=MERGES, help="LOSCAR merge")
-    o.add_argument("--wire-dtype", choices=WIRE_DTYPES)
+    o.add_argument("--wire-dtype", choices=WIRE_DTYPE_NAMES)
     o.add_argument("--worker-speeds", type=_speeds, help="relative step times, e.g. 1,2,3,6")
     w = p.add_argument_group("emulated WAN")
     knob(w, "--latency-ms", "latency_s", "one-way latency per collective (default 50)", same_units=False)
     knob(w, "--bandwidth-mbps", "bandwidth_bytes_per_s", "link bandwidth in Mbit/s (default 100)", False)
-
-
-_SPEC_FIELDS = (
-    "workers steps batch_size seed eval_every eval_batches lr weight_decay warmup_steps sync_every outer_lr "
-    "outer_momentum num_fragments fragment_sync_delay fragment_update_alpha lam lam_mode gamma "
-    "syncs_per_period "
-    "score density local_steps overlap_steps merge wire_dtype worker_speeds"
-).split()
-
-
-# The flag of each TrainSpec / ModelConfig field, for errors (SpecError.render) in the user's words.
-FLAGS: dict[str, str] = {
-    **{name: "--" + name.replace("_", "-") for name in _SPEC_FIELDS},
-    "warmup_steps": "--warmup",
-    "num_fragments": "--fragments",
-    "fragment_sync_delay": "--delay",
-    "fragment_update_alpha": "--alpha",
-    "latency_s": "--latency-ms",
-    "bandwidth_bytes_per_s": "--bandwidth-mbps",
-    "ModelConfig.dim": "--dim",
-    "ModelConfig.n_layers": "--layers",
-    "ModelConfig.n_heads": "--heads",
-    "ModelConfig.mlp_hidden": "--mlp-hidden",
-    "ModelConfig.seq_len": "--seq-len",
-}
-
-
-def usage_error(exc: SpecError) -> UsageError:
-    """The spec's error with the flags in place of the field names."""
-    return UsageError(exc.render(FLAGS))
-
-
-def spec_from_args(args: argparse.Namespace, method: str, preset: dict | None = None):
-    """A validated TrainSpec: dataclass defaults < preset < explicit command-line values.
-    Raises :class:`UsageError` naming the flags of the bad knobs."""
-    from .train.model import ModelConfig
-    from .train.spec import TrainSpec
-
-    values: dict = dict(preset or {})
-    for name in _SPEC_FIELDS:
-        v = getattr(args, name, None)
-        if v is not None:
-            values[name] = v
-    if getattr(args, "latency_ms", None) is not None:
-        values["latency_s"] = args.latency_ms / 1e3
-    if getattr(args, "bandwidth_mbps", None) is not None:
-        values["bandwidth_bytes_per_s"] = args.bandwidth_mbps * 1e6 / 8
-    model_kw = {
-        k: getattr(args, a)
-        for k, a in (
-            ("dim", "dim"),
-            ("n_layers", "layers"),
-            ("n_heads", "heads"),
-            ("mlp_hidden", "mlp_hidden"),
-            ("seq_len", "seq_len"),
-        )
-        if getattr(args, a, None) is not None
-    }
-    try:
-        values["model"] = ModelConfig(**model_kw)
-        values["data"] = getattr(args, "data", None)
-        return TrainSpec(method=method, **values)
-    except SpecError as exc:
-        raise usage_error(exc) from None
-
-
-def out_dir(args: argparse.Namespace, command: str) -> Path:
-    """The output folder, created; a UsageError naming --out when it cannot be a writable folder
-    (an existing file, a read-only place), so that bad input fails before any worker starts."""
-    if args.out is not None:
-        if not args.out.strip():
-            raise UsageError(f"--out needs a folder, got {args.out!r}")
-        path, name = Path(args.out), f"--out {args.out}"
-    else:
-        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
-        path = Path("runs") / f"{command}-{stamp}"
-        name = f"output folder {path} (choose another with --out)"
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"{name} is an existing file, not a folder")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"{name}: cannot create the folder ({exc.strerror or exc})") from None
-    try:  # a file, since permission bits tell root nothing (a read-only mount, /proc)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".lowcomm-write-check-"):
-            pass
-    except OSError as exc:
-        raise UsageError(f"{name}: cannot write files in the folder ({exc.strerror or exc})") from None
-    return path
-
-
-def _parse_methods(text: str) -> list[str]:
-    methods = [m.strip() for m in text.split(",") if m.strip()]
-    for m in methods:
-        if m not in METHODS:
-            raise UsageError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
-    if not methods:
-        raise UsageError("--methods needs at least one method")
-    return methods
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -279,11 +169,10 @@ def _study_names() -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = build_parser().parse_args(argv)
-        from .train import commands
+    from .train import commands
 
-        return commands.dispatch(args)
+    try:
+        return commands.dispatch(build_parser().parse_args(argv))
     except argparse.ArgumentError as exc:  # a flag's value: "--latency-ms must be >= 0, got -1"
         print(
             f"error: {exc.argument_name} {exc.message}" if exc.argument_name else f"error: {exc}",
@@ -299,7 +188,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    # Run the package's own module object, not this __main__ copy, so there is one set of globals.
-    from lowcomm_kernels.cli import main as _main
-
-    sys.exit(_main())
+    sys.exit(main())

@@ -4,7 +4,8 @@ The loop below is an ordinary one (forward, backward, ``optimizer.step()``, ``ze
 only change is ``with strategy:`` around it. The model is Hugging Face's ``LlamaForCausalLM`` built
 from a small config when ``transformers`` is installed; otherwise (transformers is not a
 dependency) the package's own tiny LLaMA-style model, and the Hugging Face part is skipped with a
-message. Runs ``--workers`` gloo processes on this machine, each with an emulated WAN.
+message. Runs ``--workers`` gloo processes on this machine (the package's launcher), each with an
+emulated WAN.
 
     python python/wrap_existing_loop.py --workers 2 --steps 30
     python python/wrap_existing_loop.py --model hf   # requires transformers
@@ -14,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from lowcomm_kernels.runtime.launch import launch
 
 SEQ, VOCAB = 32, 256
 
@@ -58,9 +58,8 @@ def loss_of(model: torch.nn.Module, kind: str, x: torch.Tensor) -> torch.Tensor:
     return model.loss(x[:, :-1], x[:, 1:])
 
 
-def worker(rank: int, world: int, port: int, kind: str, steps: int, queue: object) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def worker(rank: int, world: int, kind: str, steps: int) -> tuple | None:
+    # launch() started this process and joined the gloo group, as torchrun + init_process_group() would.
     from lowcomm_kernels import WAN, StreamingDiLoCo
 
     torch.manual_seed(0)
@@ -87,11 +86,9 @@ def worker(rank: int, world: int, port: int, kind: str, steps: int, queue: objec
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-            losses.append(float(loss))
-    if rank == 0:
-        m = strategy.metrics
-        queue.put((losses[0], losses[-1], m.num_syncs, m.bytes_sent, m.exposed_comm_s))
-    dist.destroy_process_group()
+            losses.append(loss.item())
+    m = strategy.metrics
+    return (losses[0], losses[-1], m.num_syncs, m.bytes_sent, m.exposed_comm_s) if rank == 0 else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,15 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         kind = "tiny"
     elif kind == "auto":
         kind = "hf"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    mp.start_processes(
-        worker, args=(a.workers, port, kind, a.steps, q), nprocs=a.workers, start_method="spawn"
-    )
-    first, last, syncs, nbytes, exposed = q.get(timeout=60)
+    first, last, syncs, nbytes, exposed = launch(worker, a.workers, (kind, a.steps))[0]
     print(
         f"model={kind} workers={a.workers} steps={a.steps}: loss {first:.3f} -> {last:.3f}, "
         f"{syncs} fragment syncs, {nbytes / 1e6:.2f} MB sent per worker, exposed comm {exposed:.2f} s"

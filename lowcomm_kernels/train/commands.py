@@ -1,4 +1,5 @@
-"""The CLI's commands. ``cli.py`` parses; this module runs and writes the outputs.
+"""The CLI's commands. ``cli.py`` parses; ``args`` turns the arguments into specs; this module runs
+them and writes the outputs.
 
 Input problems (bad knob values, missing or empty corpus) become :class:`UsageError` before any
 process is spawned, so the user sees one line and exit code 2; failures during a run exit 1.
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..cli import PRESETS, _parse_methods, out_dir, spec_from_args
+from . import presets
+from .args import out_dir, parse_methods, spec_from_args
 from .corpus import Corpus, CorpusError, load_corpus
 from .errors import UsageError
 from .report import RunResult, auto_target, comparison_rows, format_table, plot_curves, write_json
@@ -65,19 +67,14 @@ def run_and_report(
     specs: list[TrainSpec], corpus: Corpus, out: Path, *, target: float | None, progress: bool, title: str
 ) -> tuple[list[RunResult], float]:
     """Launch, then write results.json, table.md and the three plots into ``out``; print the table."""
-    from .launcher import LaunchError, launch
+    from ..runtime.launch import WorkerError
+    from .runner import report_failure, run_specs
 
     t0 = time.perf_counter()
     try:
-        results = launch(specs, corpus, progress=progress)
-    except LaunchError as exc:
-        if exc.details:
-            (out / "error.txt").write_text(exc.details)
-        print(
-            f"error: run failed: {exc}" + (f" (traceback in {out / 'error.txt'})" if exc.details else ""),
-            file=sys.stderr,
-        )
-        raise SystemExit(1) from None
+        results = run_specs(specs, corpus, progress=progress)
+    except WorkerError as exc:
+        raise SystemExit(report_failure(exc, out)) from None
     elapsed = time.perf_counter() - t0
     tgt = target if target is not None else auto_target(results)
     table = format_table(results, tgt)
@@ -113,8 +110,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         from .logreg import run_logreg_compare
 
         return run_logreg_compare(args)
-    methods = _parse_methods(args.methods)
-    specs = build_specs(args, methods, PRESETS["quick" if args.quick else "default"])
+    methods = parse_methods(args.methods)
+    specs = build_specs(args, methods, presets.LM["quick" if args.quick else "default"])
     corpus = load_checked_corpus(args.data, specs)
     out = out_dir(args, "compare")
     quick = " --quick" if args.quick else ""
@@ -124,7 +121,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    specs = build_specs(args, [args.method], PRESETS["default"])
+    specs = build_specs(args, [args.method], presets.LM["default"])
     corpus = load_checked_corpus(args.data, specs)
     out = out_dir(args, f"train-{args.method}")
     title = f"lowcomm train --method {args.method}: {specs[0].workers} workers, {specs[0].steps} steps"

@@ -28,11 +28,12 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from .presets import LOGREG
 
 SPEEDS = (1, 2, 3, 6)
 DENSITIES = (0.001, 0.01, 0.1, 1.0)
@@ -44,7 +45,7 @@ LR = {"breast_cancer": 0.1, "a9a_synthetic": 0.3}
 
 @dataclass
 class LogregConfig:
-    rounds: int = 60
+    rounds: int = LOGREG["default"]["rounds"]
     local_steps: int = 12  # N for the fastest worker (divisible by every speed)
     overlap_steps: int = 6  # Q for the fastest worker
     batch_size: int = 16
@@ -179,82 +180,57 @@ def run_one(
     return curve
 
 
-def _worker(rank: int, world: int, port: int, cfg: LogregConfig, jobs: list, queue: Any) -> None:
-    import traceback
+def _rank(rank: int, world: int, cfg: LogregConfig, jobs: list) -> list[dict] | None:
+    """A worker process's body under :func:`lowcomm_kernels.runtime.launch.launch`: every job in
+    turn; rank 0 sends the index of each finished job (the progress bar) and returns the results."""
+    from ..runtime.launch import send
 
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        data = {}
-        for i, (ds, density, variant, seed) in enumerate(jobs):
-            if ds not in data:
-                X, y = load_dataset(ds)
-                data[ds] = (X, y, optimum(X, y, cfg.l2) if rank == 0 else math.nan)
-            X, y, fstar = data[ds]
-            group, eval_group = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
-            curve = run_one(cfg, ds, X, y, density, variant, seed, rank, world, group, eval_group)
-            dist.destroy_process_group(group)
-            dist.destroy_process_group(eval_group)
-            if rank == 0:
-                queue.put(
-                    (
-                        "result",
-                        i,
-                        {
-                            "dataset": ds,
-                            "density": density,
-                            "variant": variant,
-                            "seed": seed,
-                            "fstar": fstar,
-                            "curve": curve,
-                        },
-                    )
-                )
-        dist.destroy_process_group()
-    except BaseException as exc:
-        queue.put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        raise
+    data = {}
+    results = []
+    for i, (ds, density, variant, seed) in enumerate(jobs):
+        if ds not in data:
+            X, y = load_dataset(ds)
+            data[ds] = (X, y, optimum(X, y, cfg.l2) if rank == 0 else math.nan)
+        X, y, fstar = data[ds]
+        group, eval_group = dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+        curve = run_one(cfg, ds, X, y, density, variant, seed, rank, world, group, eval_group)
+        dist.destroy_process_group(group)
+        dist.destroy_process_group(eval_group)
+        if rank == 0:
+            results.append(
+                {
+                    "dataset": ds,
+                    "density": density,
+                    "variant": variant,
+                    "seed": seed,
+                    "fstar": fstar,
+                    "curve": curve,
+                }
+            )
+            send(i)
+    return results if rank == 0 else None
 
 
 def run_jobs(cfg: LogregConfig, jobs: list, workers: int, progress: bool) -> list[dict]:
-    import queue as queue_mod
+    """Every job on ``workers`` ranks; raises :class:`~lowcomm_kernels.runtime.launch.WorkerError`."""
+    from ..runtime.launch import launch
 
-    import torch.multiprocessing as mp
-
-    from .launcher import LaunchError, free_port
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    pc = mp.start_processes(
-        _worker, args=(workers, free_port(), cfg, jobs, q), nprocs=workers, join=False, start_method="spawn"
-    )
     bar = None
     if progress:
         from tqdm import tqdm
 
         bar = tqdm(total=len(jobs), desc="logreg runs", unit="run")
-    results: dict[int, dict] = {}
+
+    def job_done(rank: int, job: int) -> None:
+        if bar is not None:
+            bar.update(1)
+
     try:
-        while len(results) < len(jobs):
-            try:
-                msg = q.get(timeout=0.5)
-            except queue_mod.Empty:
-                if any(p.exitcode not in (None, 0) for p in pc.processes):
-                    raise LaunchError("a logreg worker died without reporting an error") from None
-                continue
-            if msg[0] == "error":
-                raise LaunchError(f"worker {msg[1]}: {msg[2]}", msg[3])
-            results[msg[1]] = msg[2]
-            if bar is not None:
-                bar.update(1)
+        per_rank = launch(_rank, workers, (cfg, jobs), on_message=job_done)
     finally:
         if bar is not None:
             bar.close()
-        for p in pc.processes:
-            if len(results) < len(jobs) and p.is_alive():
-                p.terminate()
-            p.join(timeout=30)
-    return [results[i] for i in range(len(jobs))]
+    return per_rank[0]
 
 
 def summarise(results: list[dict]) -> str:
@@ -335,17 +311,23 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def run_logreg_compare(args: argparse.Namespace) -> int:
-    from ..cli import out_dir
+    from ..runtime.launch import WorkerError
+    from .args import out_dir
     from .commands import environment
     from .report import write_json
+    from .runner import report_failure
 
-    cfg = LogregConfig(rounds=20 if args.quick else 60)
-    workers = args.workers or 4
-    seeds = args.seeds or (1 if args.quick else 3)
+    preset = LOGREG["quick" if args.quick else "default"]
+    cfg = LogregConfig(rounds=preset["rounds"])
+    workers = args.workers or preset["workers"]
+    seeds = args.seeds or preset["seeds"]
     jobs = [(ds, p, v, s) for ds in DATASETS for p in DENSITIES for v in VARIANTS for s in range(seeds)]
     out = out_dir(args, "compare-logreg")
     t0 = time.perf_counter()
-    results = run_jobs(cfg, jobs, workers, not args.no_progress)
+    try:
+        results = run_jobs(cfg, jobs, workers, not args.no_progress)
+    except WorkerError as exc:
+        return report_failure(exc, out)
     table = summarise(results)
     header = (
         f"LOSCAR logistic regression: {workers} workers with relative step times {SPEEDS[:workers]}, "

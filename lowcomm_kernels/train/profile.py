@@ -27,9 +27,6 @@ COLORS = {
     "wait": "#c44e52",
     "merge": "#8172b3",
 }
-PROFILE_PRESET = dict(
-    workers=2, steps=40, sync_every=20, fragment_sync_delay=3, eval_every=40, eval_batches=2
-)
 
 
 def load_intervals(trace_path: Path, syncs_path: Path | None) -> dict[str, list[tuple[float, float]]]:
@@ -91,11 +88,11 @@ def draw(per_rank: list[dict[str, list[tuple[float, float]]]], path: Path, title
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    from ..cli import out_dir
+    from .args import out_dir
     from .commands import build_specs, load_checked_corpus, run_and_report
+    from .presets import LM
 
-    preset = dict(PROFILE_PRESET)
-    specs = build_specs(args, [args.method], preset)
+    specs = build_specs(args, [args.method], LM["profile"])
     out = out_dir(args, f"profile-{args.method}")
     spec = specs[0].with_(profile_dir=str(out.resolve()))
     corpus = load_checked_corpus(args.data, specs)

@@ -1,40 +1,23 @@
-"""Spawn the worker processes, show a progress bar per run, and collect the results.
+"""Run TrainSpecs on worker processes, with a progress bar per run, and collect the results.
 
-All runs of one command share a single spawn (one gloo world of ``workers`` processes running the
+The processes come from the package's one launcher, :func:`lowcomm_kernels.runtime.launch.launch`.
+All runs of one command share a single launch (one gloo world of ``workers`` processes running the
 specs in turn): starting four Python processes that import torch costs several seconds on two
 cores, which would otherwise be paid once per method.
 """
 
 from __future__ import annotations
 
-import queue as queue_mod
 import shutil
-import socket
 import sys
-import time
+from pathlib import Path
 from typing import Any
 
-import torch
-import torch.multiprocessing as mp
-
+from ..runtime.launch import WorkerError, launch
 from .corpus import Corpus
 from .report import RunResult
 from .spec import TrainSpec
-from .worker import worker_entry
-
-
-class LaunchError(RuntimeError):
-    """A worker process failed; the message holds its one-line error, ``details`` its traceback."""
-
-    def __init__(self, message: str, details: str = "") -> None:
-        super().__init__(message)
-        self.details = details
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .worker import run_rank
 
 
 class _Progress:
@@ -88,73 +71,35 @@ class _Progress:
             self.bar = None
 
 
-def launch(
+def run_specs(
     specs: list[TrainSpec], corpus: Corpus, *, progress: bool = True, timeout_s: float = 3600.0
 ) -> list[RunResult]:
-    """Run every spec on ``specs[0].workers`` spawned gloo ranks; return rank 0's results in order."""
+    """Run every spec in turn on ``specs[0].workers`` ranks; return rank 0's results in order.
+    Raises :class:`~lowcomm_kernels.runtime.launch.WorkerError` when a rank fails (see report_failure)."""
     if not specs:
-        raise ValueError("launch() needs at least one TrainSpec")
+        raise ValueError("run_specs() needs at least one TrainSpec")
     world = specs[0].workers
     if any(s.workers != world for s in specs):
         raise ValueError("every spec of one launch must use the same number of workers")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     # Share the byte streams once through shared memory instead of pickling them per process.
     train, val = corpus.train.share_memory_(), corpus.val.share_memory_()
-    pc = mp.start_processes(
-        worker_entry,
-        args=(world, free_port(), specs, train, val, q),
-        nprocs=world,
-        join=False,
-        start_method="spawn",
-    )
     bars = _Progress(specs, progress)
-    results: dict[int, RunResult] = {}
-    deadline = time.monotonic() + timeout_s
-    error: tuple[str, str] | None = None
     try:
-        while len(results) < len(specs) and error is None:
-            try:
-                msg = q.get(timeout=0.5)
-            except queue_mod.Empty:
-                if any(p.exitcode not in (None, 0) for p in pc.processes):
-                    error = ("a worker process died without reporting an error (killed? out of memory?)", "")
-                elif time.monotonic() > deadline:
-                    error = (f"runs did not finish within {timeout_s:.0f} s", "")
-                continue
-            kind = msg[0]
-            if kind == "progress":
-                bars.update(msg[1], msg[2], msg[3])
-            elif kind == "result":
-                results[msg[1]] = RunResult.from_dict(msg[2])
-            elif kind == "error":
-                error = (f"worker {msg[1]}: {msg[2]}", msg[3])
+        per_rank = launch(
+            run_rank, world, (specs, train, val), timeout_s=timeout_s, on_message=lambda _, m: bars.update(*m)
+        )
     finally:
         bars.close()
-        if error is not None or len(results) < len(specs):
-            for p in pc.processes:
-                if p.is_alive():
-                    p.terminate()
-        for p in pc.processes:
-            p.join(timeout=30)
-    if error is not None:
-        raise LaunchError(*error)
-    return [results[i] for i in range(len(specs))]
+    return [RunResult.from_dict(d) for d in per_rank[0]]
 
 
-def run_inline(spec: TrainSpec, corpus: Corpus) -> RunResult:
-    """Single-process run (world of 1) in this process: used by tests and examples."""
-    import torch.distributed as dist
-
-    from .worker import train_one
-
-    if spec.workers != 1:
-        raise ValueError("run_inline needs workers=1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        res = train_one(spec, 0, 1, corpus.train, corpus.val, lambda s, v: None)
-    finally:
-        dist.destroy_process_group()
-    assert res is not None
-    return res
+def report_failure(exc: WorkerError, out: Path, what: str = "run") -> int:
+    """Print the first failed rank as one line (every failure's traceback into ``out/error.txt``);
+    return the exit code of a failed run, 1."""
+    first = exc.failures[0]
+    where = ""
+    if any(f.traceback for f in exc.failures):
+        (out / "error.txt").write_text(str(exc) + "\n")
+        where = f" (traceback in {out / 'error.txt'})"
+    print(f"error: {what} failed: worker {first.rank}: {first.summary}{where}", file=sys.stderr)
+    return 1

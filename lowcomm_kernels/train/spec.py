@@ -12,6 +12,7 @@ from typing import Any
 
 from .errors import SpecError
 from .model import ModelConfig
+from .presets import DEFAULT
 
 # CLI names of the methods, in the order the comparison shows them.
 METHODS = ("dp", "diloco", "streaming", "cocodc", "loscar")
@@ -25,7 +26,7 @@ METHOD_LABELS = {
 LAM_MODES = ("absolute", "normalized")
 MERGES = ("delay_corrected", "overwrite")
 SCORES = ("l2_global", "l1_local", "round_robin")
-WIRE_DTYPES = ("fp32", "bf16")
+WIRE_DTYPE_NAMES = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ class TrainSpec:
 
     method: str = "diloco"
     workers: int = 4
-    steps: int = 600
+    steps: int = DEFAULT["steps"]
     batch_size: int = 8
     model: ModelConfig = field(default_factory=ModelConfig)
     # inner AdamW with linear warm-up then cosine decay to lr * min_lr_frac
@@ -113,11 +114,11 @@ class TrainSpec:
     min_lr_frac: float = 0.1
     grad_clip: float = 1.0
     # outer optimizer and schedules (docs/algorithms.md symbols in comments)
-    sync_every: int = 50  # H
+    sync_every: int = DEFAULT["sync_every"]  # H
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
     num_fragments: int = 4  # K
-    fragment_sync_delay: int = 5  # tau
+    fragment_sync_delay: int = DEFAULT["fragment_sync_delay"]  # tau
     fragment_update_alpha: float = 0.0  # alpha (Streaming DiLoCo mix)
     lam: float = 0.5
     lam_mode: str = "normalized"
@@ -136,8 +137,8 @@ class TrainSpec:
     # data and evaluation
     data: str | None = None  # None: the Python standard library
     seed: int = 0
-    eval_every: int = 50
-    eval_batches: int = 8
+    eval_every: int = DEFAULT["eval_every"]
+    eval_batches: int = DEFAULT["eval_batches"]
     name: str | None = None  # label in tables; default from the method
     profile_dir: str | None = None  # set by `lowcomm profile`: write a torch.profiler trace per rank
 
@@ -181,8 +182,8 @@ class TrainSpec:
         need(self.merge in MERGES, f"<merge> must be one of {MERGES}, got {self.merge!r}")
         need(self.score in SCORES, f"<score> must be one of {SCORES}, got {self.score!r}")
         need(
-            self.wire_dtype in WIRE_DTYPES,
-            f"<wire_dtype> must be one of {WIRE_DTYPES}, got {self.wire_dtype!r}",
+            self.wire_dtype in WIRE_DTYPE_NAMES,
+            f"<wire_dtype> must be one of {WIRE_DTYPE_NAMES}, got {self.wire_dtype!r}",
         )
         need(
             self.syncs_per_period == "auto"

@@ -13,7 +13,7 @@ _WIRE = {"fp32": None, "bf16": torch.bfloat16}
 
 
 @dataclass
-class StrategyMetrics:
+class CommTotals:
     """What the table needs from any method: payload bytes this worker sent, seconds it was
     blocked on communication, completed syncs, and method-specific extras (JSON-safe)."""
 
@@ -23,7 +23,7 @@ class StrategyMetrics:
     extra: dict = field(default_factory=dict)
 
     @classmethod
-    def read(cls, strategy: Any) -> StrategyMetrics:
+    def read(cls, strategy: Any) -> CommTotals:
         m = strategy.metrics
         extra: dict = {"compute_s": float(getattr(m, "compute_s", 0.0))}
         skipped = getattr(m, "num_skipped", None)

@@ -28,10 +28,6 @@ from pathlib import Path
 from .report import RunResult, auto_target, mean_std
 from .spec import RANGES, TrainSpec
 
-# Shorter runs than `compare`: a study multiplies configurations by seeds.
-STUDY_PRESET = dict(steps=300, sync_every=50, fragment_sync_delay=5, eval_every=25, eval_batches=8)
-QUICK_PRESET = dict(steps=100, sync_every=25, fragment_sync_delay=2, eval_every=25, eval_batches=4)
-
 
 def matched(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
     K, H = base.num_fragments, base.sync_every
@@ -163,18 +159,20 @@ def study_plot(name: str, labels: list[str], results: list[RunResult], path: Pat
 
 
 def run_study(args: argparse.Namespace) -> int:
-    from ..cli import out_dir, spec_from_args, usage_error
+    from ..runtime.launch import WorkerError
+    from .args import out_dir, spec_from_args, usage_error
     from .commands import environment, load_checked_corpus
     from .errors import SpecError, UsageError
-    from .launcher import LaunchError, launch
+    from .presets import LM, STUDY_SEEDS
     from .report import write_json
+    from .runner import report_failure, run_specs
 
     if args.study not in STUDIES:
         raise UsageError(f"unknown study {args.study!r}; choose from {', '.join(STUDIES)}")
     if args.task != "lm":
         raise UsageError("--study runs on the language-model task (--task lm)")
-    base = spec_from_args(args, "cocodc", QUICK_PRESET if args.quick else STUDY_PRESET)
-    seeds = args.seeds or 3
+    base = spec_from_args(args, "cocodc", LM["study-quick" if args.quick else "study"])
+    seeds = args.seeds or STUDY_SEEDS
     last_seed, max_seed = base.seed + seeds - 1, RANGES["seed"].hi
     if max_seed is not None and last_seed > max_seed:
         raise UsageError(
@@ -190,12 +188,9 @@ def run_study(args: argparse.Namespace) -> int:
     out = out_dir(args, f"study-{args.study}")
     t0 = time.perf_counter()
     try:
-        results = launch(specs, corpus, progress=not args.no_progress)
-    except LaunchError as exc:
-        print(f"error: study failed: {exc}", file=__import__("sys").stderr)
-        if exc.details:
-            (out / "error.txt").write_text(exc.details)
-        return 1
+        results = run_specs(specs, corpus, progress=not args.no_progress)
+    except WorkerError as exc:
+        return report_failure(exc, out, "study")
     target = args.target if args.target is not None else auto_target(results)
     table = study_table(args.study, labels, results, target)
     cmd = (

@@ -15,18 +15,18 @@ import json
 import math
 import os
 import time
-import traceback
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..profiling import nvtx_range
+from ..runtime.launch import send
 from .corpus import eval_batches, sample_batch, worker_shard
 from .model import TinyLlama, num_parameters
 from .report import EvalPoint, RunResult
 from .spec import TrainSpec
-from .strategies import StrategyMetrics, build_strategy
+from .strategies import CommTotals, build_strategy
 
 
 def lr_lambda(spec: TrainSpec):
@@ -58,7 +58,7 @@ class GradAllReduce:
         self.transport = Transport(group, device=torch.device("cpu"), wan=WAN(latency_s, bandwidth))
         self.world = self.transport.world
         self.flat = torch.zeros(sum(p.numel() for p in self.params))
-        self.metrics = StrategyMetrics()
+        self.metrics = CommTotals()
 
     def sync_grads(self) -> None:
         with nvtx_range("pack"):
@@ -141,6 +141,136 @@ def _profiler(spec: TrainSpec):
     return profile(activities=[ProfilerActivity.CPU], record_shapes=False)
 
 
+class RankRun:
+    """One run of ``spec`` on this rank, in three parts: set up (``__init__``), the training loop
+    (:meth:`train`), and :meth:`finish` (totals, profile files, the process groups torn down).
+
+    ``report(step, val_loss | None)`` is called on rank 0 for the progress bar.
+    """
+
+    def __init__(
+        self,
+        spec: TrainSpec,
+        rank: int,
+        world: int,
+        train_data: torch.Tensor,
+        val_data: torch.Tensor,
+        report: Any,
+    ) -> None:
+        self.spec, self.rank, self.world, self.report = spec, rank, world, report
+        self.t_setup = time.perf_counter()
+        self.cpu0 = time.process_time()
+        torch.manual_seed(spec.seed)  # identical initial model on every rank
+        self.model = TinyLlama(spec.model)
+        self.eval_model = TinyLlama(spec.model)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay
+        )
+        self.train_group = dist.new_group(backend="gloo")
+        self.eval_group = dist.new_group(backend="gloo")
+        self.shard = worker_shard(train_data, rank, world)
+        self.batches = eval_batches(val_data, spec.eval_batches, spec.batch_size, spec.model.seq_len)
+        self.gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank)
+        self.dp = (
+            GradAllReduce(self.model, self.train_group, spec.latency_s, spec.bandwidth_bytes_per_s)
+            if spec.method == "dp"
+            else None
+        )
+        self.strategy = (
+            None
+            if self.dp is not None
+            else build_strategy(spec, self.model, self.optimizer, self.train_group, rank)
+        )
+        # The scheduler is created after the strategy: the runtime may re-home parameters into flat
+        # buffers, but the optimizer object (and its param_groups' lr) stays the user's.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
+        self.speed = spec.worker_speeds[rank] if spec.worker_speeds else 1.0
+        self.result = RunResult(
+            spec.label, spec.method, spec.to_dict(), num_params=num_parameters(self.model)
+        )
+        self.eval_s = 0.0
+        self.t_start = self.t_end = 0.0
+        self.prof: Any = None
+        dist.barrier(group=self.eval_group)
+
+    def totals(self) -> CommTotals:
+        return self.dp.metrics if self.dp is not None else CommTotals.read(self.strategy)
+
+    def evaluate(self, step: int) -> None:
+        t0 = time.perf_counter()
+        loss = evaluate(self.model, self.eval_model, self.batches, self.eval_group, self.rank, self.world)
+        m = self.totals()
+        self.result.points.append(
+            EvalPoint(step, t0 - self.t_start - self.eval_s, m.bytes_sent, m.exposed_s, loss)
+        )
+        self.eval_s += time.perf_counter() - t0
+        if self.rank == 0:
+            self.report(step, loss)
+
+    def compute_range(self) -> contextlib.AbstractContextManager:
+        # The runtime marks lowcomm/compute itself (between two optimizer hooks); the harness marks
+        # it only for the data-parallel baseline, which runs without a strategy.
+        return nvtx_range("compute") if self.dp is not None else contextlib.nullcontext()
+
+    def train(self) -> None:
+        """The plain training loop, inside the strategy's context (and the profiler's, if any)."""
+        spec, model, optimizer = self.spec, self.model, self.optimizer
+        ctx = self.strategy if self.strategy is not None else contextlib.nullcontext()
+        progress_every = max(1, spec.steps // 100)
+        with _profiler(spec) as self.prof, ctx:
+            self.t_start = time.perf_counter()
+            self.evaluate(0)
+            for step in range(1, spec.steps + 1):
+                t_step = time.perf_counter()
+                with self.compute_range():
+                    x, y = sample_batch(self.shard, spec.batch_size, spec.model.seq_len, self.gen)
+                    loss = model.loss(x, y)
+                    loss.backward()
+                if self.dp is not None:
+                    self.dp.sync_grads()
+                with self.compute_range():
+                    if spec.grad_clip > 0:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
+                    optimizer.step()  # the strategy's hook runs here (sends, merges)
+                    optimizer.zero_grad(set_to_none=True)
+                    self.scheduler.step()
+                if self.speed != 1.0:  # emulate a slower worker: stretch its step time
+                    time.sleep(max(0.0, (self.speed - 1.0) * (time.perf_counter() - t_step)))
+                if step % spec.eval_every == 0 or step == spec.steps:
+                    self.evaluate(step)
+                elif self.rank == 0 and step % progress_every == 0:
+                    self.report(step, None)
+            self.t_end = time.perf_counter()
+
+    def finish(self) -> RunResult | None:
+        """Totals into the result, the profiler's files written, this run's groups destroyed; rank 0
+        returns the RunResult, other ranks None."""
+        spec, result = self.spec, self.result
+        m = self.totals()
+        result.train_wall_s = self.t_end - self.t_start - self.eval_s
+        result.bytes_sent, result.exposed_s, result.syncs = m.bytes_sent, m.exposed_s, m.syncs
+        # CPU seconds of all ranks together (setup, training, evaluation): with C cores free, the run
+        # needs at least cpu_s / C seconds of wall-clock, whatever the machine's load was.
+        cpu = torch.tensor([time.process_time() - self.cpu0], dtype=torch.float64)
+        dist.all_reduce(cpu, group=self.eval_group)
+        result.extra = dict(
+            m.extra, eval_s=self.eval_s, setup_s=self.t_start - self.t_setup, cpu_s_all_ranks=float(cpu)
+        )
+        if self.prof is not None and spec.profile_dir is not None:
+            os.makedirs(spec.profile_dir, exist_ok=True)
+            trace = os.path.join(spec.profile_dir, f"trace_rank{self.rank}.json")
+            self.prof.export_chrome_trace(trace)
+            slim_trace(trace)
+            records = (
+                [] if self.strategy is None else [dataclasses.asdict(r) for r in self.strategy.metrics.syncs]
+            )
+            with open(os.path.join(spec.profile_dir, f"syncs_rank{self.rank}.json"), "w") as f:
+                json.dump(records, f)
+        dist.destroy_process_group(self.train_group)
+        dist.destroy_process_group(self.eval_group)
+        return result if self.rank == 0 else None
+
+
 def train_one(
     spec: TrainSpec, rank: int, world: int, train_data: torch.Tensor, val_data: torch.Tensor, report: Any
 ) -> RunResult | None:
@@ -148,122 +278,19 @@ def train_one(
 
     report(step, val_loss | None) is called on rank 0 for the progress bar.
     """
-    t_setup = time.perf_counter()
-    cpu0 = time.process_time()
-    torch.manual_seed(spec.seed)  # identical initial model on every rank
-    model = TinyLlama(spec.model)
-    eval_model = TinyLlama(spec.model)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay
-    )
-    train_group = dist.new_group(backend="gloo")
-    eval_group = dist.new_group(backend="gloo")
-    shard = worker_shard(train_data, rank, world)
-    batches = eval_batches(val_data, spec.eval_batches, spec.batch_size, spec.model.seq_len)
-    gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank)
-
-    dp = (
-        GradAllReduce(model, train_group, spec.latency_s, spec.bandwidth_bytes_per_s)
-        if spec.method == "dp"
-        else None
-    )
-    strategy = None if dp is not None else build_strategy(spec, model, optimizer, train_group, rank)
-    # The scheduler is created after the strategy: the runtime may re-home parameters into flat
-    # buffers, but the optimizer object (and its param_groups' lr) stays the user's.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(spec))
-    speed = spec.worker_speeds[rank] if spec.worker_speeds else 1.0
-
-    result = RunResult(spec.label, spec.method, spec.to_dict(), num_params=num_parameters(model))
-    eval_s = 0.0
-    progress_every = max(1, spec.steps // 100)
-
-    def metrics_now() -> StrategyMetrics:
-        return dp.metrics if dp is not None else StrategyMetrics.read(strategy)
-
-    def do_eval(step: int, t_start: float) -> None:
-        nonlocal eval_s
-        t0 = time.perf_counter()
-        loss = evaluate(model, eval_model, batches, eval_group, rank, world)
-        m = metrics_now()
-        result.points.append(EvalPoint(step, t0 - t_start - eval_s, m.bytes_sent, m.exposed_s, loss))
-        eval_s += time.perf_counter() - t0
-        if rank == 0:
-            report(step, loss)
-
-    dist.barrier(group=eval_group)
-    ctx = strategy if strategy is not None else contextlib.nullcontext()
-
-    def compute_range() -> contextlib.AbstractContextManager:
-        # The runtime marks lowcomm/compute itself (between two optimizer hooks); the harness marks
-        # it only for the data-parallel baseline, which runs without a strategy.
-        return nvtx_range("compute") if dp is not None else contextlib.nullcontext()
-
-    with _profiler(spec) as prof, ctx:
-        t_start = time.perf_counter()
-        do_eval(0, t_start)
-        for step in range(1, spec.steps + 1):
-            t_step = time.perf_counter()
-            with compute_range():
-                x, y = sample_batch(shard, spec.batch_size, spec.model.seq_len, gen)
-                loss = model.loss(x, y)
-                loss.backward()
-            if dp is not None:
-                dp.sync_grads()
-            with compute_range():
-                if spec.grad_clip > 0:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
-                optimizer.step()  # the strategy's hook runs here (sends, merges)
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-            if speed != 1.0:  # emulate a slower worker: stretch its step time
-                time.sleep(max(0.0, (speed - 1.0) * (time.perf_counter() - t_step)))
-            if step % spec.eval_every == 0 or step == spec.steps:
-                do_eval(step, t_start)
-            elif rank == 0 and step % progress_every == 0:
-                report(step, None)
-        t_end = time.perf_counter()
-    m = metrics_now()
-    result.train_wall_s = t_end - t_start - eval_s
-    result.bytes_sent, result.exposed_s, result.syncs = m.bytes_sent, m.exposed_s, m.syncs
-    # CPU seconds of all ranks together (setup, training, evaluation): with C cores free, the run
-    # needs at least cpu_s / C seconds of wall-clock, whatever the machine's load was.
-    cpu = torch.tensor([time.process_time() - cpu0], dtype=torch.float64)
-    dist.all_reduce(cpu, group=eval_group)
-    result.extra = dict(m.extra, eval_s=eval_s, setup_s=t_start - t_setup, cpu_s_all_ranks=float(cpu))
-    if prof is not None and spec.profile_dir is not None:
-        os.makedirs(spec.profile_dir, exist_ok=True)
-        trace = os.path.join(spec.profile_dir, f"trace_rank{rank}.json")
-        prof.export_chrome_trace(trace)
-        slim_trace(trace)
-        records = [] if strategy is None else [dataclasses.asdict(r) for r in strategy.metrics.syncs]
-        with open(os.path.join(spec.profile_dir, f"syncs_rank{rank}.json"), "w") as f:
-            json.dump(records, f)
-    dist.destroy_process_group(train_group)
-    dist.destroy_process_group(eval_group)
-    return result if rank == 0 else None
+    run = RankRun(spec, rank, world, train_data, val_data, report)
+    run.train()
+    return run.finish()
 
 
-def worker_entry(
-    rank: int,
-    world: int,
-    port: int,
-    specs: list[TrainSpec],
-    train_data: torch.Tensor,
-    val_data: torch.Tensor,
-    queue: Any,
-) -> None:
-    """Process entry for torch.multiprocessing: run every spec in turn on one gloo process group."""
-    torch.set_num_threads(1)  # 4 workers share 2 cores: oversubscribed threads only thrash
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        for i, spec in enumerate(specs):
-            res = train_one(
-                spec, rank, world, train_data, val_data, lambda s, v, i=i: queue.put(("progress", i, s, v))
-            )
-            if res is not None:
-                queue.put(("result", i, res.to_dict()))
-        dist.destroy_process_group()
-    except BaseException as exc:  # report, then let the launcher tear the group down
-        queue.put(("error", rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-        raise
+def run_rank(
+    rank: int, world: int, specs: list[TrainSpec], train_data: torch.Tensor, val_data: torch.Tensor
+) -> list[dict] | None:
+    """A worker process's body under :func:`lowcomm_kernels.runtime.launch.launch` (which joined the
+    gloo group): every spec in turn; rank 0 returns their results as dicts, progress goes by send()."""
+    results = []
+    for i, spec in enumerate(specs):
+        res = train_one(spec, rank, world, train_data, val_data, lambda s, v, i=i: send((i, s, v)))
+        if res is not None:
+            results.append(res.to_dict())
+    return results if rank == 0 else None

@@ -1,7 +1,7 @@
 """`lowcomm` end to end on a tiny configuration, and its handling of bad input.
 
 The smoke runs spawn real gloo workers (2 ranks, a 2-block model, a few steps), so they check the
-whole path: corpus -> launcher -> runtime strategies -> table, JSON and PNG plots.
+whole path: corpus -> worker processes -> runtime strategies -> table, JSON and PNG plots.
 """
 
 from __future__ import annotations
@@ -236,16 +236,15 @@ OUT_COMMANDS = {
 
 @pytest.fixture
 def no_workers(monkeypatch):
-    """Fail the test if a command gets as far as starting workers (or the benchmark subprocess)."""
+    """Fail the test if a command gets as far as starting a process (a worker, or the benchmarks)."""
+    import multiprocessing.process
+
     import lowcomm_kernels.train.commands as commands
-    import lowcomm_kernels.train.launcher as launcher
-    import lowcomm_kernels.train.logreg as logreg
 
     def started(*a, **k):
-        raise AssertionError("a worker was started before the bad --out was reported")
+        raise AssertionError("a process was started before the bad input was reported")
 
-    monkeypatch.setattr(launcher, "launch", started)
-    monkeypatch.setattr(logreg, "run_jobs", started)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", started)
     monkeypatch.setattr(commands.subprocess, "call", started)
 
 
@@ -360,7 +359,8 @@ def test_knobs_that_disagree_are_named_by_their_flags(capsys, no_workers, argv, 
 
 def test_every_flag_named_in_errors_exists():
     """FLAGS (field -> flag, used to word SpecError) matches the parser's flags and dests."""
-    from lowcomm_kernels.cli import FLAGS, build_parser
+    from lowcomm_kernels.cli import build_parser
+    from lowcomm_kernels.train.args import FLAGS
 
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -400,3 +400,16 @@ def test_study_seeds_past_the_largest_seed(capsys, no_workers):
     assert _one_error_line(capsys) == (
         "error: --seed 4294967295 with --seeds 2 needs seed 4294967296; the largest is 4294967295"
     )
+
+
+def test_a_failed_run_is_one_line_with_the_traceback_in_a_file(tmp_path: Path, capsys):
+    from lowcomm_kernels.runtime.launch import RankFailure, WorkerError
+    from lowcomm_kernels.train.runner import report_failure
+
+    failures = [RankFailure(2, "ValueError: bad", "Traceback ...\nValueError: bad"), RankFailure(0, "died")]
+    exc = WorkerError(failures)
+    assert report_failure(exc, tmp_path) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: run failed: worker 2: ValueError: bad (traceback in {tmp_path / 'error.txt'})\n"
+    assert "rank 0: died" in (tmp_path / "error.txt").read_text()
+    assert "Traceback ...\nValueError: bad" in (tmp_path / "error.txt").read_text()

@@ -1,0 +1,113 @@
+"""From the command line's arguments to what a command runs: TrainSpecs, methods, the output folder.
+
+``cli.py`` builds the parser and dispatches; the commands call these. Every problem is a
+:class:`UsageError` worded in the flags the user typed (the CLI prints it as one line, exit code 2),
+raised before any worker starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import tempfile
+from pathlib import Path
+
+from .errors import SpecError, UsageError
+from .model import ModelConfig
+from .spec import METHODS, TrainSpec
+
+# TrainSpec fields set by a flag of the same name (its dest); the model's and the WAN's are below.
+_SPEC_FIELDS = (
+    "workers steps batch_size seed eval_every eval_batches lr weight_decay warmup_steps sync_every outer_lr "
+    "outer_momentum num_fragments fragment_sync_delay fragment_update_alpha lam lam_mode gamma "
+    "syncs_per_period "
+    "score density local_steps overlap_steps merge wire_dtype worker_speeds"
+).split()
+
+
+# The flag of each TrainSpec / ModelConfig field, for errors (SpecError.render) in the user's words.
+FLAGS: dict[str, str] = {
+    **{name: "--" + name.replace("_", "-") for name in _SPEC_FIELDS},
+    "warmup_steps": "--warmup",
+    "num_fragments": "--fragments",
+    "fragment_sync_delay": "--delay",
+    "fragment_update_alpha": "--alpha",
+    "latency_s": "--latency-ms",
+    "bandwidth_bytes_per_s": "--bandwidth-mbps",
+    "ModelConfig.dim": "--dim",
+    "ModelConfig.n_layers": "--layers",
+    "ModelConfig.n_heads": "--heads",
+    "ModelConfig.mlp_hidden": "--mlp-hidden",
+    "ModelConfig.seq_len": "--seq-len",
+}
+
+
+def usage_error(exc: SpecError) -> UsageError:
+    """The spec's error with the flags in place of the field names."""
+    return UsageError(exc.render(FLAGS))
+
+
+def spec_from_args(args: argparse.Namespace, method: str, preset: dict | None = None) -> TrainSpec:
+    """A validated TrainSpec: dataclass defaults < preset < explicit command-line values.
+    Raises :class:`UsageError` naming the flags of the bad knobs."""
+    values: dict = dict(preset or {})
+    for name in _SPEC_FIELDS:
+        v = getattr(args, name, None)
+        if v is not None:
+            values[name] = v
+    if getattr(args, "latency_ms", None) is not None:
+        values["latency_s"] = args.latency_ms / 1e3
+    if getattr(args, "bandwidth_mbps", None) is not None:
+        values["bandwidth_bytes_per_s"] = args.bandwidth_mbps * 1e6 / 8
+    model_kw = {
+        k: getattr(args, a)
+        for k, a in (
+            ("dim", "dim"),
+            ("n_layers", "layers"),
+            ("n_heads", "heads"),
+            ("mlp_hidden", "mlp_hidden"),
+            ("seq_len", "seq_len"),
+        )
+        if getattr(args, a, None) is not None
+    }
+    try:
+        values["model"] = ModelConfig(**model_kw)
+        values["data"] = getattr(args, "data", None)
+        return TrainSpec(method=method, **values)
+    except SpecError as exc:
+        raise usage_error(exc) from None
+
+
+def out_dir(args: argparse.Namespace, command: str) -> Path:
+    """The output folder, created; a UsageError naming --out when it cannot be a writable folder
+    (an existing file, a read-only place), so that bad input fails before any worker starts."""
+    if args.out is not None:
+        if not args.out.strip():
+            raise UsageError(f"--out needs a folder, got {args.out!r}")
+        path, name = Path(args.out), f"--out {args.out}"
+    else:
+        stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+        path = Path("runs") / f"{command}-{stamp}"
+        name = f"output folder {path} (choose another with --out)"
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"{name} is an existing file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"{name}: cannot create the folder ({exc.strerror or exc})") from None
+    try:  # a file, since permission bits tell root nothing (a read-only mount, /proc)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".lowcomm-write-check-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{name}: cannot write files in the folder ({exc.strerror or exc})") from None
+    return path
+
+
+def parse_methods(text: str) -> list[str]:
+    methods = [m.strip() for m in text.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise UsageError(f"unknown method {m!r}; choose from {', '.join(METHODS)}")
+    if not methods:
+        raise UsageError("--methods needs at least one method")
+    return methods

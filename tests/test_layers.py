@@ -1,0 +1,101 @@
+"""The package's layers point one way: a module imports only from its own layer or the ones below.
+
+From the top:
+
+    cli  >  train  >  runtime  >  ops  >  triton_kernels, _native, _checks, _dispatch, _config, profiling
+
+- ``cli`` (``lowcomm_kernels/cli.py``) builds the parser and dispatches to ``train``.
+- ``train`` (the CLI's harness) uses the ``runtime``'s strategies and launcher.
+- ``runtime`` (strategies, transport, launcher) uses the fused ``ops``.
+- ``ops`` call the kernels and the helpers of the bottom layer, which import only among themselves.
+- the package's own ``__init__`` (it imports ``ops``, and lazily the runtime's strategies) counts as
+  ``runtime``: ``ops`` and below must not import from it.
+
+Every module of the package is parsed (no import is executed): absolute and relative imports, at
+module level and inside functions, ``from X import name`` counting as an import of ``X.name`` when
+that is a module of the package.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import lowcomm_kernels
+
+PACKAGE = "lowcomm_kernels"
+ROOT = Path(lowcomm_kernels.__file__).resolve().parent
+LAYERS = {  # first name under the package -> rank (higher imports lower)
+    "cli": 4,
+    "train": 3,
+    "runtime": 2,
+    "": 2,  # the package's __init__
+    "ops": 1,
+    "triton_kernels": 0,
+    "_native": 0,
+    "_checks": 0,
+    "_dispatch": 0,
+    "_config": 0,
+    "profiling": 0,
+}
+NAMES = {4: "cli", 3: "train", 2: "runtime", 1: "ops", 0: "kernels and helpers"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+
+
+def layer(module: str) -> int:
+    rest = module[len(PACKAGE) + 1 :] if module != PACKAGE else ""
+    first = rest.split(".")[0]
+    assert first in LAYERS, f"{module}: no layer for {first!r}; add it to LAYERS and the docstring"
+    return LAYERS[first]
+
+
+def imports(module: str, path: Path) -> list[tuple[int, str]]:
+    """(line, imported module of this package) for every import in the file."""
+    is_package = path.name == "__init__.py"
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base if is_package else base[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for a in node.names:
+                sub = f"{source}.{a.name}"
+                found.append((node.lineno, sub if sub in MODULES else source))
+    return [(line, m) for line, m in found if m == PACKAGE or m.startswith(PACKAGE + ".")]
+
+
+def test_the_walk_sees_every_layer_and_resolves_relative_imports():
+    assert {layer(m) for m in MODULES} == set(NAMES)
+    found = {m for _, m in imports(f"{PACKAGE}.train.commands", MODULES[f"{PACKAGE}.train.commands"])}
+    assert f"{PACKAGE}.train.args" in found  # from .args import ...
+    assert f"{PACKAGE}.runtime.launch" in found  # inside a function: from ..runtime.launch import ...
+    found = {m for _, m in imports(f"{PACKAGE}.runtime.cocodc", MODULES[f"{PACKAGE}.runtime.cocodc"])}
+    assert f"{PACKAGE}.ops" in found  # from .. import ops
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_imports_from_a_layer_above_it(module: str):
+    own = layer(module)
+    upward = [
+        f"line {line}: {target} ({NAMES[layer(target)]})"
+        for line, target in imports(module, MODULES[module])
+        if layer(target) > own
+    ]
+    assert not upward, f"{module} ({NAMES[own]}) imports from a layer above it: " + "; ".join(upward)
