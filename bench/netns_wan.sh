@@ -11,11 +11,14 @@
 #   sudo bench/netns_wan.sh status                                 show addresses and qdiscs
 #   sudo bench/netns_wan.sh down [N=2]                             delete everything
 #
-# Worker I gets 10.77.0.(I+1)/24 on interface lcw I; rank 0 is the rendezvous, e.g. on 2 workers:
+# Worker I gets 10.77.0.(I+1)/24 on interface lcw I; rank 0 is the rendezvous, e.g. on 2 workers
+# (latency emulated by the runtime, bandwidth left to tbf):
 #   sudo bench/netns_wan.sh exec 0 env GLOO_SOCKET_IFNAME=lcw0 torchrun --nnodes=2 --node-rank=0 \
-#       --nproc-per-node=1 --master-addr=10.77.0.1 --master-port=29500 python/train_example.py &
+#       --nproc-per-node=1 --master-addr=10.77.0.1 --master-port=29500 \
+#       python/torchrun_train.py --method streaming --latency-ms 50 --bandwidth-mbps inf &
 #   sudo bench/netns_wan.sh exec 1 env GLOO_SOCKET_IFNAME=lcw1 torchrun --nnodes=2 --node-rank=1 \
-#       --nproc-per-node=1 --master-addr=10.77.0.1 --master-port=29500 python/train_example.py
+#       --nproc-per-node=1 --master-addr=10.77.0.1 --master-port=29500 \
+#       python/torchrun_train.py --method streaming --latency-ms 50 --bandwidth-mbps inf
 set -euo pipefail
 
 cmd=${1:-}
@@ -71,7 +74,7 @@ case "$cmd" in
     echo "down"
     ;;
   *)
-    sed -n '2,22p' "$0"
+    awk 'NR > 1 && !/^#/ {exit} NR > 1' "$0"  # the comment block above
     exit 2
     ;;
 esac
