@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from ..runtime import schedule
 from .errors import SpecError
 from .model import ModelConfig
 from .presets import DEFAULT
@@ -23,10 +24,16 @@ METHOD_LABELS = {
     "cocodc": "CoCoDC",
     "loscar": "LOSCAR",
 }
-LAM_MODES = ("absolute", "normalized")
-MERGES = ("delay_corrected", "overwrite")
-SCORES = ("l2_global", "l1_local", "round_robin")
-WIRE_DTYPE_NAMES = ("fp32", "bf16")
+# The choice sets are the runtime's (one owner): CoCoDC's lambda modes and fragment scores,
+# LOSCAR's merges, and the names of the wire formats.
+LAM_MODES = tuple(schedule.LAM_MODES)
+MERGES = tuple(schedule.LOSCAR_MERGES)
+SCORES = tuple(schedule.SCORES)
+WIRE_DTYPE_NAMES = tuple(schedule.WIRE_FORMATS)
+
+
+def _marked(field: str) -> str:
+    return f"<{field}>"  # how SpecError marks a field in its message
 
 
 @dataclass(frozen=True)
@@ -190,27 +197,15 @@ class TrainSpec:
             or (isinstance(self.syncs_per_period, int) and self.syncs_per_period >= 1),
             f"<syncs_per_period> must be 'auto' or an int >= 1, got {self.syncs_per_period!r}",
         )
-        # The runtime's schedule constraints, checked here so bad input fails before any spawn.
+        # The runtime's schedule constraints (its own checks), here so bad input fails before any spawn.
         K, H, tau = self.num_fragments, self.sync_every, self.fragment_sync_delay
-        if self.method == "streaming":
-            need(K <= H, f"<num_fragments> ({K}) must be <= <sync_every> ({H})")
-            need(
-                tau < H // K,
-                f"<fragment_sync_delay> ({tau}) must be < <sync_every> // <num_fragments> = {H // K} "
-                "(the per-fragment period)",
-            )
-        if self.method == "cocodc":
-            need(
-                tau * K <= H,
-                f"<fragment_sync_delay> x <num_fragments> ({tau * K}) must be <= <sync_every> ({H})",
-            )
-            if isinstance(self.syncs_per_period, int):
-                n_max = H if tau == 0 else H // tau
-                need(
-                    K <= self.syncs_per_period <= n_max,
-                    f"<syncs_per_period> ({self.syncs_per_period}) must lie in [<num_fragments> = {K}, "
-                    f"<sync_every> // <fragment_sync_delay> = {n_max}]",
-                )
+        try:
+            if self.method == "streaming":
+                schedule.check_streaming_schedule(H, K, tau, name=_marked)
+            if self.method == "cocodc":
+                schedule.check_cocodc_schedule(H, K, tau, self.syncs_per_period, name=_marked)
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
         if self.worker_speeds is not None:
             need(
                 len(self.worker_speeds) == self.workers and all(s > 0 for s in self.worker_speeds),
