@@ -140,6 +140,8 @@ class Strategy(abc.ABC):
         self._applied_since_guard = 0
         self._nonfinite_streak = [0] * self.world  # consecutive syncs each rank made non-finite
         self._view_problem: str | None = None  # this rank's broken parameter view, found at the last send
+        self._step_events: list[Any] = []  # CUDA: compute-stream events at the hooks, not yet timed
+        self._samples_seen = 0
 
     # ----- joining the group ---------------------------------------------------------------------
     def _join_group(self) -> None:
@@ -318,6 +320,7 @@ class Strategy(abc.ABC):
         self.metrics.steps = self.step_count
         self.metrics.compute_s += compute
         self.metrics.step_compute_s.append(compute)
+        self._mark_device_step()
         with torch.no_grad():
             exposed_before = self.metrics.exposed_comm_s
             self._advance(self.step_count)
@@ -328,6 +331,28 @@ class Strategy(abc.ABC):
         self.metrics.overhead_s += max(0.0, (t1 - t0) - (self.metrics.exposed_comm_s - exposed_before))
         self._last_end = t1
         self._open_compute_range()
+
+    def _mark_device_step(self) -> None:
+        """On a GPU the host runs ahead of the device, so host time between hooks is enqueue time,
+        not compute time. Record an event on the compute stream at every hook and turn each pair of
+        completed events into a device step time (read only once the later event has completed,
+        found by polling: no synchronisation)."""
+        if self.device.type != "cuda":
+            return
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        self._step_events.append(ev)
+        while len(self._step_events) >= 2 and self._step_events[1].query():
+            first = self._step_events.pop(0)
+            self.metrics.device_step_s.append(first.elapsed_time(self._step_events[0]) / 1e3)
+
+    def new_compute_samples(self) -> list[float]:
+        """Per-step compute times measured since the last call: host time between hooks on the CPU,
+        device time between hook events on a GPU (see ``_mark_device_step``)."""
+        samples = self.metrics.device_step_s if self.device.type == "cuda" else self.metrics.step_compute_s
+        new = samples[self._samples_seen:]
+        self._samples_seen = len(samples)
+        return new
 
     def _record(self, rec: SyncRecord) -> None:
         m = self.metrics

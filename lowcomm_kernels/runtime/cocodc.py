@@ -125,9 +125,9 @@ class CoCoDC(DenseStrategy):
         return [choice]
 
     def _advance(self, t: int) -> None:
-        if self.step_count > 0 and self.metrics.step_compute_s:
-            self._tc_sum += self.metrics.step_compute_s[-1]
-            self._tc_n += 1
+        samples = self.new_compute_samples()  # device time on a GPU, not host enqueue time
+        self._tc_sum += sum(samples)
+        self._tc_n += len(samples)
         super()._advance(t)
 
     # ----- values all-reduced beside each sync ---------------------------------------------------

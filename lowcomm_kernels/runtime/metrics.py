@@ -2,7 +2,10 @@
 
 Definitions (all per worker, wall clock from ``time.perf_counter``):
 - compute: time between the end of the runtime's previous hook and the start of this one, i.e. the
-  user's forward/backward/optimizer step (plus data loading).
+  user's forward/backward/optimizer step (plus data loading). On a GPU that is host enqueue time;
+  ``device_step_s`` holds the device time between the hooks (CUDA events on the compute stream,
+  read once completed), which is what CoCoDC's T_c uses there. NVTX ranges are host ranges: in
+  Nsight Systems read the device's kernels under them.
 - exposed: time the runtime blocked waiting for a collective (including emulated WAN delay).
   With perfect overlap it is 0; blocking DiLoCo exposes the whole sync.
 - in flight: from send to when the result was first known to be usable (polled every step).
@@ -47,6 +50,7 @@ class RuntimeMetrics:
     num_skipped: int = 0
     syncs: list[SyncRecord] = field(default_factory=list)
     step_compute_s: list[float] = field(default_factory=list)
+    device_step_s: list[float] = field(default_factory=list)  # CUDA: device time between hooks
     extra_memory_bytes: int = 0  # persistent buffers held over plain training (g, u, ...)
     peak_inflight_bytes: int = 0  # largest sum of transient buffers of in-flight syncs
     recovery_bytes: int = 0  # dense broadcasts that restarted a poisoned LOSCAR rank from a healthy one
