@@ -13,7 +13,15 @@ from collections.abc import Iterable
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
-WIRE_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+#: What a buffer that crosses the network (pack's delta, outer_merge_'s delta_avg, the scatter's
+#: avg) may hold besides the data's own dtype. Another wire format is an entry here, a dtype code
+#: in ``_native.DTYPE_CODE``, and the kernels' support for it.
+NARROW_WIRE_DTYPES = (torch.bfloat16,)
+
+
+def wire_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """The dtypes a wire buffer may have for data of `dtype`."""
+    return (dtype, *NARROW_WIRE_DTYPES)
 
 
 def is_tensor(name: str, t: object) -> torch.Tensor:

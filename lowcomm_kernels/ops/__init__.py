@@ -1,7 +1,9 @@
 """The fused sync ops. Importing this module registers ``torch.ops.lowcomm.*``.
 
-Each op lives in its own module: the ``*_ref`` specification, the launcher that picks a backend,
-the registered custom op with its fake, and the public function that validates its arguments.
+Each op lives in its own module: the ``*_ref`` specification; its launchers, one per backend, in
+the table of ``_common``; the implementation (checks, backend choice, launch) that is both the
+registered op's body and the eager path; the registered custom op with its fake kernel; and the
+public function, documented with its arguments, shapes and what it mutates.
 """
 
 from .fragment_norms import fragment_norms, fragment_norms_ref

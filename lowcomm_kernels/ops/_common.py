@@ -1,28 +1,110 @@
-"""Plumbing shared by the op modules: calling the csrc ABI, and the two ways a public op runs.
+"""Plumbing shared by the op modules: the table of launchers, and the two ways a public op runs.
 
-Eager: the public function calls the op's implementation directly, the same function the
-registered ``torch.ops.lowcomm.*`` op runs as its body (checks, backend choice, launch). Going
-through the dispatcher would add ~20 µs to a call that otherwise costs a few, and the per-fragment
-ops run once per fragment per sync.
+Launchers
+    ``LAUNCHERS[(kernel, backend)]`` is the function that runs one kernel ("pack", "outer_merge",
+    "taylor_norms", ...) on one backend, on arguments already checked, writing into buffers the
+    op allocated. Each op module fills the table with ``launcher`` (the ``ref`` launcher, a few
+    lines of torch), ``native`` (``cpu`` and ``cuda`` at once: the csrc entry point and how to
+    lay out its C arguments) and ``triton`` (imported when a launch runs, so importing the package
+    never imports Triton); ``launch`` is the only reader. A new backend is one entry per kernel
+    (and its availability rule in ``_dispatch``); a new wire dtype is an entry in
+    ``_checks.NARROW_WIRE_DTYPES`` and ``_native.DTYPE_CODE``, the kernels doing the rest.
 
-Under ``torch.compile`` the public function is traced and calls the registered op through
-``traced_call``. The op's body then checks everything at run time, on the real data: aliasing,
-index ranges and scalar values cannot be checked on the fake tensors of a trace, and a symbolic
-float cannot be compared while tracing. A bad call therefore raises the same ValueError/TypeError
-as in eager, from the compiled code, before anything is written. While tracing, only the kind of
-each argument is checked (tensor, real number, bool, ...): a wrong kind would otherwise fail inside
-the tracer with a message that does not start with the argument's name.
+Eager
+    The public function calls the op's implementation directly, the same function the registered
+    ``torch.ops.lowcomm.*`` op runs as its body (checks, backend choice, launch). Going through the
+    dispatcher would add more than the rest of a small call costs (a 16-element ``ops.pack`` on a
+    2-core machine: about 100 µs more on top of 70–150 µs), and the per-fragment ops run once per
+    fragment per sync.
 
-The fake kernels (what a trace, or a call on meta tensors, runs instead of the body) check one
-thing: that every tensor is on one device. Metadata is all they have, and a meta tensor mixed with
-real ones would otherwise reach the compiled code and fail there without naming an argument.
+Under ``torch.compile``
+    The public function is traced and calls the registered op through ``traced_call``. The op's
+    body then checks everything at run time, on the real data: aliasing, index ranges and scalar
+    values cannot be checked on the fake tensors of a trace, and a symbolic float cannot be
+    compared while tracing. A bad call therefore raises the same ValueError/TypeError as in eager,
+    from the compiled code, before anything is written. While tracing, only the kind of each
+    argument is checked (tensor, real number, bool, ...): a wrong kind would otherwise fail inside
+    the tracer with a message that does not start with the argument's name.
+
+    The fake kernels (what a trace, or a call on meta tensors, runs instead of the body) check one
+    thing: that every tensor is on one device. Metadata is all they have, and a meta tensor mixed
+    with real ones would otherwise reach the compiled code and fail there without naming an
+    argument.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib
+from collections.abc import Callable
+
 import torch
 
 from .. import _native
+
+#: (kernel, backend) -> launcher; filled by the op modules at import (see the module docstring).
+LAUNCHERS: dict[tuple[str, str], Callable[..., None]] = {}
+
+
+def launcher(kernel: str, backend: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorator: the function runs `kernel` on `backend`."""
+    def register(fn: Callable[..., None]) -> Callable[..., None]:
+        LAUNCHERS[(kernel, backend)] = fn
+        return fn
+    return register
+
+
+def native(kernel: str, entry: str, c_args: Callable[..., tuple]) -> None:
+    """`kernel` on ``cpu`` calls ``<entry>`` of liblowcomm_cpu, on ``cuda`` ``lc_cuda_<...>`` of
+    liblowcomm_cuda on the current stream of the data's device (the first tensor argument's), both
+    with ``c_args(*launcher_args)``: the C arguments in csrc/include/lowcomm/abi.h order, with a
+    tensor (or None for NULL) wherever the ABI takes a pointer."""
+    pointer_at = tuple(i for i, t in enumerate(_native.SIGNATURES[entry]) if t is ctypes.c_void_p)
+    cuda_entry = entry.replace("lc_", "lc_cuda_", 1)
+
+    def c_call(lib: ctypes.CDLL | None, name: str, args: tuple, *extra: object) -> None:
+        assert lib is not None, f"dispatch chose a backend without the library that has {name}"
+        layout = c_args(*args)  # held until the call returns: mask_perm builds its round-key tensors
+        c = list(layout)
+        for i in pointer_at:
+            if c[i] is not None:
+                c[i] = c[i].data_ptr()
+        _native.check(getattr(lib, name)(*c, *extra), name)
+
+    def cpu(*args: object) -> None:
+        c_call(_native.cpu_lib(), entry, args)
+
+    def cuda(*args: object) -> None:
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        c_call(_native.cuda_lib(), cuda_entry, args, _native.stream_ptr(device))
+
+    LAUNCHERS[(kernel, "cpu")] = cpu
+    LAUNCHERS[(kernel, "cuda")] = cuda
+
+
+def triton(kernel: str, module: str, function: str) -> None:
+    """`kernel` on ``triton`` calls ``lowcomm_kernels.triton_kernels.<module>.<function>`` with the
+    launcher arguments. Imported at each call (a dictionary lookup once imported): Triton decides
+    at import whether a kernel is interpreted, and a test may re-import the modules."""
+
+    def run(*args: object) -> None:
+        getattr(importlib.import_module(f"lowcomm_kernels.triton_kernels.{module}"), function)(*args)
+
+    LAUNCHERS[(kernel, "triton")] = run
+
+
+def launch(kernel: str, backend: str, *args: object) -> None:
+    """Run `kernel` on `backend` (a name ``_dispatch.resolve`` returned)."""
+    try:
+        fn = LAUNCHERS[(kernel, backend)]
+    except KeyError:
+        raise ValueError(f"backend {backend!r} has no launcher for {kernel}") from None
+    fn(*args)
+
+
+def code(t: torch.Tensor) -> int:
+    """The ABI's dtype code of `t`."""
+    return _native.DTYPE_CODE[t.dtype]
 
 
 def compiling() -> bool:
@@ -61,24 +143,3 @@ def traced_call(name: str, *args: object) -> object:
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise TypeError(f"{arg} must be {wording}, got {type(value).__name__}")
     return getattr(torch.ops.lowcomm, name)(*args)
-
-
-def cpu_call(name: str, *args: object) -> None:
-    lib = _native.cpu_lib()
-    assert lib is not None, "dispatch chose 'cpu' without the native library"
-    _native.check(getattr(lib, name)(*args), name)
-
-
-def cuda_call(name: str, device: torch.device, *args: object) -> None:
-    lib = _native.cuda_lib()
-    assert lib is not None, "dispatch chose 'cuda' without liblowcomm_cuda"
-    cuda_name = name.replace("lc_", "lc_cuda_", 1)
-    _native.check(getattr(lib, cuda_name)(*args, _native.stream_ptr(device)), cuda_name)
-
-
-def code(t: torch.Tensor) -> int:
-    return _native.DTYPE_CODE[t.dtype]
-
-
-def ptr(t: torch.Tensor | None) -> int | None:
-    return _native.ptr(t)

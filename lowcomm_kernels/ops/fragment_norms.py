@@ -14,7 +14,7 @@ import torch
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
-from ._common import code, compiling, cpu_call, cuda_call, declare, ptr, traced_call
+from ._common import code, compiling, declare, launch, launcher, native, traced_call, triton
 
 ORDS = (1, 2)
 
@@ -29,36 +29,30 @@ def _fixed_order_sum(v: torch.Tensor) -> torch.Tensor:
     return blocks.cumsum(0)[-1] if blocks.numel() else v.new_zeros(())
 
 
-def fragment_norms_ref(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2) -> torch.Tensor:
+def _norms_f64(buf: torch.Tensor, offsets: torch.Tensor, ord: int) -> torch.Tensor:
+    """The K norms in float64, before the one rounding to buf's dtype."""
     flat = buf.reshape(-1).double()
     bounds = offsets.tolist()
     seg = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=False)]
     norms = [_fixed_order_sum(s.abs()) if ord == 1 else _fixed_order_sum(s * s).sqrt() for s in seg]
-    if not norms:
-        return torch.empty(0, dtype=buf.dtype, device=buf.device)
-    return torch.stack(norms).to(buf.dtype)
+    return torch.stack(norms) if norms else flat.new_empty(0)
 
 
-def _norms_launch(buf: torch.Tensor, offsets: torch.Tensor, ord: int, out: torch.Tensor,
-                  backend: str) -> None:
-    nseg = offsets.numel() - 1
-    if nseg <= 0:
-        return
-    with nvtx_range("fragment_norms"):
-        if backend == "ref":
-            out.copy_(fragment_norms_ref(buf, offsets, ord=ord))
-            return
-        acc = torch.empty(nseg, dtype=torch.float64, device=buf.device)
-        if backend == "cpu":
-            cpu_call("lc_fragment_norms", code(buf), ptr(buf), ptr(offsets), nseg, ord, ptr(acc))
-        elif backend == "cuda":
-            cuda_call("lc_fragment_norms", buf.device, code(buf), ptr(buf), ptr(offsets), nseg, ord, ptr(acc))
-        elif backend == "triton":
-            from ..triton_kernels.fragment_norms import launch_fragment_norms
-            launch_fragment_norms(buf, offsets, ord, acc)
-        else:  # pragma: no cover
-            raise ValueError(f"unknown backend {backend!r}")
-        out.copy_(acc)
+def fragment_norms_ref(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2) -> torch.Tensor:
+    """The specification of fragment_norms, in plain torch: a new (K,) tensor of buf's dtype."""
+    return _norms_f64(buf, offsets, ord).to(buf.dtype)
+
+
+# ---- launchers (K >= 1, checked arguments): the K norms in float64 into `acc` (K,) ----------------
+
+@launcher("fragment_norms", "ref")
+def _(buf, offsets, ord, acc):
+    acc.copy_(_norms_f64(buf, offsets, ord))
+
+
+native("fragment_norms", "lc_fragment_norms", lambda buf, offsets, ord, acc: (
+    code(buf), buf, offsets, offsets.numel() - 1, ord, acc))
+triton("fragment_norms", "fragment_norms", "launch_fragment_norms")
 
 
 def _norms_impl(buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str | None) -> torch.Tensor:
@@ -79,8 +73,13 @@ def _norms_impl(buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str
     lo, hi = (int(v) for v in torch.aminmax(offsets))
     if lo < 0 or hi > buf.numel():
         raise ValueError(f"offsets must lie in [0, {buf.numel()}] (buf.numel()), got min {lo}, max {hi}")
-    out = torch.empty(offsets.numel() - 1, dtype=buf.dtype, device=buf.device)
-    _norms_launch(buf, offsets, ord, out, b)
+    nseg = offsets.numel() - 1
+    out = torch.empty(nseg, dtype=buf.dtype, device=buf.device)
+    if nseg:
+        with nvtx_range("fragment_norms"):
+            acc = torch.empty(nseg, dtype=torch.float64, device=buf.device)
+            launch("fragment_norms", b, buf, offsets, ord, acc)
+            out.copy_(acc)  # the one rounding to buf's dtype
     return out
 
 
@@ -101,10 +100,24 @@ declare("fragment_norms")
 @torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
 def fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2,
                    backend: str | None = None) -> torch.Tensor:
-    """Norms of the K segments [offsets[i], offsets[i+1]) of `buf` (flattened).
+    """One norm per segment of a flat buffer, in one pass:
 
-    buf: fp32/fp64 contiguous. offsets: 1-D int64 of K+1 non-decreasing entries in [0, buf.numel()],
-    on buf's device. ord: 1 or 2. Returns a (K,) tensor of buf's dtype."""
+        out[i] = ‖buf.flatten()[offsets[i] : offsets[i+1]]‖_ord,   i < K
+
+    accumulated in float64 in a fixed order (bit-identical from call to call, whatever the thread
+    count), rounded once to buf's dtype. An empty segment has norm 0.
+
+    Args:
+        buf: fp32/fp64, any shape, contiguous. Read only.
+        offsets: (K+1,) int64 on buf's device, contiguous, non-decreasing, entries in
+            [0, buf.numel()]. Read only.
+        ord: the int 1 or 2.
+        backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
+    Returns:
+        A new (K,) tensor of buf's dtype.
+    Raises:
+        TypeError / ValueError naming the argument.
+    """
     if compiling():
         return traced_call("fragment_norms", buf, offsets, ord, backend)
     return _norms_impl(buf, offsets, ord, backend)

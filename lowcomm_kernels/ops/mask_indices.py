@@ -17,7 +17,7 @@ import torch
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
-from ._common import compiling, cpu_call, cuda_call, declare, ptr, traced_call
+from ._common import compiling, declare, launch, launcher, native, traced_call, triton
 
 ROUNDS = 4
 _M64 = (1 << 64) - 1
@@ -71,24 +71,17 @@ def mask_indices_ref(seed: int, round: int, n: int, k: int, *,
     return torch.sort(mask_perm_ref(n, k, mask_keys(seed, round, n), device)).values
 
 
-def _mask_perm_launch(n: int, k: int, keys, out: torch.Tensor, backend: str) -> None:
-    if k == 0:
-        return
-    adds, muls, shift, bitmask = keys
-    if backend == "ref":
-        out.copy_(mask_perm_ref(n, k, keys, out.device))
-    elif backend in ("cpu", "cuda"):
-        a = torch.tensor(adds, dtype=torch.int64, device=out.device)
-        c = torch.tensor(muls, dtype=torch.int64, device=out.device)
-        if backend == "cpu":
-            cpu_call("lc_mask_perm", n, k, ptr(a), ptr(c), shift, bitmask, ptr(out))
-        else:
-            cuda_call("lc_mask_perm", out.device, n, k, ptr(a), ptr(c), shift, bitmask, ptr(out))
-    elif backend == "triton":
-        from ..triton_kernels.mask_indices import launch_mask_perm
-        launch_mask_perm(n, k, adds, muls, shift, bitmask, out)
-    else:  # pragma: no cover
-        raise ValueError(f"unknown backend {backend!r}")
+# ---- launchers (k >= 1): out[i] = π(i) for i < k, the permutation given by its keys ----------------
+
+@launcher("mask_perm", "ref")
+def _(n, k, adds, muls, shift, bitmask, out):
+    out.copy_(mask_perm_ref(n, k, (adds, muls, shift, bitmask), out.device))
+
+
+native("mask_perm", "lc_mask_perm", lambda n, k, adds, muls, shift, bitmask, out: (
+    n, k, torch.tensor(adds, dtype=torch.int64, device=out.device),
+    torch.tensor(muls, dtype=torch.int64, device=out.device), shift, bitmask, out))
+triton("mask_perm", "mask_indices", "launch_mask_perm")
 
 
 _KEY = " (a non-negative int64: the registered op and a 0-d tensor carry it as one)"
@@ -113,7 +106,8 @@ def _mask_indices_impl(seed: int, round: int, n: int, k: int, device: torch.devi
     b = _dispatch.resolve(backend, device, "lc_mask_perm")
     with nvtx_range("mask_indices"):
         out = torch.empty(k, dtype=torch.int64, device=device)
-        _mask_perm_launch(n, k, mask_keys(seed, round, n), out, b)
+        if k:
+            launch("mask_perm", b, n, k, *mask_keys(seed, round, n), out)
         return torch.sort(out).values
 
 
@@ -133,8 +127,27 @@ declare("mask_indices")
 
 def mask_indices(seed: int, round: int, n: int, k: int, *, device: torch.device | str | None = None,
                  backend: str | None = None) -> torch.Tensor:
-    """Sorted int64 tensor of exactly k distinct indices in [0, n), the same everywhere for the same
-    (seed, round, n, k). 0 <= k <= n; seed and round are ints in [0, 2**63) (hashed to 64 bits)."""
+    """LOSCAR's coordinate subset for one round: the same k indices on every worker, from the same
+    four integers, without communication or RNG state:
+
+        S = sorted{ π(0), …, π(k−1) },   π the bijection of [0, n) keyed by (seed, round)
+
+    (the module docstring defines π). S(k) ⊂ S(k+1). Over rounds every index is drawn with
+    probability k/n, and every k-subset equally often (chi-square tests check both).
+
+    Args:
+        seed: int (or 0-d int64 tensor) in [0, 2**63), shared by the workers.
+        round: int (or 0-d int64 tensor) in [0, 2**63), e.g. the sync counter.
+        n: the number of coordinates, an int in [0, 2**62].
+        k: how many to pick, an int in [0, n].
+        device: where the result lives (default CPU); not the meta device.
+        backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
+    Returns:
+        A new (k,) int64 tensor on `device`: strictly increasing, entries in [0, n), identical on
+        every backend and machine for the same (seed, round, n, k).
+    Raises:
+        TypeError / ValueError naming the argument.
+    """
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if compiling():
         # Host integers, known while tracing: checked here (a k < 0 would fail in the fake kernel,

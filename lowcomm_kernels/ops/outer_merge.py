@@ -7,7 +7,9 @@ Outer step, exactly ``torch.optim.SGD(lr, momentum, nesterov, dampening=0)`` on 
     step  =  Δ̄ + μ·u   if nesterov else u    (Δ̄ when μ = 0)
     g_new =  g − η·step
 
-then the delay-compensated merge (ALGORITHMS.md, CoCoDC (a), with the sign fix):
+then CoCoDC's delay-compensated merge, with the paper's sign corrected: it replays the local
+progress v made while the average was in flight (+β·v) and subtracts the first-order correction
+(docs/algorithms.md, "Taylor delay compensation", shows why and which test proves it):
 
     v = x − x_sent,  D = g_new − x_sent
     x <- (1−α)·(g_new + β·v − λ·v⊙v⊙D) + α·x
@@ -27,7 +29,7 @@ import torch
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
-from ._common import code, compiling, cpu_call, cuda_call, declare, ptr, traced_call
+from ._common import code, compiling, declare, launch, launcher, native, traced_call, triton
 
 LAM_MODES = ("absolute", "normalized")
 
@@ -77,48 +79,29 @@ def outer_merge_ref(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x
     x.copy_((1.0 - alpha) * target + alpha * x)
 
 
-def _taylor_norms_launch(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, backend) -> torch.Tensor:
-    out = torch.zeros(2, dtype=torch.float64, device=g.device)
-    if g.numel() == 0:
-        return out
-    if backend == "ref":
-        out.copy_(taylor_norms_ref(g, u, delta_avg, x, x_sent, lr=lr, momentum=momentum, nesterov=nesterov))
-    elif backend == "cpu":
-        cpu_call("lc_taylor_norms", code(g), code(delta_avg), ptr(g), ptr(u), ptr(delta_avg), ptr(x),
-                 ptr(x_sent), g.numel(), lr, momentum, int(nesterov), ptr(out))
-    elif backend == "cuda":
-        cuda_call("lc_taylor_norms", g.device, code(g), code(delta_avg), ptr(g), ptr(u), ptr(delta_avg),
-                  ptr(x), ptr(x_sent), g.numel(), lr, momentum, int(nesterov), ptr(out))
-    else:
-        from ..triton_kernels.outer_merge import launch_taylor_norms
-        launch_taylor_norms(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, out)
-    return out
+# ---- launchers (n >= 1, checked arguments) ------------------------------------------------------
+# taylor_norms: the two float64 sums into `out` (2,), zeroed, read-only otherwise. outer_merge: in
+# place on g, u, x with an absolute λ (a normalized one is scaled first, by the caller).
+
+@launcher("taylor_norms", "ref")
+def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, out):
+    out.copy_(taylor_norms_ref(g, u, delta_avg, x, x_sent, lr=lr, momentum=momentum, nesterov=nesterov))
 
 
-def _outer_merge_launch(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode,
-                        backend) -> None:
-    if g.numel() == 0:
-        return
-    with nvtx_range("outer_merge"):
-        if lam_mode == "normalized" and lam != 0.0:
-            # The scale is a global reduction over the fragment, so it needs its own pass (and, on
-            # a GPU, one host sync to read the two sums).
-            lam = lam_effective(lam, _taylor_norms_launch(g, u, delta_avg, x, x_sent, lr, momentum,
-                                                          nesterov, backend))
-        if backend == "ref":
-            outer_merge_ref(g, u, delta_avg, x, x_sent, lr=lr, momentum=momentum, nesterov=nesterov,
-                            alpha=alpha, beta=beta, lam=lam)
-        elif backend == "cpu":
-            cpu_call("lc_outer_merge", code(g), code(delta_avg), ptr(g), ptr(u), ptr(delta_avg), ptr(x),
-                     ptr(x_sent), g.numel(), lr, momentum, int(nesterov), alpha, beta, lam)
-        elif backend == "cuda":
-            cuda_call("lc_outer_merge", g.device, code(g), code(delta_avg), ptr(g), ptr(u), ptr(delta_avg),
-                      ptr(x), ptr(x_sent), g.numel(), lr, momentum, int(nesterov), alpha, beta, lam)
-        elif backend == "triton":
-            from ..triton_kernels.outer_merge import launch_outer_merge
-            launch_outer_merge(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam)
-        else:  # pragma: no cover
-            raise ValueError(f"unknown backend {backend!r}")
+@launcher("outer_merge", "ref")
+def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam):
+    outer_merge_ref(g, u, delta_avg, x, x_sent, lr=lr, momentum=momentum, nesterov=nesterov, alpha=alpha,
+                    beta=beta, lam=lam)
+
+
+native("taylor_norms", "lc_taylor_norms", lambda g, u, delta_avg, x, x_sent, lr, momentum, nesterov, out: (
+    code(g), code(delta_avg), g, u, delta_avg, x, x_sent, g.numel(), lr, momentum, int(nesterov), out))
+native("outer_merge", "lc_outer_merge",
+       lambda g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam: (
+           code(g), code(delta_avg), g, u, delta_avg, x, x_sent, g.numel(), lr, momentum, int(nesterov),
+           alpha, beta, lam))
+triton("taylor_norms", "outer_merge", "launch_taylor_norms")
+triton("outer_merge", "outer_merge", "launch_outer_merge")
 
 
 def _check(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam,
@@ -127,7 +110,7 @@ def _check(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam,
     (lr, momentum, alpha, beta, lam) as floats."""
     for name, t in (("g", g), ("u", u), ("x", x)):
         _checks.tensor(name, t, dtypes=_checks.FLOAT_DTYPES)
-    _checks.tensor("delta_avg", delta_avg, dtypes=(g.dtype, torch.bfloat16))
+    _checks.tensor("delta_avg", delta_avg, dtypes=_checks.wire_dtypes(g.dtype))
     _checks.same_dtype("g", g, u=u, x=x)
     _checks.same_device("g", g, u=u, delta_avg=delta_avg, x=x, x_sent=x_sent)
     _checks.same_numel("g", g, u=u, delta_avg=delta_avg, x=x, x_sent=x_sent)
@@ -150,11 +133,21 @@ def _check(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam,
 
 def _outer_merge_impl(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode,
                       backend) -> None:
-    """Check, choose the backend, launch: the registered op's body, and the eager path of outer_merge_."""
+    """Check, choose the backend, launch: the registered op's body, and the eager path of
+    outer_merge_."""
     lr, momentum, alpha, beta, lam = _check(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta,
                                             lam, lam_mode)
-    _outer_merge_launch(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode,
-                        _dispatch.resolve(backend, g.device, "lc_outer_merge"))
+    b = _dispatch.resolve(backend, g.device, "lc_outer_merge")
+    if g.numel() == 0:
+        return
+    with nvtx_range("outer_merge"):
+        if lam_mode == "normalized" and lam != 0.0:
+            # The scale is a global reduction over the fragment, so it needs its own pass (and, on
+            # a GPU, one host sync to read the two sums).
+            sums = torch.zeros(2, dtype=torch.float64, device=g.device)
+            launch("taylor_norms", b, g, u, delta_avg, x, x_sent, lr, momentum, nesterov, sums)
+            lam = lam_effective(lam, sums)
+        launch("outer_merge", b, g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam)
 
 
 @torch.library.custom_op("lowcomm::outer_merge_", mutates_args=("g", "u", "x"))
@@ -177,14 +170,34 @@ def outer_merge_(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: t
                  x_sent: torch.Tensor | None = None, *, lr: float, momentum: float = 0.0,
                  nesterov: bool = True, alpha: float = 0.0, beta: float = 0.0, lam: float = 0.0,
                  lam_mode: str = "absolute", backend: str | None = None) -> None:
-    """Nesterov outer step on (g, u) with Δ̄, then the delay-compensated merge into x. In place.
+    """Outer step on (g, u) with the averaged pseudo-gradient Δ̄, then the delay-compensated
+    merge into x, in place, in one pass (see the module docstring for the equations):
+
+        u <- μ·u + Δ̄;  g <- g − η·(Δ̄ + μ·u if nesterov else u);
+        x <- (1−α)·(g + β·v − λ·v⊙v⊙(g − x_sent)) + α·x,   v = x − x_sent
 
     Args:
-        g, u, x: fp32/fp64, same numel/dtype/device, contiguous, pairwise distinct. Mutated.
-        delta_avg: averaged pseudo-gradient Δ̄, g's dtype or bfloat16 (the wire dtype).
-        x_sent: snapshot of x at send time; required when beta or lam is non-zero.
-        lr >= 0, 0 <= momentum < 1, 0 <= alpha <= 1, beta and lam >= 0 finite.
-        lam_mode: 'absolute' (λ as given) or 'normalized' (λ·‖v‖/‖v⊙v⊙D‖).
+        g: global parameters, fp32/fp64, any shape, contiguous. Mutated (g_new).
+        u: momentum buffer, g's numel/dtype/device, contiguous. Mutated, unless momentum == 0
+            (then never read either).
+        delta_avg: averaged pseudo-gradient Δ̄, g's numel, g's dtype or bfloat16 (the wire
+            dtype), contiguous. Read only.
+        x: local parameters, g's numel/dtype/device, contiguous. Mutated (the merge).
+        x_sent: snapshot of x at send time (pack's snapshot), g's numel/dtype, contiguous; required
+            when beta or lam is non-zero, else unused. Read only.
+        lr: η >= 0. momentum: 0 <= μ < 1. nesterov: bool (torch.optim.SGD's).
+        alpha: 0 <= α <= 1, the weight kept on the local x (Streaming DiLoCo's mix).
+        beta: β >= 0, the share of the local progress v replayed (1: delay-corrected).
+        lam: λ >= 0, the Taylor correction. All scalars finite.
+        lam_mode: 'absolute' (λ as given) or 'normalized' (λ·‖v‖₂/‖v⊙v⊙D‖₂, 0 when the
+            denominator is 0; one extra read-only pass).
+        backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
+    g, u, delta_avg, x and x_sent are pairwise distinct buffers (no overlap at all).
+
+    Returns:
+        None: the results are g, u and x.
+    Raises:
+        TypeError / ValueError naming the argument, before anything is written.
     """
     args = (g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend)
     if compiling():

@@ -13,43 +13,34 @@ import torch
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
-from ._common import code, compiling, cpu_call, cuda_call, declare, ptr, traced_call
+from ._common import code, compiling, declare, launch, launcher, native, traced_call, triton
 
 
 def pack_ref(g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = None,
              snapshot: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """The specification, in plain torch (float64-capable)."""
+    """The specification, in plain torch (float64-capable): (delta, snapshot or None, nonfinite),
+    all newly allocated; delta has g's shape, the snapshot is a contiguous copy of x."""
     # Flat, like every op: g and x need only the same number of elements.
     delta = (g.reshape(-1) - x.reshape(-1)).to(wire_dtype or g.dtype).reshape(g.shape)
     nonfinite = (~torch.isfinite(delta)).sum(dtype=torch.int64)
     return delta, (x.clone(memory_format=torch.contiguous_format) if snapshot else None), nonfinite
 
 
-def _pack_launch(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None,
-                 backend: str) -> torch.Tensor:
-    """Fill `delta` (and `snapshot`); return the non-finite count. Allocates only that scalar."""
-    nonfinite = torch.zeros((), dtype=torch.int64, device=g.device)
-    if g.numel() == 0:
-        return nonfinite
-    with nvtx_range("pack"):
-        if backend == "ref":
-            d, _, nf = pack_ref(g, x, wire_dtype=delta.dtype, snapshot=False)
-            delta.view(-1).copy_(d.view(-1))
-            if snapshot is not None:
-                snapshot.view(-1).copy_(x.view(-1))
-            nonfinite.copy_(nf)
-        elif backend == "cpu":
-            cpu_call("lc_pack", code(g), code(delta), ptr(g), ptr(x), ptr(delta), ptr(snapshot),
-                     g.numel(), ptr(nonfinite))
-        elif backend == "cuda":
-            cuda_call("lc_pack", g.device, code(g), code(delta), ptr(g), ptr(x), ptr(delta), ptr(snapshot),
-                      g.numel(), ptr(nonfinite))
-        elif backend == "triton":
-            from ..triton_kernels.pack import launch_pack
-            launch_pack(g, x, delta, snapshot, nonfinite)
-        else:  # pragma: no cover - resolve() rejects unknown names
-            raise ValueError(f"unknown backend {backend!r}")
-    return nonfinite
+# ---- launchers (n >= 1, checked arguments): fill delta (and snapshot), and leave the non-finite
+# count in `nonfinite`, a zeroed 0-d int64 (the Triton kernel adds into it).
+
+@launcher("pack", "ref")
+def _(g, x, delta, snapshot, nonfinite):
+    d, _, nf = pack_ref(g, x, wire_dtype=delta.dtype, snapshot=False)  # temporaries: the spec as written
+    delta.view(-1).copy_(d.view(-1))
+    if snapshot is not None:
+        snapshot.view(-1).copy_(x.view(-1))
+    nonfinite.copy_(nf)
+
+
+native("pack", "lc_pack", lambda g, x, delta, snapshot, nonfinite: (
+    code(g), code(delta), g, x, delta, snapshot, g.numel(), nonfinite))
+triton("pack", "pack", "launch_pack")
 
 
 def _check(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None) -> None:
@@ -59,7 +50,7 @@ def _check(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torc
     _checks.same_device("g", g, x=x)
     _checks.same_dtype("g", g, x=x)
     _checks.same_numel("g", g, x=x)
-    _checks.tensor("delta_out", delta, dtypes=(g.dtype, torch.bfloat16))
+    _checks.tensor("delta_out", delta, dtypes=_checks.wire_dtypes(g.dtype))
     _checks.same_device("g", g, delta_out=delta)
     _checks.same_numel("g", g, delta_out=delta)
     if snapshot is not None:
@@ -74,9 +65,15 @@ def _check(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torc
 
 def _pack_impl(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None,
                backend: str | None) -> torch.Tensor:
-    """Check, choose the backend, launch: the registered op's body, and the eager path of pack."""
+    """Check, choose the backend, launch: the registered op's body, and the eager path of pack.
+    Returns the 0-d int64 non-finite count (the one tensor allocated here)."""
     _check(g, x, delta, snapshot)
-    return _pack_launch(g, x, delta, snapshot, _dispatch.resolve(backend, g.device, "lc_pack"))
+    b = _dispatch.resolve(backend, g.device, "lc_pack")
+    nonfinite = torch.zeros((), dtype=torch.int64, device=g.device)
+    if g.numel():
+        with nvtx_range("pack"):
+            launch("pack", b, g, x, delta, snapshot, nonfinite)
+    return nonfinite
 
 
 @torch.library.custom_op("lowcomm::pack", mutates_args=("delta", "snapshot"))
@@ -98,17 +95,23 @@ declare("pack")
 def pack(g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = None,
          delta_out: torch.Tensor | None = None, snapshot_out: torch.Tensor | None | bool = None,
          backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Pseudo-gradient and snapshot of one fragment, fused.
+    """Pseudo-gradient and snapshot of one fragment, fused: ``delta = g − x`` rounded once to the wire
+    dtype, ``snapshot = x``, and the count of non-finite values written to delta.
 
     Args:
-        g: global parameters, fp32/fp64, any shape, contiguous.
-        x: local parameters, same shape/dtype/device as g.
+        g: global parameters, fp32/fp64, any shape, contiguous. Read only.
+        x: local parameters, same numel/dtype/device as g, contiguous; may alias g. Read only.
         wire_dtype: dtype of delta (g.dtype, or bfloat16). Defaults to delta_out's dtype or g.dtype.
-        delta_out: optional preallocated delta (same numel as g, wire dtype); must not alias g or x.
-        snapshot_out: a preallocated snapshot buffer, None to allocate one, or False to skip it.
+        delta_out: optional preallocated delta (same numel as g, wire dtype, contiguous); must not
+            alias g, x or the snapshot. Written.
+        snapshot_out: a preallocated snapshot buffer (same numel and dtype as x, contiguous, aliasing
+            nothing; written), None to allocate one, or False to skip it.
         backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
     Returns:
-        (delta, snapshot or None, nonfinite) with nonfinite a 0-d int64 tensor.
+        (delta, snapshot or None, nonfinite): delta_out (or a new tensor of g's shape), the snapshot
+        buffer, and nonfinite, a new 0-d int64 tensor on g's device.
+    Raises:
+        TypeError / ValueError naming the argument, before anything is written.
     """
     # What the outputs are made from is checked here, in eager and compiled calls alike; the rest
     # in _check, on the real data (see _common).
@@ -116,8 +119,9 @@ def pack(g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = N
     _checks.is_tensor("x", x)
     if wire_dtype is None:
         wire_dtype = delta_out.dtype if isinstance(delta_out, torch.Tensor) else g.dtype
-    if wire_dtype not in (g.dtype, torch.bfloat16):
-        raise TypeError(f"wire_dtype must be g's dtype ({g.dtype}) or torch.bfloat16, got {wire_dtype}")
+    if wire_dtype not in _checks.wire_dtypes(g.dtype):
+        narrow = " or ".join(str(d) for d in _checks.NARROW_WIRE_DTYPES)
+        raise TypeError(f"wire_dtype must be g's dtype ({g.dtype}) or {narrow}, got {wire_dtype}")
     if delta_out is None:
         delta_out = torch.empty(g.shape, dtype=wire_dtype, device=g.device)
     elif _checks.is_tensor("delta_out", delta_out).dtype != wire_dtype:

@@ -13,53 +13,38 @@ import torch
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
-from ._common import code, compiling, cpu_call, cuda_call, declare, ptr, traced_call
+from ._common import code, compiling, declare, launch, launcher, native, traced_call, triton
 
 
 def sparse_gather_ref(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """The specification of sparse_gather: a new (k,) tensor x.flatten()[idx]."""
     return x.reshape(-1)[idx]
 
 
 def sparse_scatter_merge_ref(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor, *,
                              beta: float = 1.0) -> None:
+    """The specification of sparse_scatter_merge_, in place on x (contiguous)."""
     flat = x.view(-1)
     flat[idx] = avg.to(x.dtype) + beta * (flat[idx] - sent)
 
 
-def _gather_launch(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend: str) -> None:
-    if idx.numel() == 0:
-        return
-    with nvtx_range("sparse_gather"):
-        if backend == "ref":
-            out.copy_(sparse_gather_ref(x, idx))
-        elif backend == "cpu":
-            cpu_call("lc_sparse_gather", code(x), ptr(x), ptr(idx), idx.numel(), ptr(out))
-        elif backend == "cuda":
-            cuda_call("lc_sparse_gather", x.device, code(x), ptr(x), ptr(idx), idx.numel(), ptr(out))
-        elif backend == "triton":
-            from ..triton_kernels.sparse import launch_sparse_gather
-            launch_sparse_gather(x, idx, out)
-        else:  # pragma: no cover
-            raise ValueError(f"unknown backend {backend!r}")
+# ---- launchers (k >= 1, checked arguments) ------------------------------------------------------
+
+@launcher("sparse_gather", "ref")
+def _(x, idx, out):
+    out.copy_(sparse_gather_ref(x, idx))
 
 
-def _scatter_merge_launch(x, idx, avg, sent, beta: float, backend: str) -> None:
-    if idx.numel() == 0:
-        return
-    with nvtx_range("sparse_scatter_merge"):
-        if backend == "ref":
-            sparse_scatter_merge_ref(x, idx, avg, sent, beta=beta)
-        elif backend == "cpu":
-            cpu_call("lc_sparse_scatter_merge", code(x), code(avg), ptr(x), ptr(idx), idx.numel(), ptr(avg),
-                     ptr(sent), beta)
-        elif backend == "cuda":
-            cuda_call("lc_sparse_scatter_merge", x.device, code(x), code(avg), ptr(x), ptr(idx), idx.numel(),
-                      ptr(avg), ptr(sent), beta)
-        elif backend == "triton":
-            from ..triton_kernels.sparse import launch_sparse_scatter_merge
-            launch_sparse_scatter_merge(x, idx, avg, sent, beta)
-        else:  # pragma: no cover
-            raise ValueError(f"unknown backend {backend!r}")
+@launcher("sparse_scatter_merge", "ref")
+def _(x, idx, avg, sent, beta):
+    sparse_scatter_merge_ref(x, idx, avg, sent, beta=beta)
+
+
+native("sparse_gather", "lc_sparse_gather", lambda x, idx, out: (code(x), x, idx, idx.numel(), out))
+native("sparse_scatter_merge", "lc_sparse_scatter_merge", lambda x, idx, avg, sent, beta: (
+    code(x), code(avg), x, idx, idx.numel(), avg, sent, beta))
+triton("sparse_gather", "sparse", "launch_sparse_gather")
+triton("sparse_scatter_merge", "sparse", "launch_sparse_scatter_merge")
 
 
 def _gather_impl(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend: str | None) -> None:
@@ -71,7 +56,10 @@ def _gather_impl(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend:
     _checks.same_device("x", x, out=out)
     _checks.same_numel("idx", idx, out=out)
     _checks.no_alias([("out", out, "x", x), ("out", out, "idx", idx)])
-    _gather_launch(x, idx, out, _dispatch.resolve(backend, x.device, "lc_sparse_gather"))
+    b = _dispatch.resolve(backend, x.device, "lc_sparse_gather")
+    if idx.numel():
+        with nvtx_range("sparse_gather"):
+            launch("sparse_gather", b, x, idx, out)
 
 
 def _scatter_merge_impl(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor,
@@ -80,14 +68,16 @@ def _scatter_merge_impl(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, s
     sparse_scatter_merge_. Every check runs before anything is written."""
     _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
     idx = _checks.index("idx", idx, n=x.numel(), device=x.device, strictly_increasing=True)
-    _checks.tensor("avg", avg, dtypes=(x.dtype, torch.bfloat16))
+    _checks.tensor("avg", avg, dtypes=_checks.wire_dtypes(x.dtype))
     _checks.tensor("sent", sent, dtypes=(x.dtype,))
     _checks.same_device("x", x, avg=avg, sent=sent)
     _checks.same_numel("idx", idx, avg=avg, sent=sent)
     beta = _checks.scalar("beta", beta, lo=0.0)
     _checks.distinct({"x": x, "idx": idx, "avg": avg, "sent": sent})
     b = _dispatch.resolve(backend, x.device, "lc_sparse_scatter_merge")
-    _scatter_merge_launch(x, idx, avg, sent, beta, b)
+    if idx.numel():
+        with nvtx_range("sparse_scatter_merge"):
+            launch("sparse_scatter_merge", b, x, idx, avg, sent, beta)
 
 
 @torch.library.custom_op("lowcomm::sparse_gather", mutates_args=("out",))
@@ -118,8 +108,19 @@ declare("sparse_scatter_merge_")
 @torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
 def sparse_gather(x: torch.Tensor, idx: torch.Tensor, *, out: torch.Tensor | None = None,
                   backend: str | None = None) -> torch.Tensor:
-    """y = x.flatten()[idx]. x: fp32/fp64 contiguous; idx: 1-D int64 in [0, x.numel()) (duplicates
-    allowed); out: optional (k,) buffer of x's dtype that must not alias x or idx."""
+    """Gather a coordinate subset: ``out[j] = x.flatten()[idx[j]]``.
+
+    Args:
+        x: fp32/fp64, any shape, contiguous. Read only.
+        idx: (k,) int64 on x's device, contiguous, every entry in [0, x.numel()); duplicates and
+            any order allowed. Read only.
+        out: optional (k,) buffer of x's dtype, contiguous, overlapping neither x nor idx. Written.
+        backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
+    Returns:
+        out, or a new (k,) tensor of x's dtype.
+    Raises:
+        TypeError / ValueError naming the argument, before anything is written.
+    """
     if out is None:
         _checks.is_tensor("x", x)
         out = torch.empty(_checks.is_tensor("idx", idx).numel(), dtype=x.dtype, device=x.device)
@@ -133,11 +134,28 @@ def sparse_gather(x: torch.Tensor, idx: torch.Tensor, *, out: torch.Tensor | Non
 @torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
 def sparse_scatter_merge_(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor, *,
                           beta: float = 1.0, backend: str | None = None) -> None:
-    """x[idx] <- avg + beta·(x[idx] − sent), in place on x.
+    """Merge the average of a coordinate subset into x, in place:
 
-    idx must be strictly increasing (as mask_indices returns it): with a duplicate the result
-    would depend on write order. avg: (k,) of x's dtype or bfloat16; sent: (k,) of x's dtype;
-    neither may alias x. beta finite and >= 0."""
+        x[idx[j]] <- avg[j] + beta·(x[idx[j]] − sent[j])
+
+    beta = 1 keeps the local progress made since `sent` was gathered (delay-corrected), beta = 0
+    overwrites with the average. Only the k selected elements of x are read and written.
+
+    Args:
+        x: fp32/fp64, any shape, contiguous. Mutated at idx only.
+        idx: (k,) int64 on x's device, contiguous, strictly increasing (as mask_indices returns
+            it; with a duplicate the result would depend on write order), entries in [0, x.numel()).
+        avg: (k,) of x's dtype or bfloat16 (the wire dtype), contiguous. Read only.
+        sent: (k,) of x's dtype, contiguous: x[idx] when it was sent. Read only.
+        beta: finite, >= 0.
+        backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
+    x, idx, avg and sent are pairwise distinct buffers (no overlap at all).
+
+    Returns:
+        None: the result is x.
+    Raises:
+        TypeError / ValueError naming the argument, before anything is written.
+    """
     if compiling():
         traced_call("sparse_scatter_merge_", x, idx, avg, sent, beta, backend)
     else:

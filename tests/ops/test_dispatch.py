@@ -78,3 +78,16 @@ def test_missing_native_library_falls_back_to_ref_with_one_warning(tmp_path):
     assert out["norms"] == pytest.approx([5.0**0.5, 50.0**0.5], rel=1e-7) and out["k"] == 5
     native = [w for w in out["warnings"] if "lowcomm_kernels" in w]
     assert len(native) == 1 and "ref" in native[0], out["warnings"]
+
+
+def test_every_kernel_has_a_launcher_on_every_backend():
+    """The launcher table (ops/_common.py) is complete: resolve() may return any backend."""
+    from lowcomm_kernels import _config
+    from lowcomm_kernels.ops._common import LAUNCHERS, launch
+
+    kernels = {kernel for kernel, _ in LAUNCHERS}
+    assert kernels == {"pack", "outer_merge", "taylor_norms", "mask_perm", "sparse_gather",
+                       "sparse_scatter_merge", "fragment_norms"}
+    assert {(k, b) for k in kernels for b in _config.BACKENDS} == set(LAUNCHERS)
+    with pytest.raises(ValueError, match="backend 'numpy' has no launcher for pack"):
+        launch("pack", "numpy")
