@@ -1,9 +1,10 @@
 """Loads the torch-free csrc libraries (``liblowcomm_cpu``, ``liblowcomm_cuda``) through ctypes.
 
 The C ABI (csrc/include/lowcomm/abi.h is the source of truth) takes raw pointers, element counts
-and scalars; dtypes travel as small integer codes (``DTYPE_CODE``). Every entry point returns 0 on
-success and a non-zero code for an unsupported dtype combination. The CUDA entry points carry the
-same arguments plus a trailing ``cudaStream_t``; their scalar outputs are device pointers.
+and scalars; dtypes travel as small integer codes (``DTYPE_CODE``). Every entry point returns an
+int: 0 on success, else one of ``ERRORS``. The CUDA entry points carry the same arguments plus a
+trailing ``cudaStream_t``; their scalar outputs are device pointers. ``SIGNATURES``, ``RESTYPE`` and
+``CUDA_EXTRA`` restate the header's declarations for ctypes (a test compares them with it).
 
 When the CPU library is missing (a source checkout that was never built, a platform without a
 compiler), the package still imports and every op runs on the ``ref`` backend: one warning says so.
@@ -21,11 +22,15 @@ import torch
 
 from . import _config
 
-DTYPE_CODE = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}
+DTYPE_CODE = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}  # LC_F32, LC_F64, LC_BF16
+ERRORS = {1: "unsupported dtype combination", 2: "bad argument", 3: "CUDA launch error"}
 
 _c_int, _c_i64, _c_dbl, _vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 
-# name -> argtypes (the CUDA variants, ``lc_cuda_<name>``, append a stream pointer).
+# name -> argtypes; every entry point returns RESTYPE, and the CUDA variants (``lc_cuda_<name>``)
+# append CUDA_EXTRA.
+RESTYPE = _c_int
+CUDA_EXTRA = [_vp]  # cudaStream_t
 SIGNATURES: dict[str, list] = {
     # dtype, wire_dtype, g, x, delta, snapshot|NULL, n, nonfinite*
     "lc_pack": [_c_int, _c_int, _vp, _vp, _vp, _vp, _c_i64, _vp],
@@ -45,10 +50,6 @@ SIGNATURES: dict[str, list] = {
     # dst, src, nbytes: memcpy with non-temporal stores (the benchmarks' roofline row)
     "lc_copy_nt": [_vp, _vp, _c_i64],
 }
-
-
-def ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 def _locate(libname: str) -> str | None:
@@ -74,7 +75,7 @@ def _bind(lib: ctypes.CDLL, prefix: str, extra: list) -> ctypes.CDLL:
             continue  # the CUDA library implements only the ops where it pays
         fn = getattr(lib, full)
         fn.argtypes = argtypes + extra
-        fn.restype = ctypes.c_int
+        fn.restype = RESTYPE
     return lib
 
 
@@ -110,7 +111,7 @@ def cuda_lib() -> ctypes.CDLL | None:
         warnings.warn(f"lowcomm_kernels: could not load {path} ({exc}); the 'cuda' backend is off.",
                       RuntimeWarning, stacklevel=2)
         return None
-    return _bind(lib, "lc_cuda_", [_vp])
+    return _bind(lib, "lc_cuda_", CUDA_EXTRA)
 
 
 def cuda_has(name: str) -> bool:
@@ -120,7 +121,7 @@ def cuda_has(name: str) -> bool:
 
 def check(rc: int, name: str) -> None:
     if rc != 0:
-        raise RuntimeError(f"native {name} failed with code {rc} (unsupported dtype combination?)")
+        raise RuntimeError(f"native {name} failed with code {rc} ({ERRORS.get(rc, 'unknown code')})")
 
 
 def stream_ptr(device: torch.device) -> int:
