@@ -65,6 +65,11 @@ def device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
+def gpu_programs(t: torch.Tensor) -> int:
+    """Programs of a fixed-order reduction over data on `t`'s GPU: PROGRAMS_PER_SM per SM."""
+    return PROGRAMS_PER_SM * sm_count(device_index(t))
+
+
 def finite_max(dtype: torch.dtype) -> float:
     """Largest finite value of a float dtype: |v| <= it is false exactly for inf and NaN."""
     return float(torch.finfo(dtype).max)

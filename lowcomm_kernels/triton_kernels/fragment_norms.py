@@ -19,16 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import (
-    GPU_BLOCK,
-    PROGRAMS_PER_SM,
-    block_size,
-    block_sum,
-    device_index,
-    interpreted,
-    launch_options,
-    sm_count,
-)
+from ._launch import GPU_BLOCK, block_size, block_sum, gpu_programs, interpreted, launch_options
 
 
 @triton.jit
@@ -80,7 +71,7 @@ def programs_per_segment(buf: torch.Tensor, n: int, nseg: int) -> int:
     per program on average."""
     if interpreted(buf):
         return 1
-    want = triton.cdiv(PROGRAMS_PER_SM * sm_count(device_index(buf)), nseg)
+    want = triton.cdiv(gpu_programs(buf), nseg)
     return max(1, min(want, triton.cdiv(n, nseg * GPU_BLOCK)))
 
 

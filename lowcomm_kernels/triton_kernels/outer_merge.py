@@ -30,14 +30,12 @@ import triton
 import triton.language as tl
 
 from ._launch import (
-    PROGRAMS_PER_SM,
     block_size,
     block_sum,
-    device_index,
+    gpu_programs,
     interpreted,
     launch_options,
     load_block,
-    sm_count,
     store_block,
 )
 
@@ -64,9 +62,10 @@ def _outer_step(g, u, d, lr, momentum, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.
 
 
 @triton.jit
-def _outer_merge_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, alpha,
-                       one_minus_alpha, beta, lam, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-                       HAS_SENT: tl.constexpr, HAS_ALPHA: tl.constexpr, MASKED: tl.constexpr):
+def _load_and_step(g_ptr, u_ptr, avg_ptr, offs, n, lr, momentum, HAS_MOMENTUM: tl.constexpr,
+                   NESTEROV: tl.constexpr, MASKED: tl.constexpr):
+    """Load g, Δ̄ (widened exactly to g's dtype) and u (only with momentum), and take the outer
+    step: (g_new, u_new) in g's dtype."""
     g = load_block(g_ptr, offs, n, MASKED)
     dt = g.dtype
     d = load_block(avg_ptr, offs, n, MASKED).to(dt)
@@ -75,6 +74,16 @@ def _outer_merge_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, mome
     else:
         u = d  # placeholder, neither used nor stored
     g_new, u_new = _outer_step(g, u, d, tl.cast(lr, dt), tl.cast(momentum, dt), HAS_MOMENTUM, NESTEROV)
+    return g_new, u_new
+
+
+@triton.jit
+def _outer_merge_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, alpha,
+                       one_minus_alpha, beta, lam, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
+                       HAS_SENT: tl.constexpr, HAS_ALPHA: tl.constexpr, MASKED: tl.constexpr):
+    g_new, u_new = _load_and_step(g_ptr, u_ptr, avg_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV,
+                                  MASKED)
+    dt = g_new.dtype
     store_block(g_ptr, offs, g_new, n, MASKED)
     if HAS_MOMENTUM:
         store_block(u_ptr, offs, u_new, n, MASKED)
@@ -120,14 +129,7 @@ def _outer_merge_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, n,
 def _taylor_terms(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum,
                   HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MASKED: tl.constexpr):
     """Per lane (v², (v·v·D)²) in float64; masked lanes give v = 0, so they add nothing."""
-    g = load_block(g_ptr, offs, n, MASKED)
-    dt = g.dtype
-    d = load_block(avg_ptr, offs, n, MASKED).to(dt)
-    if HAS_MOMENTUM:
-        u = load_block(u_ptr, offs, n, MASKED)
-    else:
-        u = d
-    g_new, u_new = _outer_step(g, u, d, tl.cast(lr, dt), tl.cast(momentum, dt), HAS_MOMENTUM, NESTEROV)
+    g_new, _ = _load_and_step(g_ptr, u_ptr, avg_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV, MASKED)
     x = load_block(x_ptr, offs, n, MASKED)
     sent = load_block(sent_ptr, offs, n, MASKED)
     v = (x - sent).to(tl.float64)
@@ -218,8 +220,7 @@ def launch_taylor_norms(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tenso
         return
     block = block_size(g, n)
     if programs is None:
-        gpu_programs = PROGRAMS_PER_SM * sm_count(device_index(g)) if not interpreted(g) else 1
-        programs = min(gpu_programs, triton.cdiv(n, block))
+        programs = min(gpu_programs(g) if not interpreted(g) else 1, triton.cdiv(n, block))
     nprog = int(programs)
     if nprog < 1:
         raise ValueError(f"programs must be >= 1, got {nprog}")
