@@ -139,6 +139,8 @@ any_dtype = st.sampled_from(
 )
 layouts = st.sampled_from(["contiguous"] * 4 + ["offset"] * 2 + ["strided", "transposed"])
 seeds = st.integers(0, 2**31)
+#: what every indexed-op property test draws first: a size, a data seed, a dtype and a layout
+DATA = dict(n=sizes, seed=seeds, dtype=any_dtype, layout=layouts)
 
 
 def contiguous_layout(layout: str) -> bool:

@@ -157,7 +157,7 @@ def test_zero_momentum_never_reads_u(backend):
 
 @pytest.mark.parametrize("lam", [0.2, 1.0])
 def test_normalized_lambda_formula(backend, lam, rng, close):
-    """λ_eff = λ0·‖v‖₂ / ‖v⊙v⊙D‖₂ per call (ALGORITHMS.md), computed here from scratch."""
+    """λ_eff = λ0·‖v‖₂ / ‖v⊙v⊙D‖₂ per call, computed here from scratch."""
     n, lr, mu, alpha, beta = 5003, 0.7, 0.9, 0.1, 1.0
     g, u, avg, x, xs = _state(n, torch.float64, rng)
     # the SGD step by hand

@@ -15,20 +15,17 @@ from hypothesis import strategies as st
 import lowcomm_kernels.ops as lk
 
 from ._contract import (
+    DATA,
     FLOATS,
     SETTINGS,
     alias_violations,
-    any_dtype,
     cleaned,
     close_enough,
     contiguous_layout,
     data,
-    layouts,
     outcome,
     scalar,
     scalar_violations,
-    seeds,
-    sizes,
     tensor_violations,
 )
 
@@ -78,11 +75,8 @@ IDX_KINDS = st.sampled_from(
 @pytest.mark.op("sparse_gather")
 @SETTINGS
 @given(
-    n=sizes,
+    **DATA,
     k=st.integers(0, 80),
-    seed=seeds,
-    dtype=any_dtype,
-    layout=layouts,
     kind=IDX_KINDS,
     out_kind=st.sampled_from(["none", "none", "ok", "dtype", "numel", "strided", "alias_x"]),
     clean=st.booleans(),
@@ -119,11 +113,8 @@ def test_sparse_gather(backend, n, k, seed, dtype, layout, kind, out_kind, clean
 @pytest.mark.op("sparse_scatter_merge_")
 @SETTINGS
 @given(
-    n=sizes,
+    **DATA,
     k=st.integers(0, 80),
-    seed=seeds,
-    dtype=any_dtype,
-    layout=layouts,
     kind=IDX_KINDS,
     avg_kind=st.sampled_from(["same"] * 5 + ["bf16", "f16", "numel", "strided", "alias_x", "alias_sent"]),
     sent_kind=st.sampled_from(["same"] * 6 + ["bf16", "numel", "strided"]),
@@ -184,10 +175,7 @@ def test_sparse_scatter_merge(backend, n, k, seed, dtype, layout, kind, avg_kind
 @pytest.mark.op("fragment_norms")
 @SETTINGS
 @given(
-    n=sizes,
-    seed=seeds,
-    dtype=any_dtype,
-    layout=layouts,
+    **DATA,
     cuts=st.lists(st.integers(-2, 310), max_size=12),
     sort=st.sampled_from([True] * 4 + [False]),
     off_dtype=st.sampled_from([torch.int64] * 6 + [torch.int32, torch.float64]),

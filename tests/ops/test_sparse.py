@@ -92,7 +92,7 @@ def test_scatter_merge_bf16_avg(device, backend, dtype, rng, close):
 
 @pytest.mark.op("mask_indices", "sparse_gather", "sparse_scatter_merge_")
 def test_loscar_round(backend, rng, close):
-    """One LOSCAR round on 3 workers, as in ALGORITHMS.md: mask from (seed, r), send y_i = x_i[S],
+    """One LOSCAR round on 3 workers (docs/algorithms.md): mask from (seed, r), send y_i = x_i[S],
     keep training (z_i), average, merge x_i[S] = m̄ + (z_i[S] − y_i[S]); x_i elsewhere = z_i."""
     d, k, workers = 5000, 50, 3
     xs = [torch.randn(d, generator=rng, dtype=torch.float64) for _ in range(workers)]

@@ -415,8 +415,8 @@ def _opcheck_cases():
 
 @pytest.mark.parametrize("case", list(_opcheck_cases()), ids=lambda c: c[0])
 def test_opcheck_with_triton_backend(case):
-    """The ops launch the Triton kernels directly from a custom_op body (BUILD-NOTES: triton_op
-    breaks opcheck on CPU); opcheck runs them for real under the interpreter."""
+    """The ops launch the Triton kernels directly from a custom_op body (a triton_op fails opcheck
+    on CPU under the interpreter); opcheck runs them for real under the interpreter."""
     _, op, args = case
     torch.library.opcheck(op, args)
 
