@@ -142,6 +142,7 @@ class Strategy(abc.ABC):
         self._view_problem: str | None = None  # this rank's broken parameter view, found at the last send
         self._step_events: list[Any] = []  # CUDA: compute-stream events at the hooks, not yet timed
         self._samples_seen = 0
+        self._restarted_this_step = False  # restarted after a skipped sync, no inner step since
 
     # ----- joining the group ---------------------------------------------------------------------
     def _join_group(self) -> None:
@@ -187,12 +188,15 @@ class Strategy(abc.ABC):
         n_dev = 0 if device_extras is None else device_extras.numel()
         host = torch.zeros(2 * w + len(extras) + n_dev, dtype=torch.float64,
                            pin_memory=self.device.type == "cuda")
+        if self._restarted_this_step:
+            host[self.rank] = -1.0  # no evidence yet (see _sync_outcome)
         if self._view_problem is not None:
             host[w + self.rank] = 1.0
         if extras:
             host[2 * w:2 * w + len(extras)] = torch.tensor(extras, dtype=torch.float64)
         control = host.to(self.device, non_blocking=True)
-        control[self.rank] = nonfinite
+        if not self._restarted_this_step:
+            control[self.rank] = nonfinite
         if device_extras is not None:
             control[2 * w + len(extras):] = device_extras.reshape(-1)
         return control
@@ -211,13 +215,16 @@ class Strategy(abc.ABC):
             raise ParameterViewError(f"{what}: the model parameters of rank(s) {broken} no longer view the "
                                      "strategy's buffer, so they would silently stop being synchronised; "
                                      f"every rank stops.{mine} Move or convert the model before wrapping it.")
+        # count < 0: the rank restarted in this very step and sent its reset state, which says
+        # nothing about whether it is still broken, so its streak neither grows nor resets
         counts = control[:w]
         bad = [r for r in range(w) if counts[r] > 0]
         for r in range(w):
-            self._nonfinite_streak[r] = self._nonfinite_streak[r] + 1 if counts[r] > 0 else 0
+            if counts[r] >= 0:
+                self._nonfinite_streak[r] = self._nonfinite_streak[r] + 1 if counts[r] > 0 else 0
         if not bad:
             return False
-        total = int(sum(counts))
+        total = int(sum(c for c in counts if c > 0))
         msg = (f"{what}: {total} non-finite pseudo-gradient entries from rank(s) {bad}; every rank skips "
                "this sync (g and u unchanged) and restarts it from the last good global")
         if self.on_nonfinite == "raise":
@@ -250,6 +257,7 @@ class Strategy(abc.ABC):
         ``optimizer.state[p]`` on the first step that sees p) start those parameters afresh."""
         for p in params:
             self.inner_optimizer.state.pop(p, None)
+        self._restarted_this_step = True
 
     # ----- buffers -------------------------------------------------------------------------------
     def _outer_buffer(self) -> torch.Tensor:
@@ -318,6 +326,7 @@ class Strategy(abc.ABC):
         compute = t0 - self._last_end
         self.step_count += 1
         self.metrics.steps = self.step_count
+        self._restarted_this_step = False
         self.metrics.compute_s += compute
         self.metrics.step_compute_s.append(compute)
         self._mark_device_step()
@@ -389,14 +398,16 @@ class Strategy(abc.ABC):
     def finish(self) -> None:
         """End of training: wait for and apply every in-flight sync NOW (earlier than scheduled), so
         the parameters include the last results. Collective; call on every rank at the same step.
-        Also checks, on every rank at once, that the parameters still view the strategy's buffer."""
+        Then checks that this rank's parameters still view the strategy's buffer: a parameter
+        reassigned since the last send raises ``ParameterViewError`` here, on the rank where it
+        happened (the other ranks' results are complete; a further collective here could pair with
+        a peer's in-flight sync when ranks ran different numbers of rounds)."""
         with torch.no_grad():
             self._finish()
-            control = self._control(torch.zeros((), dtype=torch.float64), [])
-            what = f"{self.method} finish at step {self.step_count}"
-            handle = self.transport.all_reduce([control], name=what, payload_bytes=0, host=control)
-            handle.wait()
-            self._sync_outcome(handle.host_values(), what)
+        problem = self.frags.broken_view(self.model)
+        if problem is not None:
+            raise ParameterViewError(f"{self.method} finish at step {self.step_count}: {problem}; the last "
+                                     "results did not reach the model on this rank")
 
     @abc.abstractmethod
     def _finish(self) -> None:

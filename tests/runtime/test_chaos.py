@@ -12,7 +12,8 @@ group of 2 or 3 ranks:
   "consecutive syncs" on every rank;
 - a rank given a different configuration: ConfigMismatchError at construction on every rank naming
   the knob;
-- parameters reassigned after wrapping on one rank: ParameterViewError on every rank;
+- parameters reassigned after wrapping on one rank: ParameterViewError on every rank at the next
+  send, or, when reassigned after the last send, on that rank alone in finish();
 - a corrupted or truncated checkpoint at restore: CheckpointError on the rank(s) that read it, and
   restoring every rank from the previous generation ends bit-identical to the uninterrupted run;
 - SIGKILL of a random rank at a random step (or while it writes a checkpoint): every survivor
@@ -164,6 +165,15 @@ def _judge_stuck(ep, res) -> list[str]:
 
 
 def _judge_views(ep, res) -> list[str]:
+    mine = res[ep["rank"]]["error"] or ""
+    if mine.startswith("ParameterViewError") and " finish at step " in mine:
+        # reassigned after the last send: finish() catches it on that rank alone (the others'
+        # results are complete), naming what broke
+        bad = [f"rank {r}: expected no error (the fault was on rank {ep['rank']} after the last send), "
+               f"got {x['error']!r}" for r, x in enumerate(res) if r != ep["rank"] and x["error"]]
+        if ep["how"] == "data" and repr(ep["param"]) not in mine:
+            bad.append(f"the broken rank's error does not name {ep['param']!r}: {mine}")
+        return bad
     bad = _all_raise(res, "ParameterViewError", [f"rank(s) [{ep['rank']}]"])
     if bad:
         return bad
