@@ -16,7 +16,20 @@ from .topology import region_groups
 from .transport import WAN, SyncError, Transport
 
 __all__ = [
-    "CheckpointError", "CoCoDC", "ConsistencyError", "DiLoCo", "FlatFragments", "LOSCAR", "RuntimeMetrics",
-    "Strategy", "StreamingDiLoCo", "SyncError", "SyncRecord", "Transport", "WAN", "find_blocks",
-    "plan_fragments", "region_groups",
+    "CheckpointError",
+    "CoCoDC",
+    "ConsistencyError",
+    "DiLoCo",
+    "FlatFragments",
+    "LOSCAR",
+    "RuntimeMetrics",
+    "Strategy",
+    "StreamingDiLoCo",
+    "SyncError",
+    "SyncRecord",
+    "Transport",
+    "WAN",
+    "find_blocks",
+    "plan_fragments",
+    "region_groups",
 ]

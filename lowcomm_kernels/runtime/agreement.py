@@ -34,8 +34,12 @@ class ConfigMismatchError(ValueError):
 
 
 def _digest(fields: dict[str, Any]) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(sorted(fields.items())).encode(), digest_size=8).digest(),
-                          "little") >> 1
+    return (
+        int.from_bytes(
+            hashlib.blake2b(repr(sorted(fields.items())).encode(), digest_size=8).digest(), "little"
+        )
+        >> 1
+    )
 
 
 def _gather_bytes(transport: Transport, data: bytes, name: str) -> list[bytes]:
@@ -44,7 +48,7 @@ def _gather_bytes(transport: Transport, data: bytes, name: str) -> list[bytes]:
     n = torch.tensor([len(data)], dtype=torch.int64, device=dev)
     sizes = [int(s.item()) for s in transport.blocking_all_gather(n, name=name)]
     buf = torch.zeros(max(sizes), dtype=torch.uint8, device=dev)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
+    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(dev)
     outs = transport.blocking_all_gather(buf, name=name)
     return [bytes(o[:s].cpu().numpy().tobytes()) for o, s in zip(outs, sizes, strict=True)]
 
@@ -77,9 +81,11 @@ def agree(transport: Transport, fields: dict[str, Any], what: str) -> None:
         return
     described = [pickle.loads(b) for b in _gather_bytes(transport, pickle.dumps(fields), name)]
     diff = first_difference(described) or "the configuration (digests differ, fields compare equal)"
-    raise ConfigMismatchError(f"ranks of the {what} process group were given different configurations; "
-                              f"the first difference is {diff}. Every rank must wrap the same model "
-                              "with the same method, schedule and wire format.")
+    raise ConfigMismatchError(
+        f"ranks of the {what} process group were given different configurations; "
+        f"the first difference is {diff}. Every rank must wrap the same model "
+        "with the same method, schedule and wire format."
+    )
 
 
 def module_fields(model: nn.Module, names: list[list[str]]) -> dict[str, Any]:
@@ -97,8 +103,9 @@ def module_fields(model: nn.Module, names: list[list[str]]) -> dict[str, Any]:
     return out
 
 
-def broadcast_module_state(transport: Transport, flat: torch.Tensor, model: nn.Module,
-                           trainable: set[int]) -> None:
+def broadcast_module_state(
+    transport: Transport, flat: torch.Tensor, model: nn.Module, trainable: set[int]
+) -> None:
     """Every rank takes group-rank 0's flat parameter buffer, frozen parameters and buffers."""
     if transport.world == 1:
         return
@@ -117,7 +124,7 @@ def broadcast_module_state(transport: Transport, flat: torch.Tensor, model: nn.M
         off = 0
         with torch.no_grad():
             for t in ts:
-                t.copy_(packed[off:off + t.numel()].view_as(t))
+                t.copy_(packed[off : off + t.numel()].view_as(t))
                 off += t.numel()
 
 
@@ -128,5 +135,6 @@ def _broadcast(transport: Transport, t: torch.Tensor, src: int, what: str) -> No
     except Exception as e:
         raise SyncError(f"initial broadcast of {what} from rank {src} failed: {e}") from e
     if ok is False:
-        raise SyncError(f"initial broadcast of {what} from rank {src} did not complete within "
-                        f"{transport.timeout_s} s")
+        raise SyncError(
+            f"initial broadcast of {what} from rank {src} did not complete within {transport.timeout_s} s"
+        )

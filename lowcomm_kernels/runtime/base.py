@@ -69,8 +69,10 @@ class ParameterViewError(RuntimeError):
 
 def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("process_group: torch.distributed is not initialised; call "
-                         "dist.init_process_group(...) first (a group of size 1 is fine for one worker)")
+        raise ValueError(
+            "process_group: torch.distributed is not initialised; call "
+            "dist.init_process_group(...) first (a group of size 1 is fine for one worker)"
+        )
     group = process_group if process_group is not None else dist.group.WORLD
     if group is None or dist.get_rank(group) < 0:
         raise ValueError("process_group: this rank is not a member of the given process group")
@@ -88,17 +90,29 @@ class Strategy(abc.ABC):
 
     method = "base"
 
-    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, *, num_fragments: int,
-                 fragments: FragmentSpec = None, process_group: dist.ProcessGroup | None = None,
-                 wan: WAN | None = None, wire_dtype: torch.dtype | None = None,
-                 on_nonfinite: str = "skip", max_nonfinite_syncs: int = 3, timeout_s: float = 300.0,
-                 outer_device: str = "model", metrics_callback: Callable[[SyncRecord], None] | None = None,
-                 guard_every: int = 0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        *,
+        num_fragments: int,
+        fragments: FragmentSpec = None,
+        process_group: dist.ProcessGroup | None = None,
+        wan: WAN | None = None,
+        wire_dtype: torch.dtype | None = None,
+        on_nonfinite: str = "skip",
+        max_nonfinite_syncs: int = 3,
+        timeout_s: float = 300.0,
+        outer_device: str = "model",
+        metrics_callback: Callable[[SyncRecord], None] | None = None,
+        guard_every: int = 0,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
-            raise TypeError("inner_optimizer must be a torch.optim.Optimizer, got "
-                            f"{type(inner_optimizer).__name__}")
+            raise TypeError(
+                f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}"
+            )
         if on_nonfinite not in NONFINITE_MODES:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_MODES}, got {on_nonfinite!r}")
         if outer_device not in ("model", "cpu"):
@@ -120,8 +134,9 @@ class Strategy(abc.ABC):
         if wire_dtype is None:
             wire_dtype = dtype
         if wire_dtype not in (dtype, torch.bfloat16):
-            raise TypeError(f"wire_dtype must be {dtype} (the parameters' dtype) or torch.bfloat16, "
-                            f"got {wire_dtype}")
+            raise TypeError(
+                f"wire_dtype must be {dtype} (the parameters' dtype) or torch.bfloat16, got {wire_dtype}"
+            )
         self.wire_dtype = wire_dtype
         self.on_nonfinite = on_nonfinite
         self.device = self.frags.device
@@ -149,11 +164,15 @@ class Strategy(abc.ABC):
         """Agree on the configuration and model with every rank, then start from rank 0's state.
         Call at the end of a subclass constructor, after its own checks (before any other
         collective: a mismatch must be named before it can break a collective)."""
-        fields: dict[str, Any] = {"method": self.method, "process group size": self.world,
-                                  "wire_dtype": str(self.wire_dtype), "on_nonfinite": self.on_nonfinite,
-                                  "max_nonfinite_syncs": self.max_nonfinite_syncs,
-                                  "guard_every": self.guard_every,
-                                  "number of fragments": self.frags.num_fragments}
+        fields: dict[str, Any] = {
+            "method": self.method,
+            "process group size": self.world,
+            "wire_dtype": str(self.wire_dtype),
+            "on_nonfinite": self.on_nonfinite,
+            "max_nonfinite_syncs": self.max_nonfinite_syncs,
+            "guard_every": self.guard_every,
+            "number of fragments": self.frags.num_fragments,
+        }
         fields.update({k: _plain(v) for k, v in self._config_fields().items()})
         fields.update(module_fields(self.model, self.frags.names))
         fields["fragment sizes"] = self.frags.sizes()
@@ -177,8 +196,9 @@ class Strategy(abc.ABC):
                     delattr(p, _OWNER)
 
     # ----- control vector: per-rank facts all-reduced beside every sync ----------------------------
-    def _control(self, nonfinite: torch.Tensor, extras: list[float],
-                 device_extras: torch.Tensor | None = None) -> torch.Tensor:
+    def _control(
+        self, nonfinite: torch.Tensor, extras: list[float], device_extras: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """fp64 [non-finite count by rank (world), broken views by rank (world), extras...,
         device_extras...]; this rank fills its own slots, the SUM all-reduce gives everyone
         everyone's. Built on the host (pinned) and copied without blocking; ``nonfinite`` and
@@ -186,23 +206,24 @@ class Strategy(abc.ABC):
         w = self.world
         self._view_problem = self.frags.broken_view(self.model)
         n_dev = 0 if device_extras is None else device_extras.numel()
-        host = torch.zeros(2 * w + len(extras) + n_dev, dtype=torch.float64,
-                           pin_memory=self.device.type == "cuda")
+        host = torch.zeros(
+            2 * w + len(extras) + n_dev, dtype=torch.float64, pin_memory=self.device.type == "cuda"
+        )
         if self._restarted_this_step:
             host[self.rank] = -1.0  # no evidence yet (see _sync_outcome)
         if self._view_problem is not None:
             host[w + self.rank] = 1.0
         if extras:
-            host[2 * w:2 * w + len(extras)] = torch.tensor(extras, dtype=torch.float64)
+            host[2 * w : 2 * w + len(extras)] = torch.tensor(extras, dtype=torch.float64)
         control = host.to(self.device, non_blocking=True)
         if not self._restarted_this_step:
             control[self.rank] = nonfinite
         if device_extras is not None:
-            control[2 * w + len(extras):] = device_extras.reshape(-1)
+            control[2 * w + len(extras) :] = device_extras.reshape(-1)
         return control
 
     def _extras(self, control: list[float]) -> list[float]:
-        return control[2 * self.world:]
+        return control[2 * self.world :]
 
     def _sync_outcome(self, control: list[float], what: str) -> bool:
         """Act on the per-rank facts of one sync (identical on every rank): raise on every rank if
@@ -212,9 +233,11 @@ class Strategy(abc.ABC):
         broken = [r for r in range(w) if control[w + r] > 0]
         if broken:
             mine = f" On this rank: {self._view_problem.rstrip('.')}." if self._view_problem else ""
-            raise ParameterViewError(f"{what}: the model parameters of rank(s) {broken} no longer view the "
-                                     "strategy's buffer, so they would silently stop being synchronised; "
-                                     f"every rank stops.{mine} Move or convert the model before wrapping it.")
+            raise ParameterViewError(
+                f"{what}: the model parameters of rank(s) {broken} no longer view the "
+                "strategy's buffer, so they would silently stop being synchronised; "
+                f"every rank stops.{mine} Move or convert the model before wrapping it."
+            )
         # count < 0: the rank restarted in this very step and sent its reset state, which says
         # nothing about whether it is still broken, so its streak neither grows nor resets
         counts = control[:w]
@@ -225,17 +248,21 @@ class Strategy(abc.ABC):
         if not bad:
             return False
         total = int(sum(c for c in counts if c > 0))
-        msg = (f"{what}: {total} non-finite pseudo-gradient entries from rank(s) {bad}; every rank skips "
-               "this sync (g and u unchanged) and restarts it from the last good global")
+        msg = (
+            f"{what}: {total} non-finite pseudo-gradient entries from rank(s) {bad}; every rank skips "
+            "this sync (g and u unchanged) and restarts it from the last good global"
+        )
         if self.on_nonfinite == "raise":
             raise FloatingPointError(msg)
         stuck = [r for r in bad if self._nonfinite_streak[r] >= self.max_nonfinite_syncs]
         if stuck:
-            raise FloatingPointError(f"{what}: rank(s) {stuck} sent non-finite values in "
-                                     f"{self.max_nonfinite_syncs} consecutive syncs even after restarting "
-                                     "from the last good global; stopping every rank instead of training on "
-                                     "(check the data and learning rate of those ranks; the limit is "
-                                     "max_nonfinite_syncs)")
+            raise FloatingPointError(
+                f"{what}: rank(s) {stuck} sent non-finite values in "
+                f"{self.max_nonfinite_syncs} consecutive syncs even after restarting "
+                "from the last good global; stopping every rank instead of training on "
+                "(check the data and learning rate of those ranks; the limit is "
+                "max_nonfinite_syncs)"
+            )
         self.log.warning(msg)
         return True
 
@@ -245,7 +272,7 @@ class Strategy(abc.ABC):
         if not bool(torch.isfinite(self.frags.flat).all()):
             return True
         for st in self.inner_optimizer.state.values():
-            for v in (st.values() if isinstance(st, dict) else ()):
+            for v in st.values() if isinstance(st, dict) else ():
                 if isinstance(v, torch.Tensor) and v.is_floating_point():
                     if not bool(torch.isfinite(v).all()):
                         return True
@@ -304,8 +331,10 @@ class Strategy(abc.ABC):
     def step(self) -> None:
         """Call once after each ``inner_optimizer.step()`` when not using ``with strategy:``."""
         if self._hook is not None:
-            raise RuntimeError("strategy.step() called inside `with strategy:`; the optimizer hook "
-                               "already advances the strategy (use one or the other)")
+            raise RuntimeError(
+                "strategy.step() called inside `with strategy:`; the optimizer hook "
+                "already advances the strategy (use one or the other)"
+            )
         self._on_step()
 
     def _open_compute_range(self) -> None:
@@ -359,7 +388,7 @@ class Strategy(abc.ABC):
         """Per-step compute times measured since the last call: host time between hooks on the CPU,
         device time between hook events on a GPU (see ``_mark_device_step``)."""
         samples = self.metrics.device_step_s if self.device.type == "cuda" else self.metrics.step_compute_s
-        new = samples[self._samples_seen:]
+        new = samples[self._samples_seen :]
         self._samples_seen = len(samples)
         return new
 
@@ -406,8 +435,10 @@ class Strategy(abc.ABC):
             self._finish()
         problem = self.frags.broken_view(self.model)
         if problem is not None:
-            raise ParameterViewError(f"{self.method} finish at step {self.step_count}: {problem}; the last "
-                                     "results did not reach the model on this rank")
+            raise ParameterViewError(
+                f"{self.method} finish at step {self.step_count}: {problem}; the last "
+                "results did not reach the model on this rank"
+            )
 
     @abc.abstractmethod
     def _finish(self) -> None:
@@ -433,21 +464,31 @@ class Strategy(abc.ABC):
         for j, (what, _) in enumerate(named):
             col = table[:, j]
             if not bool((col == col[0]).all()):
-                raise ConsistencyError(f"ranks disagree on {what} at step {self.step_count} "
-                                       f"(hashes by rank: {col.tolist()})")
+                raise ConsistencyError(
+                    f"ranks disagree on {what} at step {self.step_count} (hashes by rank: {col.tolist()})"
+                )
 
     # ----- checkpoints ---------------------------------------------------------------------------
     def shape(self) -> dict[str, Any]:
         """What a checkpoint must match to be loaded into this strategy."""
-        return {"method": self.method, "fragments": self.frags.num_fragments, "world_size": self.world,
-                "param_count": self.frags.numel, "fragment_sizes": self.frags.sizes()}
+        return {
+            "method": self.method,
+            "fragments": self.frags.num_fragments,
+            "world_size": self.world,
+            "param_count": self.frags.numel,
+            "fragment_sizes": self.frags.sizes(),
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """g, u, pending results and schedule state (drains in-flight collectives first). Tensors
         are CPU clones; everything is loadable with ``torch.load(weights_only=True)``."""
         self.drain()
-        return {"format_version": FORMAT_VERSION, "shape": self.shape(), "step": self.step_count,
-                **self._state()}
+        return {
+            "format_version": FORMAT_VERSION,
+            "shape": self.shape(),
+            "step": self.step_count,
+            **self._state(),
+        }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore ``state_dict()``. Every tensor's dtype and shape is checked before anything is
@@ -476,24 +517,32 @@ class Strategy(abc.ABC):
         if not isinstance(sd, dict) or "format_version" not in sd or "shape" not in sd:
             raise CheckpointError("not a lowcomm strategy state (missing format_version / shape)")
         if sd["format_version"] != FORMAT_VERSION:
-            raise CheckpointError(f"checkpoint format version {sd['format_version']} is not supported "
-                                  f"(this build reads version {FORMAT_VERSION})")
+            raise CheckpointError(
+                f"checkpoint format version {sd['format_version']} is not supported "
+                f"(this build reads version {FORMAT_VERSION})"
+            )
         mine, theirs = self.shape(), sd["shape"]
         if not isinstance(theirs, dict):
             raise CheckpointError("checkpoint entry shape should be a dict")
         for key in mine:
             if theirs.get(key) != mine[key]:
-                raise CheckpointError(f"checkpoint {key} is {theirs.get(key)!r} but this strategy has "
-                                      f"{mine[key]!r}; a checkpoint loads only into the same method, "
-                                      "fragments, world size and model")
+                raise CheckpointError(
+                    f"checkpoint {key} is {theirs.get(key)!r} but this strategy has "
+                    f"{mine[key]!r}; a checkpoint loads only into the same method, "
+                    "fragments, world size and model"
+                )
 
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Write strategy + model + inner-optimizer state of THIS rank to ``path`` atomically and
         with a checksum (see ``runtime.checkpoint``). One file per rank."""
-        obj = {"format_version": FORMAT_VERSION, "shape": self.shape(), "strategy": self.state_dict(),
-               "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
-               "optimizer": self.inner_optimizer.state_dict(),
-               "optimizer_type": _qualname(self.inner_optimizer)}
+        obj = {
+            "format_version": FORMAT_VERSION,
+            "shape": self.shape(),
+            "strategy": self.state_dict(),
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": self.inner_optimizer.state_dict(),
+            "optimizer_type": _qualname(self.inner_optimizer),
+        }
         write_checkpoint(obj, path)
 
     def load_checkpoint(self, path: str | os.PathLike) -> None:
@@ -505,18 +554,22 @@ class Strategy(abc.ABC):
         self._validate(obj.get("strategy"))
         want = _qualname(self.inner_optimizer)
         if obj.get("optimizer_type") != want:
-            raise CheckpointError(f"checkpoint was written with inner optimizer "
-                                  f"{obj.get('optimizer_type')!r} "
-                                  f"but this strategy wraps {want!r}")
+            raise CheckpointError(
+                f"checkpoint was written with inner optimizer "
+                f"{obj.get('optimizer_type')!r} "
+                f"but this strategy wraps {want!r}"
+            )
         model_sd = obj.get("model")
         if not isinstance(model_sd, dict):
             raise CheckpointError("checkpoint entry model should be a dict")
         mine = self.model.state_dict()
         if set(model_sd) != set(mine):
             extra, missing = sorted(set(model_sd) - set(mine)), sorted(set(mine) - set(model_sd))
-            raise CheckpointError(f"checkpoint model entries do not match this model "
-                                  f"(unexpected: {extra[:5]}, "
-                                  f"missing: {missing[:5]})")
+            raise CheckpointError(
+                f"checkpoint model entries do not match this model "
+                f"(unexpected: {extra[:5]}, "
+                f"missing: {missing[:5]})"
+            )
         for k, v in mine.items():
             expect_tensor(f"model[{k!r}]", model_sd[k], tuple(v.shape), v.dtype)
         if not isinstance(obj.get("optimizer"), dict):
@@ -546,10 +599,12 @@ def _refuse_second_wrap(model: nn.Module) -> None:
         ref = getattr(p, _OWNER, None)
         owner = ref() if ref is not None else None
         if owner is not None:
-            raise ValueError(f"model is already wrapped by a {type(owner).__name__} strategy "
-                             f"(parameter {n!r}); "
-                             "a second strategy would leave the first one synchronising an orphaned "
-                             "buffer. Call first_strategy.close() before wrapping the model again.")
+            raise ValueError(
+                f"model is already wrapped by a {type(owner).__name__} strategy "
+                f"(parameter {n!r}); "
+                "a second strategy would leave the first one synchronising an orphaned "
+                "buffer. Call first_strategy.close() before wrapping the model again."
+            )
 
 
 def nvtx(name: str):

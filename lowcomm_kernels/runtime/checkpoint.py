@@ -39,8 +39,16 @@ def write_checkpoint(obj: dict[str, Any], path: str | os.PathLike) -> None:
     buf = io.BytesIO()
     torch.save(obj, buf)
     payload = buf.getbuffer()
-    header = json.dumps({"format_version": FILE_VERSION, "payload_bytes": len(payload),
-                         "sha256": hashlib.sha256(payload).hexdigest()}).encode() + b"\n"
+    header = (
+        json.dumps(
+            {
+                "format_version": FILE_VERSION,
+                "payload_bytes": len(payload),
+                "sha256": hashlib.sha256(payload).hexdigest(),
+            }
+        ).encode()
+        + b"\n"
+    )
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -62,22 +70,28 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     with open(path, "rb") as f:  # FileNotFoundError passes through unchanged
         data = f.read()
     if not data.startswith(MAGIC):
-        raise CheckpointError(f"{path!r} is not a lowcomm checkpoint (no header; files written before "
-                              f"format version {FILE_VERSION} carry no checksum and are not read)")
+        raise CheckpointError(
+            f"{path!r} is not a lowcomm checkpoint (no header; files written before "
+            f"format version {FILE_VERSION} carry no checksum and are not read)"
+        )
     end = data.find(b"\n", len(MAGIC))
     try:
-        header = json.loads(data[len(MAGIC):end])
+        header = json.loads(data[len(MAGIC) : end])
         version, size, digest = header["format_version"], int(header["payload_bytes"]), str(header["sha256"])
     except Exception as e:
         raise CheckpointError(f"{path!r}: unreadable checkpoint header ({type(e).__name__}: {e})") from e
     if version != FILE_VERSION:
-        raise CheckpointError(f"{path!r}: checkpoint format version {version} is not supported "
-                              f"(this build reads version {FILE_VERSION})")
-    payload = memoryview(data)[end + 1:]
+        raise CheckpointError(
+            f"{path!r}: checkpoint format version {version} is not supported "
+            f"(this build reads version {FILE_VERSION})"
+        )
+    payload = memoryview(data)[end + 1 :]
     if len(payload) != size:
-        raise CheckpointError(f"{path!r} is truncated or has trailing bytes: payload is "
-                              f"{len(payload)} bytes, "
-                              f"the header says {size}")
+        raise CheckpointError(
+            f"{path!r} is truncated or has trailing bytes: payload is "
+            f"{len(payload)} bytes, "
+            f"the header says {size}"
+        )
     if hashlib.sha256(payload).hexdigest() != digest:
         raise CheckpointError(f"{path!r} fails its SHA-256 checksum: the file is corrupted")
     try:
@@ -94,8 +108,10 @@ def expect_tensor(name: str, value: object, shape: tuple[int, ...], dtype: torch
     if not isinstance(value, torch.Tensor):
         raise CheckpointError(f"checkpoint entry {name} should be a tensor, got {type(value).__name__}")
     if tuple(value.shape) != tuple(shape) or value.dtype != dtype:
-        raise CheckpointError(f"checkpoint entry {name} is {value.dtype} of shape {tuple(value.shape)}; "
-                              f"this strategy needs {dtype} of shape {tuple(shape)}")
+        raise CheckpointError(
+            f"checkpoint entry {name} is {value.dtype} of shape {tuple(value.shape)}; "
+            f"this strategy needs {dtype} of shape {tuple(shape)}"
+        )
     return value
 
 

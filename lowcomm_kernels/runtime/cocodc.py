@@ -41,11 +41,24 @@ class CoCoDC(DenseStrategy):
     needs_snapshot = True
     local_keys = ("ts_last",)
 
-    def __init__(self, model, inner_optimizer, *, sync_every: int, num_fragments: int,
-                 fragment_sync_delay: int,
-                 lam: float = 0.5, lam_mode: str = "normalized", gamma: float = 0.4,
-                 syncs_per_period: str | int = "auto", score: str = "l2_global", outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True, **common: Any) -> None:
+    def __init__(
+        self,
+        model,
+        inner_optimizer,
+        *,
+        sync_every: int,
+        num_fragments: int,
+        fragment_sync_delay: int,
+        lam: float = 0.5,
+        lam_mode: str = "normalized",
+        gamma: float = 0.4,
+        syncs_per_period: str | int = "auto",
+        score: str = "l2_global",
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        **common: Any,
+    ) -> None:
         H = self.H = integer("sync_every", sync_every, lo=1)
         K = integer("num_fragments", num_fragments, lo=1)
         tau = integer("fragment_sync_delay", fragment_sync_delay, lo=0)
@@ -61,10 +74,19 @@ class CoCoDC(DenseStrategy):
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         self.score = score
-        super().__init__(model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau, outer_lr=outer_lr,
-                         outer_momentum=outer_momentum, nesterov=nesterov, beta=1.0, lam=lam,
-                         lam_mode=lam_mode,
-                         **common)
+        super().__init__(
+            model,
+            inner_optimizer,
+            num_fragments=K,
+            fragment_sync_delay=tau,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=nesterov,
+            beta=1.0,
+            lam=lam,
+            lam_mode=lam_mode,
+            **common,
+        )
         self.K = K
         self.N = K if self.auto else int(syncs_per_period)
         self.last_send = [-1] * K  # step of the last send of each fragment (-1: never)
@@ -78,8 +100,9 @@ class CoCoDC(DenseStrategy):
         self._rr_next = 0  # round_robin: the next fragment in the cycle
         self._offsets_all = self.frags.offsets.to(self.outer_dev)
         # [0, size_p] per fragment, made once (no host-to-device copy per sync)
-        self._whole = [torch.tensor([0, n], dtype=torch.int64, device=self.outer_dev)
-                       for n in self.frags.sizes()]
+        self._whole = [
+            torch.tensor([0, n], dtype=torch.int64, device=self.outer_dev) for n in self.frags.sizes()
+        ]
         self._norms_due: dict[int, tuple[DeviceToHost, int]] = {}  # l2_global norms not yet read
         self._init_buffers()
 
@@ -145,9 +168,12 @@ class CoCoDC(DenseStrategy):
         return 2 + (self.K if self.score == "l1_local" else 0)
 
     def _schedule_fields(self) -> dict[str, Any]:
-        return {"sync_every": self.H, "syncs_per_period": "auto" if self.auto else self.N,
-                "gamma": self.gamma,
-                "score": self.score}
+        return {
+            "sync_every": self.H,
+            "syncs_per_period": "auto" if self.auto else self.N,
+            "gamma": self.gamma,
+            "score": self.score,
+        }
 
     def _on_result(self, pd: Pending, delta_avg: torch.Tensor, control: list[float]) -> None:
         if pd.handle is not None:
@@ -168,7 +194,7 @@ class CoCoDC(DenseStrategy):
             covered = max(1, pd.send_step - self._covered_from(pd))
             self._norms_due[p] = (DeviceToHost(norm), covered)
         else:
-            self.scores = list(control[2:2 + self.K])
+            self.scores = list(control[2 : 2 + self.K])
 
     def _resolve_scores(self) -> None:
         for p, (norm, covered) in self._norms_due.items():
@@ -182,9 +208,16 @@ class CoCoDC(DenseStrategy):
     # ----- checkpoint ----------------------------------------------------------------------------
     def _schedule_state(self) -> dict[str, Any]:
         self._resolve_scores()
-        return {"N": self.N, "last_send": list(self.last_send), "prev_send": list(self.prev_send),
-                "scores": list(self.scores), "T_c": self.T_c, "T_s": self.T_s, "ts_last": self._ts_last,
-                "rr_next": self._rr_next}
+        return {
+            "N": self.N,
+            "last_send": list(self.last_send),
+            "prev_send": list(self.prev_send),
+            "scores": list(self.scores),
+            "T_c": self.T_c,
+            "T_s": self.T_s,
+            "ts_last": self._ts_last,
+            "rr_next": self._rr_next,
+        }
 
     def _validate_state(self, sd: dict[str, Any]) -> None:
         super()._validate_state(sd)
@@ -198,14 +231,18 @@ class CoCoDC(DenseStrategy):
             for i, v in enumerate(vals):
                 expect_int(f"schedule.{key}[{i}]", v, lo)
         scores = sch.get("scores")
-        if not isinstance(scores, list) or len(scores) != self.K or not all(
-                isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in scores):
+        if (
+            not isinstance(scores, list)
+            or len(scores) != self.K
+            or not all(isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in scores)
+        ):
             raise CheckpointError(f"checkpoint entry schedule.scores should be {self.K} finite numbers >= 0")
         for key in ("T_c", "T_s", "ts_last"):
             v = sch.get(key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-                raise CheckpointError(f"checkpoint entry schedule.{key} should be a finite number >= 0, "
-                                      f"got {v!r}")
+                raise CheckpointError(
+                    f"checkpoint entry schedule.{key} should be a finite number >= 0, got {v!r}"
+                )
 
     def _load_schedule_state(self, sd: dict[str, Any]) -> None:
         self.N = int(sd["N"])

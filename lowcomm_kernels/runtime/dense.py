@@ -65,9 +65,22 @@ class DenseStrategy(Strategy):
     needs_snapshot = False  # the merge reads x_sent (β or λ non-zero)
     local_keys: tuple[str, ...] = ()  # schedule-state keys that legitimately differ between ranks
 
-    def __init__(self, model, inner_optimizer, *, num_fragments: int, fragment_sync_delay: int,
-                 outer_lr: float, outer_momentum: float, nesterov: bool = True, alpha: float = 0.0,
-                 beta: float = 0.0, lam: float = 0.0, lam_mode: str = "absolute", **common: Any) -> None:
+    def __init__(
+        self,
+        model,
+        inner_optimizer,
+        *,
+        num_fragments: int,
+        fragment_sync_delay: int,
+        outer_lr: float,
+        outer_momentum: float,
+        nesterov: bool = True,
+        alpha: float = 0.0,
+        beta: float = 0.0,
+        lam: float = 0.0,
+        lam_mode: str = "absolute",
+        **common: Any,
+    ) -> None:
         super().__init__(model, inner_optimizer, num_fragments=num_fragments, **common)
         self.tau = integer("fragment_sync_delay", fragment_sync_delay, lo=0)
         self.outer_lr = scalar("outer_lr", outer_lr, lo=0.0)
@@ -93,9 +106,14 @@ class DenseStrategy(Strategy):
         """(fragment, reason) pairs to send after inner step t, in order."""
 
     def _config_fields(self) -> dict[str, Any]:
-        return {"fragment_sync_delay": self.tau, "outer_lr": self.outer_lr,
-                "outer_momentum": self.outer_momentum, "nesterov": self.nesterov, **self.merge_kw,
-                **self._schedule_fields()}
+        return {
+            "fragment_sync_delay": self.tau,
+            "outer_lr": self.outer_lr,
+            "outer_momentum": self.outer_momentum,
+            "nesterov": self.nesterov,
+            **self.merge_kw,
+            **self._schedule_fields(),
+        }
 
     @abc.abstractmethod
     def _schedule_fields(self) -> dict[str, Any]:
@@ -142,16 +160,19 @@ class DenseStrategy(Strategy):
             g_p = self.frags.slice(self.g, p)
             x_p = self.frags.x(p)
             x_src = self.to_outer(x_p)
-            delta, snap, nonfinite = ops.pack(g_p, x_src, wire_dtype=self.wire_dtype,
-                                              snapshot_out=None if self.needs_snapshot else False)
+            delta, snap, nonfinite = ops.pack(
+                g_p, x_src, wire_dtype=self.wire_dtype, snapshot_out=None if self.needs_snapshot else False
+            )
             control = self._control(nonfinite, *self._control_extras(p, t))
             delta = self.to_model(delta)
         pack_s = time.perf_counter() - t0
         name = f"{self.method} sync of fragment {p} sent at step {t}"
-        handle = self.transport.all_reduce([delta, control], name=name, host=control,
-                                           payload_bytes=delta.numel() * delta.element_size())
-        pd = Pending(p, t, t + self.tau, delta, snap, control, handle, reason, pack_s,
-                     wire_bytes=handle.wire_bytes)
+        handle = self.transport.all_reduce(
+            [delta, control], name=name, host=control, payload_bytes=delta.numel() * delta.element_size()
+        )
+        pd = Pending(
+            p, t, t + self.tau, delta, snap, control, handle, reason, pack_s, wire_bytes=handle.wire_bytes
+        )
         self.pending.append(pd)
         inflight = sum(q.nbytes() for q in self.pending)
         self.metrics.peak_inflight_bytes = max(self.metrics.peak_inflight_bytes, inflight)
@@ -189,15 +210,35 @@ class DenseStrategy(Strategy):
                     delta.div_(self.world)  # gloo has no AVG; SUM then scale the received buffer
                 delta, x_work = self.to_outer(delta), self.to_outer(x_p)
                 self._on_result(pd, delta, self._extras(control))
-                ops.outer_merge_(g_p, u_p, delta, x_work, pd.x_sent, lr=self.outer_lr,
-                                 momentum=self.outer_momentum, nesterov=self.nesterov, **self.merge_kw)
+                ops.outer_merge_(
+                    g_p,
+                    u_p,
+                    delta,
+                    x_work,
+                    pd.x_sent,
+                    lr=self.outer_lr,
+                    momentum=self.outer_momentum,
+                    nesterov=self.nesterov,
+                    **self.merge_kw,
+                )
                 if x_work is not x_p:
                     x_p.copy_(self.to_model(x_work))
         self.applied_count += 1
-        self._record(SyncRecord(fragment=p, send_step=pd.send_step, apply_step=t, bytes=pd.wire_bytes,
-                                in_flight_s=pd.in_flight_s, exposed_s=pd.exposed_s,
-                                staleness=t - pd.send_step, skipped=skipped, reason=pd.reason,
-                                pack_s=pd.pack_s, merge_s=time.perf_counter() - t0))
+        self._record(
+            SyncRecord(
+                fragment=p,
+                send_step=pd.send_step,
+                apply_step=t,
+                bytes=pd.wire_bytes,
+                in_flight_s=pd.in_flight_s,
+                exposed_s=pd.exposed_s,
+                staleness=t - pd.send_step,
+                skipped=skipped,
+                reason=pd.reason,
+                pack_s=pd.pack_s,
+                merge_s=time.perf_counter() - t0,
+            )
+        )
 
     def _restart_poisoned(self) -> None:
         """This rank holds non-finite values: restart it entirely from the last good global."""
@@ -206,19 +247,29 @@ class DenseStrategy(Strategy):
             if pd.x_sent is not None:
                 pd.x_sent.copy_(self.frags.slice(self.g, pd.fragment))
         self._clear_inner_state(p for grp in self.frags.params for p in grp)
-        self.log.warning(f"held non-finite parameters or inner-optimizer state at step {self.step_count}: "
-                         "restarting from the last good global with the inner-optimizer state cleared")
+        self.log.warning(
+            f"held non-finite parameters or inner-optimizer state at step {self.step_count}: "
+            "restarting from the last good global with the inner-optimizer state cleared"
+        )
 
     # ----- checkpoint / guard --------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
         return {
-            "g": self.g.detach().cpu().clone(), "u": self.u.detach().cpu().clone(),
+            "g": self.g.detach().cpu().clone(),
+            "u": self.u.detach().cpu().clone(),
             "applied_count": self.applied_count,
-            "pending": [{"fragment": pd.fragment, "send_step": pd.send_step, "apply_step": pd.apply_step,
-                         "delta": pd.delta.detach().cpu().clone(),
-                         "control": pd.control.detach().cpu().clone(),
-                         "x_sent": None if pd.x_sent is None else pd.x_sent.detach().cpu().clone(),
-                         "reason": pd.reason} for pd in self.pending],
+            "pending": [
+                {
+                    "fragment": pd.fragment,
+                    "send_step": pd.send_step,
+                    "apply_step": pd.apply_step,
+                    "delta": pd.delta.detach().cpu().clone(),
+                    "control": pd.control.detach().cpu().clone(),
+                    "x_sent": None if pd.x_sent is None else pd.x_sent.detach().cpu().clone(),
+                    "reason": pd.reason,
+                }
+                for pd in self.pending
+            ],
             "schedule": self._schedule_state(),
         }
 
@@ -229,8 +280,9 @@ class DenseStrategy(Strategy):
         expect_int("applied_count", sd.get("applied_count"), 0)
         pending = sd.get("pending")
         if not isinstance(pending, list) or len(pending) > self.frags.num_fragments:
-            raise CheckpointError(f"checkpoint entry pending should be a list of at most "
-                                  f"{self.frags.num_fragments} syncs")
+            raise CheckpointError(
+                f"checkpoint entry pending should be a list of at most {self.frags.num_fragments} syncs"
+            )
         width = 2 * self.world + self._num_extras()
         for i, q in enumerate(pending):
             if not isinstance(q, dict):
@@ -253,16 +305,33 @@ class DenseStrategy(Strategy):
         self.pending = []
         for q in sd["pending"]:
             x_sent = None if q["x_sent"] is None else q["x_sent"].to(self.outer_dev)
-            self.pending.append(Pending(int(q["fragment"]), int(q["send_step"]), int(q["apply_step"]),
-                                        q["delta"].to(self.device), x_sent, q["control"].to(self.device),
-                                        None, str(q["reason"]), control_host=q["control"].tolist()))
+            self.pending.append(
+                Pending(
+                    int(q["fragment"]),
+                    int(q["send_step"]),
+                    int(q["apply_step"]),
+                    q["delta"].to(self.device),
+                    x_sent,
+                    q["control"].to(self.device),
+                    None,
+                    str(q["reason"]),
+                    control_host=q["control"].tolist(),
+                )
+            )
         self._load_schedule_state(sd["schedule"])
 
     def _guard_values(self) -> list[tuple[str, int]]:
-        vals = [(f"fragment {p} of g", tensor_hash(self.frags.slice(self.g, p)))
-                for p in range(self.frags.num_fragments)]
-        sched = repr((self.step_count, [(pd.fragment, pd.send_step, pd.apply_step) for pd in self.pending],
-                      sorted((k, v) for k, v in self._schedule_state().items() if k not in self.local_keys)))
+        vals = [
+            (f"fragment {p} of g", tensor_hash(self.frags.slice(self.g, p)))
+            for p in range(self.frags.num_fragments)
+        ]
+        sched = repr(
+            (
+                self.step_count,
+                [(pd.fragment, pd.send_step, pd.apply_step) for pd in self.pending],
+                sorted((k, v) for k, v in self._schedule_state().items() if k not in self.local_keys),
+            )
+        )
         sched_bytes = torch.frombuffer(bytearray(sched.encode()), dtype=torch.uint8)
         vals.append(("schedule state", tensor_hash(sched_bytes)))
         return vals
@@ -278,11 +347,28 @@ class DiLoCo(DenseStrategy):
 
     method = "diloco"
 
-    def __init__(self, model, inner_optimizer, *, sync_every: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True, **common: Any) -> None:
+    def __init__(
+        self,
+        model,
+        inner_optimizer,
+        *,
+        sync_every: int,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        **common: Any,
+    ) -> None:
         self.H = integer("sync_every", sync_every, lo=1)
-        super().__init__(model, inner_optimizer, num_fragments=1, fragment_sync_delay=0, outer_lr=outer_lr,
-                         outer_momentum=outer_momentum, nesterov=nesterov, **common)
+        super().__init__(
+            model,
+            inner_optimizer,
+            num_fragments=1,
+            fragment_sync_delay=0,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=nesterov,
+            **common,
+        )
         self._init_buffers()
 
     def _schedule_fields(self) -> dict[str, Any]:
@@ -301,16 +387,36 @@ class StreamingDiLoCo(DenseStrategy):
 
     method = "streaming_diloco"
 
-    def __init__(self, model, inner_optimizer, *, sync_every: int, num_fragments: int,
-                 fragment_sync_delay: int, fragment_update_alpha: float = 0.0, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True, **common: Any) -> None:
+    def __init__(
+        self,
+        model,
+        inner_optimizer,
+        *,
+        sync_every: int,
+        num_fragments: int,
+        fragment_sync_delay: int,
+        fragment_update_alpha: float = 0.0,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        **common: Any,
+    ) -> None:
         self.H = integer("sync_every", sync_every, lo=1)
         K = integer("num_fragments", num_fragments, lo=1)
         tau = integer("fragment_sync_delay", fragment_sync_delay, lo=0)
         check_streaming_schedule(self.H, K, tau)
         alpha = scalar("fragment_update_alpha", fragment_update_alpha, lo=0.0, hi=1.0)
-        super().__init__(model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau, outer_lr=outer_lr,
-                         outer_momentum=outer_momentum, nesterov=nesterov, alpha=alpha, **common)
+        super().__init__(
+            model,
+            inner_optimizer,
+            num_fragments=K,
+            fragment_sync_delay=tau,
+            outer_lr=outer_lr,
+            outer_momentum=outer_momentum,
+            nesterov=nesterov,
+            alpha=alpha,
+            **common,
+        )
         self.offsets_in_period = [(p * self.H) // K for p in range(K)]
         self._init_buffers()
 

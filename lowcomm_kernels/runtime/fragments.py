@@ -49,12 +49,14 @@ def _params_of(entry: object, where: str) -> list[nn.Parameter]:
         for i, e in enumerate(entry):
             out.extend(_params_of(e, f"{where}[{i}]"))
         return out
-    raise TypeError(f"fragments{where} must be a module, a Parameter or a list of them, "
-                    f"got {type(entry).__name__}")
+    raise TypeError(
+        f"fragments{where} must be a module, a Parameter or a list of them, got {type(entry).__name__}"
+    )
 
 
-def plan_fragments(model: nn.Module, num_fragments: int,
-                   fragments: FragmentSpec = None) -> list[list[nn.Parameter]]:
+def plan_fragments(
+    model: nn.Module, num_fragments: int, fragments: FragmentSpec = None
+) -> list[list[nn.Parameter]]:
     """Which trainable parameters go to which fragment (each parameter exactly once)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
@@ -79,8 +81,10 @@ def plan_fragments(model: nn.Module, num_fragments: int,
             units = [[p] for p in params]
             what = f"{len(units)} trainable parameters (no nn.ModuleList of blocks found)"
         if num_fragments > len(units):
-            raise ValueError(f"num_fragments={num_fragments} is larger than the model's {what}; "
-                             "use fewer fragments or pass fragments=")
+            raise ValueError(
+                f"num_fragments={num_fragments} is larger than the model's {what}; "
+                "use fewer fragments or pass fragments="
+            )
         groups = [[] for _ in range(num_fragments)]
         for i, unit in enumerate(units):
             groups[i % num_fragments].extend(unit)
@@ -88,8 +92,9 @@ def plan_fragments(model: nn.Module, num_fragments: int,
     for f, grp in enumerate(groups):
         for p in grp:
             if id(p) in seen and seen[id(p)] != f:
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} is listed in fragments "
-                                 f"{seen[id(p)]} and {f}")
+                raise ValueError(
+                    f"a parameter of shape {tuple(p.shape)} is listed in fragments {seen[id(p)]} and {f}"
+                )
             seen[id(p)] = f
     groups = [list({id(p): p for p in grp}.values()) for grp in groups]
     sizes = [sum(p.numel() for p in grp) for grp in groups]
@@ -122,17 +127,23 @@ class FlatFragments:
         for f, grp in enumerate(groups):
             for p in grp:
                 if id(p) not in in_model:
-                    raise ValueError(f"fragments[{f}] lists a parameter of shape {tuple(p.shape)} that is "
-                                     "not "
-                                     "a parameter of the model")
+                    raise ValueError(
+                        f"fragments[{f}] lists a parameter of shape {tuple(p.shape)} that is "
+                        "not "
+                        "a parameter of the model"
+                    )
         devices = {p.device for grp in groups for p in grp}
         if len(devices) != 1:
-            raise ValueError(f"model parameters are on mixed devices {sorted(map(str, devices))}; "
-                             "move the model to one device before wrapping")
+            raise ValueError(
+                f"model parameters are on mixed devices {sorted(map(str, devices))}; "
+                "move the model to one device before wrapping"
+            )
         dtypes = {p.dtype for grp in groups for p in grp}
         if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float64):
-            raise TypeError(f"trainable parameters must all be float32 (or all float64), got "
-                            f"{sorted(str(d) for d in dtypes)}; keep master weights in fp32 and use autocast")
+            raise TypeError(
+                f"trainable parameters must all be float32 (or all float64), got "
+                f"{sorted(str(d) for d in dtypes)}; keep master weights in fp32 and use autocast"
+            )
         self.device = next(iter(devices))
         self.dtype = next(iter(dtypes))
         self.params = groups
@@ -145,7 +156,7 @@ class FlatFragments:
         with torch.no_grad():
             for grp in groups:
                 for p in grp:
-                    view = self.flat[off:off + p.numel()].view_as(p)
+                    view = self.flat[off : off + p.numel()].view_as(p)
                     view.copy_(p.data)
                     p.data = view  # same Parameter object: optimizer refs and state stay valid
                     off += p.numel()
@@ -166,7 +177,7 @@ class FlatFragments:
 
     def slice(self, buf: torch.Tensor, p: int) -> torch.Tensor:
         """Fragment p of any buffer laid out like ``flat`` (g, u, ...): a contiguous view."""
-        return buf[self.bounds[p]:self.bounds[p + 1]]
+        return buf[self.bounds[p] : self.bounds[p + 1]]
 
     def x(self, p: int) -> torch.Tensor:
         return self.slice(self.flat, p)
@@ -185,15 +196,23 @@ class FlatFragments:
                 except AttributeError:
                     current = None
                 if current is not p:
-                    return (f"parameter {name!r} (fragment {f}) was replaced by another Parameter object "
-                            "after wrapping (e.g. by load_state_dict(assign=True)); the strategy and the "
-                            "inner optimizer still hold the old one")
+                    return (
+                        f"parameter {name!r} (fragment {f}) was replaced by another Parameter object "
+                        "after wrapping (e.g. by load_state_dict(assign=True)); the strategy and the "
+                        "inner optimizer still hold the old one"
+                    )
                 d = p.data
-                if (d.data_ptr() != base + off * size or d.dtype != self.flat.dtype
-                        or d.device != self.flat.device or d.shape != p.shape):
-                    return (f"parameter {name!r} (fragment {f}) no longer views the strategy's flat buffer "
-                            f"(it is now {d.dtype} on {d.device}): param.data was reassigned after wrapping "
-                            "(by model.to(), model.double(), p.data = ... or the like)")
+                if (
+                    d.data_ptr() != base + off * size
+                    or d.dtype != self.flat.dtype
+                    or d.device != self.flat.device
+                    or d.shape != p.shape
+                ):
+                    return (
+                        f"parameter {name!r} (fragment {f}) no longer views the strategy's flat buffer "
+                        f"(it is now {d.dtype} on {d.device}): param.data was reassigned after wrapping "
+                        "(by model.to(), model.double(), p.data = ... or the like)"
+                    )
                 off += p.numel()
         return None
 

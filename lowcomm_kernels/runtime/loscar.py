@@ -65,8 +65,10 @@ class _SparsePending:
 def _per_rank(name: str, value: int | Sequence[int], world: int, rank: int, lo: int) -> tuple[int, list[int]]:
     if isinstance(value, (list, tuple)):
         if len(value) != world:
-            raise ValueError(f"{name} lists {len(value)} values but the process group has {world} ranks "
-                             "(give one per rank, or a single int)")
+            raise ValueError(
+                f"{name} lists {len(value)} values but the process group has {world} ranks "
+                "(give one per rank, or a single int)"
+            )
         vals = [integer(f"{name}[{i}]", v, lo=lo) for i, v in enumerate(value)]
     else:
         vals = [integer(name, value, lo=lo)] * world
@@ -78,9 +80,18 @@ class LOSCAR(Strategy):
 
     method = "loscar"
 
-    def __init__(self, model, inner_optimizer, *, density: float, local_steps: int | Sequence[int],
-                 overlap_steps: int | Sequence[int], merge: str = "delay_corrected", seed: int = 0,
-                 **common: Any) -> None:
+    def __init__(
+        self,
+        model,
+        inner_optimizer,
+        *,
+        density: float,
+        local_steps: int | Sequence[int],
+        overlap_steps: int | Sequence[int],
+        merge: str = "delay_corrected",
+        seed: int = 0,
+        **common: Any,
+    ) -> None:
         self.density = scalar("density", density, lo=0.0, hi=1.0, lo_open=True)
         if merge not in LOSCAR_MERGES:
             raise ValueError(f"merge must be one of {tuple(LOSCAR_MERGES)}, got {merge!r}")
@@ -122,10 +133,12 @@ class LOSCAR(Strategy):
             control = self._control(bad.to(torch.float64), [])
         pack_s = time.perf_counter() - t0
         name = f"LOSCAR sync of round {self.round} sent at step {t}"
-        handle = self.transport.all_reduce([wire, control], name=name, host=control,
-                                           payload_bytes=wire.numel() * wire.element_size())
-        self.inflight = _SparsePending(self.round, t, idx, sent, wire, control, handle, pack_s,
-                                       wire_bytes=handle.wire_bytes)
+        handle = self.transport.all_reduce(
+            [wire, control], name=name, host=control, payload_bytes=wire.numel() * wire.element_size()
+        )
+        self.inflight = _SparsePending(
+            self.round, t, idx, sent, wire, control, handle, pack_s, wire_bytes=handle.wire_bytes
+        )
         nbytes = sum(b.numel() * b.element_size() for b in (idx, sent, wire, control))
         self.metrics.peak_inflight_bytes = max(self.metrics.peak_inflight_bytes, nbytes)
 
@@ -159,20 +172,33 @@ class LOSCAR(Strategy):
             with nvtx("merge"):
                 if self.world > 1:
                     pd.wire.div_(self.world)
-                ops.sparse_scatter_merge_(self.frags.flat, pd.idx, pd.wire, pd.sent,
-                                          beta=LOSCAR_MERGES[self.merge])
-        self._record(SyncRecord(fragment=-1, send_step=pd.send_step, apply_step=t, bytes=pd.wire_bytes,
-                                in_flight_s=pd.in_flight_s, exposed_s=pd.exposed_s,
-                                staleness=t - pd.send_step,
-                                skipped=skipped, round=pd.round, pack_s=pd.pack_s,
-                                merge_s=time.perf_counter() - t0))
+                ops.sparse_scatter_merge_(
+                    self.frags.flat, pd.idx, pd.wire, pd.sent, beta=LOSCAR_MERGES[self.merge]
+                )
+        self._record(
+            SyncRecord(
+                fragment=-1,
+                send_step=pd.send_step,
+                apply_step=t,
+                bytes=pd.wire_bytes,
+                in_flight_s=pd.in_flight_s,
+                exposed_s=pd.exposed_s,
+                staleness=t - pd.send_step,
+                skipped=skipped,
+                round=pd.round,
+                pack_s=pd.pack_s,
+                merge_s=time.perf_counter() - t0,
+            )
+        )
 
     def _heal(self, poisoned: list[int], rnd: int) -> None:
         """Every rank: poisoned ranks take the parameters of the lowest healthy rank (collective)."""
         healthy = [r for r in range(self.world) if r not in poisoned]
         if not healthy:
-            raise FloatingPointError(f"LOSCAR round {rnd}: every rank holds non-finite parameters and LOSCAR "
-                                     "keeps no global copy to restart from; stopping every rank")
+            raise FloatingPointError(
+                f"LOSCAR round {rnd}: every rank holds non-finite parameters and LOSCAR "
+                "keeps no global copy to restart from; stopping every rank"
+            )
         src = healthy[0]
         x = self.frags.flat
         buf = x if self.rank in poisoned or self.rank == src else torch.empty_like(x)
@@ -180,21 +206,32 @@ class LOSCAR(Strategy):
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=self.transport.timeout_s))
         except Exception as e:
-            raise SyncError(f"LOSCAR round {rnd}: restarting rank(s) {poisoned} from rank {src} failed: "
-                            f"{type(e).__name__}: {e}") from e
+            raise SyncError(
+                f"LOSCAR round {rnd}: restarting rank(s) {poisoned} from rank {src} failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
         if ok is False:
-            raise SyncError(f"LOSCAR round {rnd}: restarting rank(s) {poisoned} from rank {src} did not "
-                            f"complete within {self.transport.timeout_s} s")
+            raise SyncError(
+                f"LOSCAR round {rnd}: restarting rank(s) {poisoned} from rank {src} did not "
+                f"complete within {self.transport.timeout_s} s"
+            )
         self.metrics.recovery_bytes += x.numel() * x.element_size()
         if self.rank in poisoned:
             self._clear_inner_state(p for grp in self.frags.params for p in grp)
-            self.log.warning(f"LOSCAR round {rnd}: held non-finite parameters; restarting from rank {src}'s "
-                             "parameters with the inner-optimizer state cleared")
+            self.log.warning(
+                f"LOSCAR round {rnd}: held non-finite parameters; restarting from rank {src}'s "
+                "parameters with the inner-optimizer state cleared"
+            )
 
     def _config_fields(self) -> dict[str, Any]:
-        return {"density": self.density, "k": self.k, "merge": self.merge, "seed": self.seed,
-                "local_steps (per rank)": list(self.local_steps),
-                "overlap_steps (per rank)": list(self.overlap_steps)}
+        return {
+            "density": self.density,
+            "k": self.k,
+            "merge": self.merge,
+            "seed": self.seed,
+            "local_steps (per rank)": list(self.local_steps),
+            "overlap_steps (per rank)": list(self.overlap_steps),
+        }
 
     # ----- checkpoint / guard --------------------------------------------------------------------
     @property
@@ -210,23 +247,43 @@ class LOSCAR(Strategy):
         if self.heterogeneous and not self.at_round_end:
             # Ranks with different step counts are in different rounds at the same step; a cut that
             # is consistent across ranks exists only at round ends (each rank at its own step).
-            raise CheckpointError("LOSCAR with per-rank local_steps/overlap_steps can be checkpointed only "
-                                  "at a round end (when strategy.at_round_end is True on every rank)")
+            raise CheckpointError(
+                "LOSCAR with per-rank local_steps/overlap_steps can be checkpointed only "
+                "at a round end (when strategy.at_round_end is True on every rank)"
+            )
         pd = self.inflight
-        inflight = None if pd is None else {
-            "round": pd.round, "send_step": pd.send_step, "sent": pd.sent.detach().cpu().clone(),
-            "wire": pd.wire.detach().cpu().clone(), "control": pd.control.detach().cpu().clone()}
-        return {"round": self.round, "s": self.s, "seed": self.seed, "k": self.k, "inflight": inflight,
-                "local_steps": list(self.local_steps), "overlap_steps": list(self.overlap_steps)}
+        inflight = (
+            None
+            if pd is None
+            else {
+                "round": pd.round,
+                "send_step": pd.send_step,
+                "sent": pd.sent.detach().cpu().clone(),
+                "wire": pd.wire.detach().cpu().clone(),
+                "control": pd.control.detach().cpu().clone(),
+            }
+        )
+        return {
+            "round": self.round,
+            "s": self.s,
+            "seed": self.seed,
+            "k": self.k,
+            "inflight": inflight,
+            "local_steps": list(self.local_steps),
+            "overlap_steps": list(self.overlap_steps),
+        }
 
     def _validate_state(self, sd: dict[str, Any]) -> None:
         for key in ("round", "s", "seed", "k"):
             expect_int(key, sd.get(key), 0)
-        if (sd.get("local_steps") != list(self.local_steps)
-                or sd.get("overlap_steps") != list(self.overlap_steps)):
-            raise CheckpointError(f"checkpoint has local_steps={sd.get('local_steps')!r}, "
-                                  f"overlap_steps={sd.get('overlap_steps')!r} but this LOSCAR has "
-                                  f"{list(self.local_steps)}, {list(self.overlap_steps)}")
+        if sd.get("local_steps") != list(self.local_steps) or sd.get("overlap_steps") != list(
+            self.overlap_steps
+        ):
+            raise CheckpointError(
+                f"checkpoint has local_steps={sd.get('local_steps')!r}, "
+                f"overlap_steps={sd.get('overlap_steps')!r} but this LOSCAR has "
+                f"{list(self.local_steps)}, {list(self.overlap_steps)}"
+            )
         q = sd.get("inflight")
         if q is not None:
             if not isinstance(q, dict):
@@ -239,8 +296,10 @@ class LOSCAR(Strategy):
 
     def _load_state(self, sd: dict[str, Any]) -> None:
         if int(sd["seed"]) != self.seed or int(sd["k"]) != self.k:
-            raise CheckpointError(f"checkpoint has seed={sd['seed']}, k={sd['k']} but this LOSCAR has "
-                                  f"seed={self.seed}, k={self.k}")
+            raise CheckpointError(
+                f"checkpoint has seed={sd['seed']}, k={sd['k']} but this LOSCAR has "
+                f"seed={self.seed}, k={self.k}"
+            )
         self.round, self.s = int(sd["round"]), int(sd["s"])
         q = sd["inflight"]
         if q is None:
@@ -248,12 +307,21 @@ class LOSCAR(Strategy):
         else:
             dev = self.frags.device
             idx = ops.mask_indices(self.seed, int(q["round"]), self.d, self.k, device=dev)
-            self.inflight = _SparsePending(int(q["round"]), int(q["send_step"]), idx, q["sent"].to(dev),
-                                           q["wire"].to(dev), q["control"].to(dev), None,
-                                           control_host=q["control"].tolist())
+            self.inflight = _SparsePending(
+                int(q["round"]),
+                int(q["send_step"]),
+                idx,
+                q["sent"].to(dev),
+                q["wire"].to(dev),
+                q["control"].to(dev),
+                None,
+                control_host=q["control"].tolist(),
+            )
 
     def _guard_values(self) -> list[tuple[str, int]]:
         sched = torch.tensor([self.round, self.seed, self.k, self.d], dtype=torch.int64)
         idx = ops.mask_indices(self.seed, self.round, self.d, self.k, device=self.frags.device)
-        return [("LOSCAR round / seed / k", tensor_hash(sched)),
-                (f"mask of round {self.round}", tensor_hash(idx))]
+        return [
+            ("LOSCAR round / seed / k", tensor_hash(sched)),
+            (f"mask of round {self.round}", tensor_hash(idx)),
+        ]

@@ -18,8 +18,15 @@ SCORES = ("l2_global", "l1_local", "round_robin")  # CoCoDC's fragment choice
 LOSCAR_MERGES = {"delay_corrected": 1.0, "overwrite": 0.0}  # merge name -> β of the scatter-merge
 WIRE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # what users type -> the wire dtype
 
-__all__ = ["LAM_MODES", "LOSCAR_MERGES", "SCORES", "WIRE_FORMATS", "check_cocodc_schedule",
-           "check_streaming_schedule", "cocodc_max_syncs"]
+__all__ = [
+    "LAM_MODES",
+    "LOSCAR_MERGES",
+    "SCORES",
+    "WIRE_FORMATS",
+    "check_cocodc_schedule",
+    "check_streaming_schedule",
+    "cocodc_max_syncs",
+]
 
 Name = Callable[[str], str]
 
@@ -28,18 +35,22 @@ def _plain(n: str) -> str:
     return n
 
 
-def check_streaming_schedule(sync_every: int, num_fragments: int, fragment_sync_delay: int,
-                             name: Name = _plain) -> None:
+def check_streaming_schedule(
+    sync_every: int, num_fragments: int, fragment_sync_delay: int, name: Name = _plain
+) -> None:
     """Streaming DiLoCo: one send slot per fragment (K ≤ H), and τ < ⌊H/K⌋ so each fragment's result
     lands before the next fragment is sent."""
     H, K, tau = sync_every, num_fragments, fragment_sync_delay
     if K > H:
-        raise ValueError(f"{name('num_fragments')}={K} must be <= {name('sync_every')}={H} "
-                         "(one send slot per fragment)")
+        raise ValueError(
+            f"{name('num_fragments')}={K} must be <= {name('sync_every')}={H} (one send slot per fragment)"
+        )
     if tau >= H // K:
-        raise ValueError(f"{name('fragment_sync_delay')}={tau} must be < {name('sync_every')} // "
-                         f"{name('num_fragments')} = {H // K} (the per-fragment period), so each result "
-                         "lands before the next fragment is sent")
+        raise ValueError(
+            f"{name('fragment_sync_delay')}={tau} must be < {name('sync_every')} // "
+            f"{name('num_fragments')} = {H // K} (the per-fragment period), so each result "
+            "lands before the next fragment is sent"
+        )
 
 
 def cocodc_max_syncs(sync_every: int, fragment_sync_delay: int) -> int:
@@ -47,20 +58,29 @@ def cocodc_max_syncs(sync_every: int, fragment_sync_delay: int) -> int:
     return sync_every if fragment_sync_delay == 0 else sync_every // fragment_sync_delay
 
 
-def check_cocodc_schedule(sync_every: int, num_fragments: int, fragment_sync_delay: int,
-                          syncs_per_period: str | int, name: Name = _plain) -> None:
+def check_cocodc_schedule(
+    sync_every: int,
+    num_fragments: int,
+    fragment_sync_delay: int,
+    syncs_per_period: str | int,
+    name: Name = _plain,
+) -> None:
     """CoCoDC: τ·K ≤ H (each fragment fits once per period) and N ∈ [K, ⌊H/τ⌋] when N is fixed."""
     H, K, tau = sync_every, num_fragments, fragment_sync_delay
     if tau * K > H:
-        raise ValueError(f"{name('fragment_sync_delay')}={tau} is too long: {name('fragment_sync_delay')} x "
-                         f"{name('num_fragments')} = {tau * K} must be <= {name('sync_every')}={H} "
-                         "(the per-fragment period is H/K)")
+        raise ValueError(
+            f"{name('fragment_sync_delay')}={tau} is too long: {name('fragment_sync_delay')} x "
+            f"{name('num_fragments')} = {tau * K} must be <= {name('sync_every')}={H} "
+            "(the per-fragment period is H/K)"
+        )
     if syncs_per_period == "auto":
         return
     if isinstance(syncs_per_period, bool) or not isinstance(syncs_per_period, int):
         raise ValueError(f"{name('syncs_per_period')} must be 'auto' or an int, got {syncs_per_period!r}")
     n_max = cocodc_max_syncs(H, tau)
     if not K <= syncs_per_period <= n_max:
-        raise ValueError(f"{name('syncs_per_period')}={syncs_per_period} must lie in "
-                         f"[{name('num_fragments')}={K}, {name('sync_every')} // "
-                         f"{name('fragment_sync_delay')} = {n_max}]")
+        raise ValueError(
+            f"{name('syncs_per_period')}={syncs_per_period} must lie in "
+            f"[{name('num_fragments')}={K}, {name('sync_every')} // "
+            f"{name('fragment_sync_delay')} = {n_max}]"
+        )

@@ -49,8 +49,9 @@ class WAN:
     bandwidth_bytes_per_s: float
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.latency_s, (int, float)) and math.isfinite(self.latency_s)
-                and self.latency_s >= 0):
+        if not (
+            isinstance(self.latency_s, (int, float)) and math.isfinite(self.latency_s) and self.latency_s >= 0
+        ):
             raise ValueError(f"latency_s must be a finite number >= 0, got {self.latency_s!r}")
         if not (isinstance(self.bandwidth_bytes_per_s, (int, float)) and self.bandwidth_bytes_per_s > 0):
             raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s!r}")
@@ -81,9 +82,17 @@ def wait_until(done: Callable[[], bool], timeout_s: float) -> bool:
 class Handle:
     """One in-flight all-reduce (possibly several tensors). ``wait()`` at most once."""
 
-    def __init__(self, transport: Transport, works: list, name: str, t_send: float, deadline: float,
-                 wire_bytes: int, done_event: torch.cuda.Event | None,
-                 host: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        transport: Transport,
+        works: list,
+        name: str,
+        t_send: float,
+        deadline: float,
+        wire_bytes: int,
+        done_event: torch.cuda.Event | None,
+        host: torch.Tensor | None = None,
+    ) -> None:
         self._transport = transport
         self._works = works
         self._host = host  # CPU (pinned on CUDA) copy of the reduced control vector
@@ -129,10 +138,12 @@ class Handle:
                     raise self._failed(e) from e
                 if not ok:
                     tr.abort()
-                    raise SyncError(f"{self.name} did not complete within {tr.timeout_s} s (a peer died or "
-                                    "the link broke); the NCCL communicator was aborted")
+                    raise SyncError(
+                        f"{self.name} did not complete within {tr.timeout_s} s (a peer died or "
+                        "the link broke); the NCCL communicator was aborted"
+                    )
                 torch.cuda.current_stream(tr.device).wait_event(self._done_event)
-            for w in ([] if self._done_event is not None else self._works):
+            for w in [] if self._done_event is not None else self._works:
                 try:
                     ok = w.wait(timeout=datetime.timedelta(seconds=tr.timeout_s))
                 except Exception as e:  # gloo: peer closed / timeout
@@ -149,9 +160,11 @@ class Handle:
         return t1 - t0
 
     def _failed(self, e: BaseException) -> SyncError:
-        return SyncError(f"{self.name} failed after {time.perf_counter() - self.t_send:.1f} s (a peer died "
-                         f"or the link broke; timeout {self._transport.timeout_s} s): "
-                         f"{type(e).__name__}: {e}")
+        return SyncError(
+            f"{self.name} failed after {time.perf_counter() - self.t_send:.1f} s (a peer died "
+            f"or the link broke; timeout {self._transport.timeout_s} s): "
+            f"{type(e).__name__}: {e}"
+        )
 
     def host_values(self) -> list[float]:
         """The reduced ``host`` tensor as Python floats (call after ``wait()``): read from pinned
@@ -172,8 +185,14 @@ class Handle:
 class Transport:
     """SUM all-reduces over ``group`` (see the module docstring)."""
 
-    def __init__(self, group: dist.ProcessGroup, *, device: torch.device, wan: WAN | None = None,
-                 timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        *,
+        device: torch.device,
+        wan: WAN | None = None,
+        timeout_s: float = 300.0,
+    ) -> None:
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
         if wan is not None and not isinstance(wan, WAN):
@@ -199,8 +218,14 @@ class Transport:
         except Exception:  # noqa: BLE001 (private API, absent or different across versions)
             pass
 
-    def all_reduce(self, tensors: list[torch.Tensor], *, name: str, payload_bytes: int | None = None,
-                   host: torch.Tensor | None = None) -> Handle:
+    def all_reduce(
+        self,
+        tensors: list[torch.Tensor],
+        *,
+        name: str,
+        payload_bytes: int | None = None,
+        host: torch.Tensor | None = None,
+    ) -> Handle:
         """Start SUM all-reduces of ``tensors`` (in place). ``payload_bytes`` (default: all of them)
         is what the WAN model charges; tiny control tensors travel beside the payload. ``host``, one
         of ``tensors`` (small), is mirrored to the host after the reduction: ``Handle.host_values()``."""
@@ -222,8 +247,10 @@ class Transport:
                 ready.record(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._side):
                     self._side.wait_event(ready)
-                    works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-                             for t in tensors]
+                    works = [
+                        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                        for t in tensors
+                    ]
                     for w in works:
                         w.wait()  # stream-level: orders the side stream after NCCL, no host block
                     for t in tensors:
@@ -235,8 +262,9 @@ class Transport:
                     done_event = torch.cuda.Event()
                     done_event.record(self._side)
             else:
-                works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-                         for t in tensors]
+                works = [
+                    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for t in tensors
+                ]
                 mirror = host  # already on the host; valid once the works completed
         return Handle(self, works, name, now, deadline, wire, done_event, mirror)
 
