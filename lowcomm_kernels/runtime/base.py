@@ -249,8 +249,8 @@ class Strategy(abc.ABC):
             return False
         total = int(sum(c for c in counts if c > 0))
         msg = (
-            f"{what}: {total} non-finite pseudo-gradient entries from rank(s) {bad}; every rank skips "
-            "this sync (g and u unchanged) and restarts it from the last good global"
+            f"{what}: non-finite values from rank(s) {bad} ({total} counted); every rank skips this "
+            "sync, and a rank holding non-finite values restarts (see the failure model)"
         )
         if self.on_nonfinite == "raise":
             raise FloatingPointError(msg)

@@ -3,7 +3,9 @@
 Runtime events (a skipped sync, a rank restarted after non-finite values) are logged, not warned:
 ``warnings`` is kept for misuse by the caller. Applications choose where records go with the
 standard ``logging`` configuration; each record carries ``rank`` (group rank) as an attribute and
-in its message prefix, so the lines of several ranks can be told apart in one stream.
+in its message prefix, so the lines of several ranks can be told apart in one stream. No handler is
+attached here: until the application configures logging, Python's last-resort handler prints
+warnings (a skipped sync, a restart) to stderr, so they are never silent.
 """
 
 from __future__ import annotations
