@@ -30,8 +30,14 @@ def is_tensor(name: str, t: object) -> torch.Tensor:
     return t
 
 
-def tensor(name: str, t: object, *, dtypes: Iterable[torch.dtype] | None = None,
-           contiguous: bool = True, dim: int | None = None) -> torch.Tensor:
+def tensor(
+    name: str,
+    t: object,
+    *,
+    dtypes: Iterable[torch.dtype] | None = None,
+    contiguous: bool = True,
+    dim: int | None = None,
+) -> torch.Tensor:
     is_tensor(name, t)
     if dtypes is not None:
         dtypes = tuple(dtypes)
@@ -43,8 +49,10 @@ def tensor(name: str, t: object, *, dtypes: Iterable[torch.dtype] | None = None,
     if contiguous and not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()}); call .contiguous() first")
     if t.device.type == "meta":
-        raise ValueError(f"{name} is a meta tensor: meta tensors have no data, so the op cannot read or "
-                         "write it; pass a tensor on a real device")
+        raise ValueError(
+            f"{name} is a meta tensor: meta tensors have no data, so the op cannot read or "
+            "write it; pass a tensor on a real device"
+        )
     return t
 
 
@@ -59,7 +67,8 @@ def same_numel(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) 
         if t is not None and t.numel() != ref.numel():
             raise ValueError(
                 f"{name} has {t.numel()} elements (shape {tuple(t.shape)}) but {ref_name} has "
-                f"{ref.numel()} (shape {tuple(ref.shape)})")
+                f"{ref.numel()} (shape {tuple(ref.shape)})"
+            )
 
 
 def same_dtype(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
@@ -92,11 +101,18 @@ def no_alias(pairs: Iterable[tuple[str, torch.Tensor | None, str, torch.Tensor |
 
 def distinct(named: dict[str, torch.Tensor | None]) -> None:
     items = [(n, t) for n, t in named.items() if t is not None]
-    no_alias((an, a, bn, b) for i, (an, a) in enumerate(items) for bn, b in items[i + 1:])
+    no_alias((an, a, bn, b) for i, (an, a) in enumerate(items) for bn, b in items[i + 1 :])
 
 
-def scalar(name: str, value: object, *, lo: float | None = None, hi: float | None = None,
-           lo_open: bool = False, hi_open: bool = False) -> float:
+def scalar(
+    name: str,
+    value: object,
+    *,
+    lo: float | None = None,
+    hi: float | None = None,
+    lo_open: bool = False,
+    hi_open: bool = False,
+) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     v = float(value)
@@ -117,8 +133,11 @@ def integer(name: str, value: object, *, lo: int | None = None, hi: int | None =
         else:
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
-        bound = f"in [{lo}, {hi}]" if lo is not None and hi is not None else (
-            f">= {lo}" if lo is not None else f"<= {hi}")
+        bound = (
+            f"in [{lo}, {hi}]"
+            if lo is not None and hi is not None
+            else (f">= {lo}" if lo is not None else f"<= {hi}")
+        )
         # int(): a symbolic int (torch.compile) cannot be formatted while tracing
         raise ValueError(f"{name} must be {bound}{why}, got {int(value)}")
     return int(value)
@@ -132,8 +151,9 @@ def index(name: str, idx: object, *, n: int, device: torch.device, strictly_incr
     if t.numel():
         if strictly_increasing:
             if t.numel() > 1 and not bool((t[1:] > t[:-1]).all()):
-                raise ValueError(f"{name} must be strictly increasing (sorted, no duplicates), "
-                                 "as mask_indices returns it")
+                raise ValueError(
+                    f"{name} must be strictly increasing (sorted, no duplicates), as mask_indices returns it"
+                )
             lo, hi = int(t[0]), int(t[-1])  # sorted: the ends are the extremes (one pass, not three)
         else:
             lo, hi = (int(v) for v in torch.aminmax(t))

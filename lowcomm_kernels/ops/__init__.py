@@ -13,7 +13,18 @@ from .pack import pack, pack_ref
 from .sparse import sparse_gather, sparse_gather_ref, sparse_scatter_merge_, sparse_scatter_merge_ref
 
 __all__ = [
-    "fragment_norms", "fragment_norms_ref", "mask_indices", "mask_indices_ref", "mask_keys",
-    "outer_merge_", "outer_merge_ref", "taylor_norms_ref", "pack", "pack_ref", "sparse_gather",
-    "sparse_gather_ref", "sparse_scatter_merge_", "sparse_scatter_merge_ref",
+    "fragment_norms",
+    "fragment_norms_ref",
+    "mask_indices",
+    "mask_indices_ref",
+    "mask_keys",
+    "outer_merge_",
+    "outer_merge_ref",
+    "taylor_norms_ref",
+    "pack",
+    "pack_ref",
+    "sparse_gather",
+    "sparse_gather_ref",
+    "sparse_scatter_merge_",
+    "sparse_scatter_merge_ref",
 ]

@@ -48,9 +48,11 @@ LAUNCHERS: dict[tuple[str, str], Callable[..., None]] = {}
 
 def launcher(kernel: str, backend: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Decorator: the function runs `kernel` on `backend`."""
+
     def register(fn: Callable[..., None]) -> Callable[..., None]:
         LAUNCHERS[(kernel, backend)] = fn
         return fn
+
     return register
 
 

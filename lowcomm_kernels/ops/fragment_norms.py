@@ -45,13 +45,17 @@ def fragment_norms_ref(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2
 
 # ---- launchers (K >= 1, checked arguments): the K norms in float64 into `acc` (K,) ----------------
 
+
 @launcher("fragment_norms", "ref")
 def _(buf, offsets, ord, acc):
     acc.copy_(_norms_f64(buf, offsets, ord))
 
 
-native("fragment_norms", "lc_fragment_norms", lambda buf, offsets, ord, acc: (
-    code(buf), buf, offsets, offsets.numel() - 1, ord, acc))
+native(
+    "fragment_norms",
+    "lc_fragment_norms",
+    lambda buf, offsets, ord, acc: (code(buf), buf, offsets, offsets.numel() - 1, ord, acc),
+)
 triton("fragment_norms", "fragment_norms", "launch_fragment_norms")
 
 
@@ -98,8 +102,9 @@ declare("fragment_norms")
 
 
 @torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
-def fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2,
-                   backend: str | None = None) -> torch.Tensor:
+def fragment_norms(
+    buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2, backend: str | None = None
+) -> torch.Tensor:
     """One norm per segment of a flat buffer, in one pass:
 
         out[i] = ‖buf.flatten()[offsets[i] : offsets[i+1]]‖_ord,   i < K

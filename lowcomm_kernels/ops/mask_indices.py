@@ -44,8 +44,9 @@ def mask_keys(seed: int, round: int, n: int) -> tuple[list[int], list[int], int,
     return adds, muls, max(1, (bits + 1) // 2), bitmask
 
 
-def _permute_once(x: torch.Tensor, adds: list[int], muls: list[int], shift: int,
-                  bitmask: int) -> torch.Tensor:
+def _permute_once(
+    x: torch.Tensor, adds: list[int], muls: list[int], shift: int, bitmask: int
+) -> torch.Tensor:
     for a, c in zip(adds, muls, strict=False):
         x = (x + a) & bitmask
         x = (x * c) & bitmask  # int64 products wrap mod 2^64; the low b bits are exact
@@ -53,8 +54,9 @@ def _permute_once(x: torch.Tensor, adds: list[int], muls: list[int], shift: int,
     return x
 
 
-def mask_perm_ref(n: int, k: int, keys: tuple[list[int], list[int], int, int],
-                  device: torch.device | str | None = None) -> torch.Tensor:
+def mask_perm_ref(
+    n: int, k: int, keys: tuple[list[int], list[int], int, int], device: torch.device | str | None = None
+) -> torch.Tensor:
     """π(0..k−1), unsorted, in plain torch."""
     adds, muls, shift, bitmask = keys
     x = _permute_once(torch.arange(k, dtype=torch.int64, device=device), adds, muls, shift, bitmask)
@@ -65,22 +67,34 @@ def mask_perm_ref(n: int, k: int, keys: tuple[list[int], list[int], int, int],
     return x
 
 
-def mask_indices_ref(seed: int, round: int, n: int, k: int, *,
-                     device: torch.device | str | None = None) -> torch.Tensor:
+def mask_indices_ref(
+    seed: int, round: int, n: int, k: int, *, device: torch.device | str | None = None
+) -> torch.Tensor:
     """The specification: sorted π(0..k−1) for the permutation keyed by (seed, round)."""
     return torch.sort(mask_perm_ref(n, k, mask_keys(seed, round, n), device)).values
 
 
 # ---- launchers (k >= 1): out[i] = π(i) for i < k, the permutation given by its keys ----------------
 
+
 @launcher("mask_perm", "ref")
 def _(n, k, adds, muls, shift, bitmask, out):
     out.copy_(mask_perm_ref(n, k, (adds, muls, shift, bitmask), out.device))
 
 
-native("mask_perm", "lc_mask_perm", lambda n, k, adds, muls, shift, bitmask, out: (
-    n, k, torch.tensor(adds, dtype=torch.int64, device=out.device),
-    torch.tensor(muls, dtype=torch.int64, device=out.device), shift, bitmask, out))
+native(
+    "mask_perm",
+    "lc_mask_perm",
+    lambda n, k, adds, muls, shift, bitmask, out: (
+        n,
+        k,
+        torch.tensor(adds, dtype=torch.int64, device=out.device),
+        torch.tensor(muls, dtype=torch.int64, device=out.device),
+        shift,
+        bitmask,
+        out,
+    ),
+)
 triton("mask_perm", "mask_indices", "launch_mask_perm")
 
 
@@ -97,8 +111,9 @@ def _check_ints(seed: object, round: object, n: object, k: object) -> tuple[int,
     return seed, round, n, k
 
 
-def _mask_indices_impl(seed: int, round: int, n: int, k: int, device: torch.device,
-                       backend: str | None) -> torch.Tensor:
+def _mask_indices_impl(
+    seed: int, round: int, n: int, k: int, device: torch.device, backend: str | None
+) -> torch.Tensor:
     """Check, choose the backend, launch: the registered op's body, and the eager path of mask_indices."""
     seed, round, n, k = _check_ints(seed, round, n, k)
     if device.type == "meta":
@@ -112,8 +127,9 @@ def _mask_indices_impl(seed: int, round: int, n: int, k: int, device: torch.devi
 
 
 @torch.library.custom_op("lowcomm::mask_indices", mutates_args=())
-def _mask_indices_op(seed: int, round: int, n: int, k: int, device: torch.device,
-                     backend: str | None) -> torch.Tensor:
+def _mask_indices_op(
+    seed: int, round: int, n: int, k: int, device: torch.device, backend: str | None
+) -> torch.Tensor:
     return _mask_indices_impl(seed, round, n, k, device, backend)
 
 
@@ -125,8 +141,15 @@ def _(seed, round, n, k, device, backend):
 declare("mask_indices")
 
 
-def mask_indices(seed: int, round: int, n: int, k: int, *, device: torch.device | str | None = None,
-                 backend: str | None = None) -> torch.Tensor:
+def mask_indices(
+    seed: int,
+    round: int,
+    n: int,
+    k: int,
+    *,
+    device: torch.device | str | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
     """LOSCAR's coordinate subset for one round: the same k indices on every worker, from the same
     four integers, without communication or RNG state:
 

@@ -16,8 +16,9 @@ from ..profiling import nvtx_range
 from ._common import code, compiling, declare, launch, launcher, native, traced_call, triton
 
 
-def pack_ref(g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = None,
-             snapshot: bool = True) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def pack_ref(
+    g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = None, snapshot: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The specification, in plain torch (float64-capable): (delta, snapshot or None, nonfinite),
     all newly allocated; delta has g's shape, the snapshot is a contiguous copy of x."""
     # Flat, like every op: g and x need only the same number of elements.
@@ -29,6 +30,7 @@ def pack_ref(g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None
 # ---- launchers (n >= 1, checked arguments): fill delta (and snapshot), and leave the non-finite
 # count in `nonfinite`, a zeroed 0-d int64 (the Triton kernel adds into it).
 
+
 @launcher("pack", "ref")
 def _(g, x, delta, snapshot, nonfinite):
     d, _, nf = pack_ref(g, x, wire_dtype=delta.dtype, snapshot=False)  # temporaries: the spec as written
@@ -38,8 +40,20 @@ def _(g, x, delta, snapshot, nonfinite):
     nonfinite.copy_(nf)
 
 
-native("pack", "lc_pack", lambda g, x, delta, snapshot, nonfinite: (
-    code(g), code(delta), g, x, delta, snapshot, g.numel(), nonfinite))
+native(
+    "pack",
+    "lc_pack",
+    lambda g, x, delta, snapshot, nonfinite: (
+        code(g),
+        code(delta),
+        g,
+        x,
+        delta,
+        snapshot,
+        g.numel(),
+        nonfinite,
+    ),
+)
 triton("pack", "pack", "launch_pack")
 
 
@@ -58,13 +72,20 @@ def _check(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torc
         _checks.same_device("g", g, snapshot_out=snapshot)
         _checks.same_numel("g", g, snapshot_out=snapshot)
     # g and x may alias each other (delta = 0); outputs may alias nothing.
-    _checks.no_alias([("delta_out", delta, "g", g), ("delta_out", delta, "x", x),
-                      ("snapshot_out", snapshot, "g", g), ("snapshot_out", snapshot, "x", x),
-                      ("delta_out", delta, "snapshot_out", snapshot)])
+    _checks.no_alias(
+        [
+            ("delta_out", delta, "g", g),
+            ("delta_out", delta, "x", x),
+            ("snapshot_out", snapshot, "g", g),
+            ("snapshot_out", snapshot, "x", x),
+            ("delta_out", delta, "snapshot_out", snapshot),
+        ]
+    )
 
 
-def _pack_impl(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None,
-               backend: str | None) -> torch.Tensor:
+def _pack_impl(
+    g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None, backend: str | None
+) -> torch.Tensor:
     """Check, choose the backend, launch: the registered op's body, and the eager path of pack.
     Returns the 0-d int64 non-finite count (the one tensor allocated here)."""
     _check(g, x, delta, snapshot)
@@ -77,8 +98,9 @@ def _pack_impl(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: 
 
 
 @torch.library.custom_op("lowcomm::pack", mutates_args=("delta", "snapshot"))
-def _pack_op(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None,
-             backend: str | None) -> torch.Tensor:
+def _pack_op(
+    g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None, backend: str | None
+) -> torch.Tensor:
     return _pack_impl(g, x, delta, snapshot, backend)
 
 
@@ -92,9 +114,15 @@ declare("pack")
 
 
 @torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
-def pack(g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = None,
-         delta_out: torch.Tensor | None = None, snapshot_out: torch.Tensor | None | bool = None,
-         backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+def pack(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    *,
+    wire_dtype: torch.dtype | None = None,
+    delta_out: torch.Tensor | None = None,
+    snapshot_out: torch.Tensor | None | bool = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Pseudo-gradient and snapshot of one fragment, fused: ``delta = g − x`` rounded once to the wire
     dtype, ``snapshot = x``, and the count of non-finite values written to delta.
 

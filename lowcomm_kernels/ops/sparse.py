@@ -21,14 +21,16 @@ def sparse_gather_ref(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1)[idx]
 
 
-def sparse_scatter_merge_ref(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor, *,
-                             beta: float = 1.0) -> None:
+def sparse_scatter_merge_ref(
+    x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor, *, beta: float = 1.0
+) -> None:
     """The specification of sparse_scatter_merge_, in place on x (contiguous)."""
     flat = x.view(-1)
     flat[idx] = avg.to(x.dtype) + beta * (flat[idx] - sent)
 
 
 # ---- launchers (k >= 1, checked arguments) ------------------------------------------------------
+
 
 @launcher("sparse_gather", "ref")
 def _(x, idx, out):
@@ -41,8 +43,11 @@ def _(x, idx, avg, sent, beta):
 
 
 native("sparse_gather", "lc_sparse_gather", lambda x, idx, out: (code(x), x, idx, idx.numel(), out))
-native("sparse_scatter_merge", "lc_sparse_scatter_merge", lambda x, idx, avg, sent, beta: (
-    code(x), code(avg), x, idx, idx.numel(), avg, sent, beta))
+native(
+    "sparse_scatter_merge",
+    "lc_sparse_scatter_merge",
+    lambda x, idx, avg, sent, beta: (code(x), code(avg), x, idx, idx.numel(), avg, sent, beta),
+)
 triton("sparse_gather", "sparse", "launch_sparse_gather")
 triton("sparse_scatter_merge", "sparse", "launch_sparse_scatter_merge")
 
@@ -62,8 +67,14 @@ def _gather_impl(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend:
             launch("sparse_gather", b, x, idx, out)
 
 
-def _scatter_merge_impl(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor,
-                        beta: float, backend: str | None) -> None:
+def _scatter_merge_impl(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    avg: torch.Tensor,
+    sent: torch.Tensor,
+    beta: float,
+    backend: str | None,
+) -> None:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     sparse_scatter_merge_. Every check runs before anything is written."""
     _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
@@ -91,8 +102,14 @@ def _(x, idx, out, backend):
 
 
 @torch.library.custom_op("lowcomm::sparse_scatter_merge_", mutates_args=("x",))
-def _scatter_merge_op(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor, beta: float,
-                      backend: str | None) -> None:
+def _scatter_merge_op(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    avg: torch.Tensor,
+    sent: torch.Tensor,
+    beta: float,
+    backend: str | None,
+) -> None:
     _scatter_merge_impl(x, idx, avg, sent, beta, backend)
 
 
@@ -106,8 +123,9 @@ declare("sparse_scatter_merge_")
 
 
 @torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
-def sparse_gather(x: torch.Tensor, idx: torch.Tensor, *, out: torch.Tensor | None = None,
-                  backend: str | None = None) -> torch.Tensor:
+def sparse_gather(
+    x: torch.Tensor, idx: torch.Tensor, *, out: torch.Tensor | None = None, backend: str | None = None
+) -> torch.Tensor:
     """Gather a coordinate subset: ``out[j] = x.flatten()[idx[j]]``.
 
     Args:
@@ -132,8 +150,15 @@ def sparse_gather(x: torch.Tensor, idx: torch.Tensor, *, out: torch.Tensor | Non
 
 
 @torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
-def sparse_scatter_merge_(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor, *,
-                          beta: float = 1.0, backend: str | None = None) -> None:
+def sparse_scatter_merge_(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    avg: torch.Tensor,
+    sent: torch.Tensor,
+    *,
+    beta: float = 1.0,
+    backend: str | None = None,
+) -> None:
     """Merge the average of a coordinate subset into x, in place:
 
         x[idx[j]] <- avg[j] + beta·(x[idx[j]] − sent[j])

@@ -93,6 +93,7 @@ def block_sum(x):
 # not a multiple of 16 prevents, so a 1000003-element fragment would otherwise move 32 bits per
 # load instruction instead of 128. The kernel branches once per program on "is this block full".
 
+
 @triton.jit
 def load_block(ptr, offs, n, MASKED: tl.constexpr):
     """ptr[offs] for a float block; with MASKED, lanes at or past n read 0."""

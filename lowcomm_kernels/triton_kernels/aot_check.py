@@ -37,52 +37,107 @@ def _variants(quick: bool) -> Iterator[tuple[str, Any, dict[str, str], dict[str,
             continue
         w = dt if wire == "same" else BF16
         wmax = {F32: 3.4028234663852886e38, F64: 1.7976931348623157e308, BF16: 3.3895313892515355e38}[w]
-        yield (f"pack {dt}->{w} snapshot={snap}", pack._pack_kernel,
-               {"g_ptr": f"*{dt}", "x_ptr": f"*{dt}", "delta_ptr": f"*{w}", "snapshot_ptr": f"*{dt}",
-                "nonfinite_ptr": "*i64", "n": "i64"},
-               {"HAS_SNAPSHOT": snap, "WIRE_MAX": wmax, "BLOCK": block})
+        yield (
+            f"pack {dt}->{w} snapshot={snap}",
+            pack._pack_kernel,
+            {
+                "g_ptr": f"*{dt}",
+                "x_ptr": f"*{dt}",
+                "delta_ptr": f"*{w}",
+                "snapshot_ptr": f"*{dt}",
+                "nonfinite_ptr": "*i64",
+                "n": "i64",
+            },
+            {"HAS_SNAPSHOT": snap, "WIRE_MAX": wmax, "BLOCK": block},
+        )
     flags = list(itertools.product([True, False], repeat=4))
     for dt, avg in itertools.product(dtypes, ["same", BF16]):
         a = dt if avg == "same" else BF16
-        ptrs = {"g_ptr": f"*{dt}", "u_ptr": f"*{dt}", "avg_ptr": f"*{a}", "x_ptr": f"*{dt}",
-                "sent_ptr": f"*{dt}"}
+        ptrs = {
+            "g_ptr": f"*{dt}",
+            "u_ptr": f"*{dt}",
+            "avg_ptr": f"*{a}",
+            "x_ptr": f"*{dt}",
+            "sent_ptr": f"*{dt}",
+        }
         for mom, nest, sent, alpha in flags[:1] if quick else flags:
             if not mom and not nest:
                 continue  # nesterov is irrelevant without momentum: the launcher passes it as given
-            yield (f"outer_merge {dt} avg={a} momentum={mom} nesterov={nest} sent={sent} alpha={alpha}",
-                   outer_merge._outer_merge_kernel,
-                   {**ptrs, "n": "i64", "lr": "fp64", "momentum": "fp64", "alpha": "fp64",
-                    "one_minus_alpha": "fp64", "beta": "fp64", "lam": "fp64"},
-                   {"HAS_MOMENTUM": mom, "NESTEROV": nest, "HAS_SENT": sent, "HAS_ALPHA": alpha,
-                    "BLOCK": block})
+            yield (
+                f"outer_merge {dt} avg={a} momentum={mom} nesterov={nest} sent={sent} alpha={alpha}",
+                outer_merge._outer_merge_kernel,
+                {
+                    **ptrs,
+                    "n": "i64",
+                    "lr": "fp64",
+                    "momentum": "fp64",
+                    "alpha": "fp64",
+                    "one_minus_alpha": "fp64",
+                    "beta": "fp64",
+                    "lam": "fp64",
+                },
+                {"HAS_MOMENTUM": mom, "NESTEROV": nest, "HAS_SENT": sent, "HAS_ALPHA": alpha, "BLOCK": block},
+            )
         for (mom, nest), final in itertools.product(
-                [(True, True)] if quick else [(True, True), (True, False), (False, True)], [True, False]):
-            yield (f"taylor_norms {dt} avg={a} momentum={mom} nesterov={nest} final={final}",
-                   outer_merge._taylor_norms_kernel,
-                   {**ptrs, "dst_ptr": "*fp64", "n": "i64", "lr": "fp64", "momentum": "fp64", "NPROG": "i32"},
-                   {"HAS_MOMENTUM": mom, "NESTEROV": nest, "FINAL": final, "BLOCK": block})
+            [(True, True)] if quick else [(True, True), (True, False), (False, True)], [True, False]
+        ):
+            yield (
+                f"taylor_norms {dt} avg={a} momentum={mom} nesterov={nest} final={final}",
+                outer_merge._taylor_norms_kernel,
+                {**ptrs, "dst_ptr": "*fp64", "n": "i64", "lr": "fp64", "momentum": "fp64", "NPROG": "i32"},
+                {"HAS_MOMENTUM": mom, "NESTEROV": nest, "FINAL": final, "BLOCK": block},
+            )
     keys = ("n", "k", "a0", "a1", "a2", "a3", "c0", "c1", "c2", "c3", "shift", "bitmask")
-    yield ("mask_perm", mask_indices._mask_perm_kernel, {"out_ptr": "*i64", **{k: "i64" for k in keys}},
-           {"BLOCK": block})
+    yield (
+        "mask_perm",
+        mask_indices._mask_perm_kernel,
+        {"out_ptr": "*i64", **{k: "i64" for k in keys}},
+        {"BLOCK": block},
+    )
     for dt in dtypes:
-        yield (f"sparse_gather {dt}", sparse._sparse_gather_kernel,
-               {"x_ptr": f"*{dt}", "idx_ptr": "*i64", "out_ptr": f"*{dt}", "k": "i64"}, {"BLOCK": block})
+        yield (
+            f"sparse_gather {dt}",
+            sparse._sparse_gather_kernel,
+            {"x_ptr": f"*{dt}", "idx_ptr": "*i64", "out_ptr": f"*{dt}", "k": "i64"},
+            {"BLOCK": block},
+        )
         for avg in ["same", BF16]:
             a = dt if avg == "same" else BF16
-            yield (f"sparse_scatter_merge {dt} avg={a}", sparse._sparse_scatter_merge_kernel,
-                   {"x_ptr": f"*{dt}", "idx_ptr": "*i64", "avg_ptr": f"*{a}", "sent_ptr": f"*{dt}",
-                    "k": "i64", "beta": "fp64"}, {"BLOCK": block})
+            yield (
+                f"sparse_scatter_merge {dt} avg={a}",
+                sparse._sparse_scatter_merge_kernel,
+                {
+                    "x_ptr": f"*{dt}",
+                    "idx_ptr": "*i64",
+                    "avg_ptr": f"*{a}",
+                    "sent_ptr": f"*{dt}",
+                    "k": "i64",
+                    "beta": "fp64",
+                },
+                {"BLOCK": block},
+            )
         for ord_, final in itertools.product([1, 2], [True, False]):
             if quick and ord_ == 1:
                 continue
-            yield (f"fragment_norms {dt} ord={ord_} final={final}", fragment_norms._fragment_norms_kernel,
-                   {"buf_ptr": f"*{dt}", "offsets_ptr": "*i64", "out_ptr": "*fp64", "P": "i32"},
-                   {"ORD": ord_, "FINAL": final, "BLOCK": block})
-    yield ("taylor_norms_finish", outer_merge._taylor_norms_finish_kernel,
-           {"partial_ptr": "*fp64", "out_ptr": "*fp64", "NPROG": "i32"}, {"P_BLOCK": 1024})
+            yield (
+                f"fragment_norms {dt} ord={ord_} final={final}",
+                fragment_norms._fragment_norms_kernel,
+                {"buf_ptr": f"*{dt}", "offsets_ptr": "*i64", "out_ptr": "*fp64", "P": "i32"},
+                {"ORD": ord_, "FINAL": final, "BLOCK": block},
+            )
+    yield (
+        "taylor_norms_finish",
+        outer_merge._taylor_norms_finish_kernel,
+        {"partial_ptr": "*fp64", "out_ptr": "*fp64", "NPROG": "i32"},
+        {"P_BLOCK": 1024},
+    )
     for ord_ in [1, 2]:
-        yield (f"fragment_norms_finish ord={ord_}", fragment_norms._fragment_norms_finish_kernel,
-               {"partial_ptr": "*fp64", "out_ptr": "*fp64", "P": "i32"}, {"ORD": ord_, "P_BLOCK": 512})
+        yield (
+            f"fragment_norms_finish ord={ord_}",
+            fragment_norms._fragment_norms_finish_kernel,
+            {"partial_ptr": "*fp64", "out_ptr": "*fp64", "P": "i32"},
+            {"ORD": ord_, "P_BLOCK": 512},
+        )
 
 
 def _wide_accesses(ptx: str) -> tuple[int, int]:
@@ -120,11 +175,17 @@ def main(argv: list[str] | None = None) -> int:
             # Pointers carry tt.divisibility=16, as Triton specialises them for torch's aligned
             # allocations at launch; n does not (the worst case: an odd-sized fragment).
             names = list(kernel.arg_names)
-            attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in signature.items()
-                     if v.startswith("*")}
+            attrs = {
+                (names.index(k),): [["tt.divisibility", 16]]
+                for k, v in signature.items()
+                if v.startswith("*")
+            }
             try:
-                compiled = triton.compile(ASTSource(kernel, sig, constexprs, attrs), target=target,
-                                          options={"num_warps": 4, "enable_fp_fusion": False})
+                compiled = triton.compile(
+                    ASTSource(kernel, sig, constexprs, attrs),
+                    target=target,
+                    options={"num_warps": 4, "enable_fp_fusion": False},
+                )
             except Exception as e:  # report every failing variant, then fail
                 failures += 1
                 first = str(e).splitlines()[0] if str(e) else ""
@@ -132,8 +193,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             count += 1
             ld, st = _wide_accesses(compiled.asm["ptx"])
-            print(f"sm_{arch} ok   {label}: {time.perf_counter() - t0:.2f} s, 128-bit ld/st {ld}/{st}, "
-                  f"cubin {len(compiled.asm['cubin'])} B")
+            print(
+                f"sm_{arch} ok   {label}: {time.perf_counter() - t0:.2f} s, 128-bit ld/st {ld}/{st}, "
+                f"cubin {len(compiled.asm['cubin'])} B"
+            )
     print(f"{count} variants compiled, {failures} failed, {time.perf_counter() - start:.1f} s")
     return 1 if failures else 0
 

@@ -23,8 +23,9 @@ from ._launch import GPU_BLOCK, block_size, block_sum, gpu_programs, interpreted
 
 
 @triton.jit
-def _fragment_norms_kernel(buf_ptr, offsets_ptr, out_ptr, P, ORD: tl.constexpr, FINAL: tl.constexpr,
-                           BLOCK: tl.constexpr):
+def _fragment_norms_kernel(
+    buf_ptr, offsets_ptr, out_ptr, P, ORD: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr
+):
     """Program (s, p): acc = Σ_{blocks p, p+P, …} |buf|^ord in float64 (elementwise fp64 vector,
     then one block_sum). FINAL (P == 1): out[s] = acc^(1/ord); else out[s·P + p] = acc."""
     s = tl.program_id(0)
@@ -75,8 +76,9 @@ def programs_per_segment(buf: torch.Tensor, n: int, nseg: int) -> int:
     return max(1, min(want, triton.cdiv(n, nseg * GPU_BLOCK)))
 
 
-def launch_fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, ord: int, out: torch.Tensor, *,
-                          programs: int | None = None) -> None:
+def launch_fragment_norms(
+    buf: torch.Tensor, offsets: torch.Tensor, ord: int, out: torch.Tensor, *, programs: int | None = None
+) -> None:
     """Write the K segment norms of `buf` into `out` (float64, (K,)), K = offsets.numel() − 1.
 
     buf: contiguous fp32/fp64; offsets: (K+1,) int64, non-decreasing, in [0, buf.numel()], on
@@ -94,11 +96,14 @@ def launch_fragment_norms(buf: torch.Tensor, offsets: torch.Tensor, ord: int, ou
     if not 1 <= P <= 65535:  # the grid's second dimension
         raise ValueError(f"programs must be in [1, 65535], got {P}")
     if P == 1:
-        _fragment_norms_kernel[(nseg, 1)](buf, offsets, out, 1, ORD=ord, FINAL=True, BLOCK=block,
-                                          **launch_options(buf))
+        _fragment_norms_kernel[(nseg, 1)](
+            buf, offsets, out, 1, ORD=ord, FINAL=True, BLOCK=block, **launch_options(buf)
+        )
         return
     partial = torch.empty(nseg * P, dtype=torch.float64, device=buf.device)
-    _fragment_norms_kernel[(nseg, P)](buf, offsets, partial, P, ORD=ord, FINAL=False, BLOCK=block,
-                                      **launch_options(buf))
-    _fragment_norms_finish_kernel[(nseg,)](partial, out, P, ORD=ord, P_BLOCK=triton.next_power_of_2(P),
-                                           **launch_options(out, warps=1))
+    _fragment_norms_kernel[(nseg, P)](
+        buf, offsets, partial, P, ORD=ord, FINAL=False, BLOCK=block, **launch_options(buf)
+    )
+    _fragment_norms_finish_kernel[(nseg,)](
+        partial, out, P, ORD=ord, P_BLOCK=triton.next_power_of_2(P), **launch_options(out, warps=1)
+    )

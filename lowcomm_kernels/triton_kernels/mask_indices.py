@@ -41,10 +41,22 @@ def _permute_once(x, a0, a1, a2, a3, c0, c1, c2, c3, shift, bitmask):
 
 
 @triton.jit
-def _mask_perm_kernel(out_ptr, n: tl.int64, k: tl.int64,
-                      a0: tl.int64, a1: tl.int64, a2: tl.int64, a3: tl.int64,
-                      c0: tl.int64, c1: tl.int64, c2: tl.int64, c3: tl.int64,
-                      shift: tl.int64, bitmask: tl.int64, BLOCK: tl.constexpr):
+def _mask_perm_kernel(
+    out_ptr,
+    n: tl.int64,
+    k: tl.int64,
+    a0: tl.int64,
+    a1: tl.int64,
+    a2: tl.int64,
+    a3: tl.int64,
+    c0: tl.int64,
+    c1: tl.int64,
+    c2: tl.int64,
+    c3: tl.int64,
+    shift: tl.int64,
+    bitmask: tl.int64,
+    BLOCK: tl.constexpr,
+):
     """out[i] = π(i) for i < k (int64): P applied to i, then re-applied while the value is >= n.
 
     The block walks until its last lane lands in [0, n); finished lanes keep their value
@@ -59,8 +71,9 @@ def _mask_perm_kernel(out_ptr, n: tl.int64, k: tl.int64,
     tl.store(out_ptr + i, x, mask=mask)
 
 
-def launch_mask_perm(n: int, k: int, adds: list[int], muls: list[int], shift: int, bitmask: int,
-                     out: torch.Tensor) -> None:
+def launch_mask_perm(
+    n: int, k: int, adds: list[int], muls: list[int], shift: int, bitmask: int, out: torch.Tensor
+) -> None:
     """Write π(0), …, π(k−1) (unsorted) into `out`, a contiguous int64 tensor of k elements.
 
     adds, muls: the ROUNDS round keys from ``mask_keys`` (each in [0, bitmask], muls odd);
@@ -74,4 +87,5 @@ def launch_mask_perm(n: int, k: int, adds: list[int], muls: list[int], shift: in
     a = [int(v) for v in adds]
     c = [int(v) for v in muls]
     _mask_perm_kernel[(triton.cdiv(k, block),)](
-        out, int(n), int(k), *a, *c, int(shift), int(bitmask), BLOCK=block, **launch_options(out))
+        out, int(n), int(k), *a, *c, int(shift), int(bitmask), BLOCK=block, **launch_options(out)
+    )

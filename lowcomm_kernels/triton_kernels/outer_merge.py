@@ -62,8 +62,18 @@ def _outer_step(g, u, d, lr, momentum, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.
 
 
 @triton.jit
-def _load_and_step(g_ptr, u_ptr, avg_ptr, offs, n, lr, momentum, HAS_MOMENTUM: tl.constexpr,
-                   NESTEROV: tl.constexpr, MASKED: tl.constexpr):
+def _load_and_step(
+    g_ptr,
+    u_ptr,
+    avg_ptr,
+    offs,
+    n,
+    lr,
+    momentum,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """Load g, Δ̄ (widened exactly to g's dtype) and u (only with momentum), and take the outer
     step: (g_new, u_new) in g's dtype."""
     g = load_block(g_ptr, offs, n, MASKED)
@@ -78,11 +88,29 @@ def _load_and_step(g_ptr, u_ptr, avg_ptr, offs, n, lr, momentum, HAS_MOMENTUM: t
 
 
 @triton.jit
-def _outer_merge_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, alpha,
-                       one_minus_alpha, beta, lam, HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr,
-                       HAS_SENT: tl.constexpr, HAS_ALPHA: tl.constexpr, MASKED: tl.constexpr):
-    g_new, u_new = _load_and_step(g_ptr, u_ptr, avg_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV,
-                                  MASKED)
+def _outer_merge_block(
+    g_ptr,
+    u_ptr,
+    avg_ptr,
+    x_ptr,
+    sent_ptr,
+    offs,
+    n,
+    lr,
+    momentum,
+    alpha,
+    one_minus_alpha,
+    beta,
+    lam,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_SENT: tl.constexpr,
+    HAS_ALPHA: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    g_new, u_new = _load_and_step(
+        g_ptr, u_ptr, avg_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV, MASKED
+    )
     dt = g_new.dtype
     store_block(g_ptr, offs, g_new, n, MASKED)
     if HAS_MOMENTUM:
@@ -100,11 +128,25 @@ def _outer_merge_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, mome
 
 
 @triton.jit
-def _outer_merge_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, n,
-                        lr: tl.float64, momentum: tl.float64, alpha: tl.float64,
-                        one_minus_alpha: tl.float64, beta: tl.float64, lam: tl.float64,
-                        HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_SENT: tl.constexpr,
-                        HAS_ALPHA: tl.constexpr, BLOCK: tl.constexpr):
+def _outer_merge_kernel(
+    g_ptr,
+    u_ptr,
+    avg_ptr,
+    x_ptr,
+    sent_ptr,
+    n,
+    lr: tl.float64,
+    momentum: tl.float64,
+    alpha: tl.float64,
+    one_minus_alpha: tl.float64,
+    beta: tl.float64,
+    lam: tl.float64,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_SENT: tl.constexpr,
+    HAS_ALPHA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """In place on (n,) g, u, x:
 
         u <- μ·u + Δ̄ ;  g <- g − η·(Δ̄ + μ·u  |  u  |  Δ̄) ;
@@ -118,16 +160,64 @@ def _outer_merge_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, n,
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= n:
-        _outer_merge_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, alpha,
-                           one_minus_alpha, beta, lam, HAS_MOMENTUM, NESTEROV, HAS_SENT, HAS_ALPHA, False)
+        _outer_merge_block(
+            g_ptr,
+            u_ptr,
+            avg_ptr,
+            x_ptr,
+            sent_ptr,
+            offs,
+            n,
+            lr,
+            momentum,
+            alpha,
+            one_minus_alpha,
+            beta,
+            lam,
+            HAS_MOMENTUM,
+            NESTEROV,
+            HAS_SENT,
+            HAS_ALPHA,
+            False,
+        )
     else:
-        _outer_merge_block(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, alpha,
-                           one_minus_alpha, beta, lam, HAS_MOMENTUM, NESTEROV, HAS_SENT, HAS_ALPHA, True)
+        _outer_merge_block(
+            g_ptr,
+            u_ptr,
+            avg_ptr,
+            x_ptr,
+            sent_ptr,
+            offs,
+            n,
+            lr,
+            momentum,
+            alpha,
+            one_minus_alpha,
+            beta,
+            lam,
+            HAS_MOMENTUM,
+            NESTEROV,
+            HAS_SENT,
+            HAS_ALPHA,
+            True,
+        )
 
 
 @triton.jit
-def _taylor_terms(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum,
-                  HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, MASKED: tl.constexpr):
+def _taylor_terms(
+    g_ptr,
+    u_ptr,
+    avg_ptr,
+    x_ptr,
+    sent_ptr,
+    offs,
+    n,
+    lr,
+    momentum,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """Per lane (v², (v·v·D)²) in float64; masked lanes give v = 0, so they add nothing."""
     g_new, _ = _load_and_step(g_ptr, u_ptr, avg_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV, MASKED)
     x = load_block(x_ptr, offs, n, MASKED)
@@ -138,10 +228,22 @@ def _taylor_terms(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum,
 
 
 @triton.jit
-def _taylor_norms_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, dst_ptr, n,
-                         lr: tl.float64, momentum: tl.float64, NPROG,
-                         HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, FINAL: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _taylor_norms_kernel(
+    g_ptr,
+    u_ptr,
+    avg_ptr,
+    x_ptr,
+    sent_ptr,
+    dst_ptr,
+    n,
+    lr: tl.float64,
+    momentum: tl.float64,
+    NPROG,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    FINAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Program p of NPROG sums, over blocks p, p+NPROG, … in order and lane-wise in float64,
 
         Σ v²  and  Σ (v·v·D)²,   v = x − x_sent,  D = g_new − x_sent,
@@ -157,11 +259,13 @@ def _taylor_norms_kernel(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, dst_ptr, n,
     for start in range(pid.to(tl.int64) * BLOCK, n, NPROG * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         if start + BLOCK <= n:
-            tv, tc = _taylor_terms(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum,
-                                   HAS_MOMENTUM, NESTEROV, False)
+            tv, tc = _taylor_terms(
+                g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV, False
+            )
         else:
-            tv, tc = _taylor_terms(g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum,
-                                   HAS_MOMENTUM, NESTEROV, True)
+            tv, tc = _taylor_terms(
+                g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV, True
+            )
         acc_v += tv
         acc_c += tc
     if FINAL:
@@ -182,9 +286,19 @@ def _taylor_norms_finish_kernel(partial_ptr, out_ptr, NPROG, P_BLOCK: tl.constex
     tl.store(out_ptr + 1, tl.load(out_ptr + 1) + sc)
 
 
-def launch_outer_merge(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
-                       x_sent: torch.Tensor | None, lr: float, momentum: float, nesterov: bool,
-                       alpha: float, beta: float, lam: float) -> None:
+def launch_outer_merge(
+    g: torch.Tensor,
+    u: torch.Tensor,
+    delta_avg: torch.Tensor,
+    x: torch.Tensor,
+    x_sent: torch.Tensor | None,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    alpha: float,
+    beta: float,
+    lam: float,
+) -> None:
     """Outer SGD/Nesterov step then merge, in place on g, u (only if momentum ≠ 0) and x.
 
     g, u, x (and x_sent): contiguous, n elements, one fp32/fp64 dtype; delta_avg: n elements of
@@ -199,15 +313,40 @@ def launch_outer_merge(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor
         raise ValueError("x_sent is required when beta or lam is non-zero")
     block = block_size(g, n)
     _outer_merge_kernel[(triton.cdiv(n, block),)](
-        g, u, delta_avg, x, x_sent if has_sent else x, n,
-        float(lr), float(momentum), float(alpha), 1.0 - float(alpha), float(beta), float(lam),
-        HAS_MOMENTUM=momentum != 0.0, NESTEROV=bool(nesterov), HAS_SENT=has_sent, HAS_ALPHA=alpha != 0.0,
-        BLOCK=block, **launch_options(g))
+        g,
+        u,
+        delta_avg,
+        x,
+        x_sent if has_sent else x,
+        n,
+        float(lr),
+        float(momentum),
+        float(alpha),
+        1.0 - float(alpha),
+        float(beta),
+        float(lam),
+        HAS_MOMENTUM=momentum != 0.0,
+        NESTEROV=bool(nesterov),
+        HAS_SENT=has_sent,
+        HAS_ALPHA=alpha != 0.0,
+        BLOCK=block,
+        **launch_options(g),
+    )
 
 
-def launch_taylor_norms(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
-                        x_sent: torch.Tensor, lr: float, momentum: float, nesterov: bool,
-                        out: torch.Tensor, *, programs: int | None = None) -> None:
+def launch_taylor_norms(
+    g: torch.Tensor,
+    u: torch.Tensor,
+    delta_avg: torch.Tensor,
+    x: torch.Tensor,
+    x_sent: torch.Tensor,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    out: torch.Tensor,
+    *,
+    programs: int | None = None,
+) -> None:
     """Add [Σ v², Σ (v⊙v⊙D)²] into `out`, a float64 (2,) tensor zeroed by the caller.
 
     Same operands as ``launch_outer_merge``; nothing but `out` is written. Deterministic (no
@@ -226,11 +365,38 @@ def launch_taylor_norms(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tenso
         raise ValueError(f"programs must be >= 1, got {nprog}")
     flags = dict(HAS_MOMENTUM=momentum != 0.0, NESTEROV=bool(nesterov), BLOCK=block)
     if nprog == 1:
-        _taylor_norms_kernel[(1,)](g, u, delta_avg, x, x_sent, out, n, float(lr), float(momentum), 1,
-                                   FINAL=True, **flags, **launch_options(g))
+        _taylor_norms_kernel[(1,)](
+            g,
+            u,
+            delta_avg,
+            x,
+            x_sent,
+            out,
+            n,
+            float(lr),
+            float(momentum),
+            1,
+            FINAL=True,
+            **flags,
+            **launch_options(g),
+        )
         return
     partial = torch.empty(2 * nprog, dtype=torch.float64, device=g.device)
-    _taylor_norms_kernel[(nprog,)](g, u, delta_avg, x, x_sent, partial, n, float(lr), float(momentum), nprog,
-                                   FINAL=False, **flags, **launch_options(g))
-    _taylor_norms_finish_kernel[(1,)](partial, out, nprog, P_BLOCK=triton.next_power_of_2(nprog),
-                                      **launch_options(out, warps=1))
+    _taylor_norms_kernel[(nprog,)](
+        g,
+        u,
+        delta_avg,
+        x,
+        x_sent,
+        partial,
+        n,
+        float(lr),
+        float(momentum),
+        nprog,
+        FINAL=False,
+        **flags,
+        **launch_options(g),
+    )
+    _taylor_norms_finish_kernel[(1,)](
+        partial, out, nprog, P_BLOCK=triton.next_power_of_2(nprog), **launch_options(out, warps=1)
+    )

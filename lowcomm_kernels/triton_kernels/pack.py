@@ -36,8 +36,18 @@ def _bf16_rne(v):
 
 
 @triton.jit
-def _pack_block(g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, offs, n,
-                HAS_SNAPSHOT: tl.constexpr, WIRE_MAX: tl.constexpr, MASKED: tl.constexpr):
+def _pack_block(
+    g_ptr,
+    x_ptr,
+    delta_ptr,
+    snapshot_ptr,
+    nonfinite_ptr,
+    offs,
+    n,
+    HAS_SNAPSHOT: tl.constexpr,
+    WIRE_MAX: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     g = load_block(g_ptr, offs, n, MASKED)
     x = load_block(x_ptr, offs, n, MASKED)
     if delta_ptr.dtype.element_ty == tl.bfloat16:
@@ -55,8 +65,17 @@ def _pack_block(g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, offs, n,
 
 
 @triton.jit
-def _pack_kernel(g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, n,
-                 HAS_SNAPSHOT: tl.constexpr, WIRE_MAX: tl.constexpr, BLOCK: tl.constexpr):
+def _pack_kernel(
+    g_ptr,
+    x_ptr,
+    delta_ptr,
+    snapshot_ptr,
+    nonfinite_ptr,
+    n,
+    HAS_SNAPSHOT: tl.constexpr,
+    WIRE_MAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """delta = wire(g − x); snapshot = x; nonfinite += count(!(|delta| <= WIRE_MAX)).
 
     g, x: (n,) fp32/fp64; delta: (n,) of g's dtype or bf16; snapshot: (n,) of x's dtype (unused
@@ -66,15 +85,22 @@ def _pack_kernel(g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, n,
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= n:
-        _pack_block(g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, offs, n, HAS_SNAPSHOT, WIRE_MAX,
-                    False)
+        _pack_block(
+            g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, offs, n, HAS_SNAPSHOT, WIRE_MAX, False
+        )
     else:
-        _pack_block(g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, offs, n, HAS_SNAPSHOT, WIRE_MAX,
-                    True)
+        _pack_block(
+            g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, offs, n, HAS_SNAPSHOT, WIRE_MAX, True
+        )
 
 
-def launch_pack(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None,
-                nonfinite: torch.Tensor) -> None:
+def launch_pack(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    delta: torch.Tensor,
+    snapshot: torch.Tensor | None,
+    nonfinite: torch.Tensor,
+) -> None:
     """Fill `delta` (and `snapshot`) from g and x; add the non-finite count into `nonfinite`.
 
     g, x: contiguous fp32/fp64, n elements; delta: contiguous (n elements) of g's dtype or bf16;
@@ -86,6 +112,14 @@ def launch_pack(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot:
         return
     block = block_size(g, n)
     _pack_kernel[(triton.cdiv(n, block),)](
-        g, x, delta, snapshot if snapshot is not None else delta, nonfinite, n,
-        HAS_SNAPSHOT=snapshot is not None, WIRE_MAX=finite_max(delta.dtype), BLOCK=block,
-        **launch_options(g))
+        g,
+        x,
+        delta,
+        snapshot if snapshot is not None else delta,
+        nonfinite,
+        n,
+        HAS_SNAPSHOT=snapshot is not None,
+        WIRE_MAX=finite_max(delta.dtype),
+        BLOCK=block,
+        **launch_options(g),
+    )

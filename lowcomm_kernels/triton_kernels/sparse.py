@@ -27,8 +27,7 @@ def _sparse_gather_kernel(x_ptr, idx_ptr, out_ptr, k, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sparse_scatter_merge_kernel(x_ptr, idx_ptr, avg_ptr, sent_ptr, k, beta: tl.float64,
-                                 BLOCK: tl.constexpr):
+def _sparse_scatter_merge_kernel(x_ptr, idx_ptr, avg_ptr, sent_ptr, k, beta: tl.float64, BLOCK: tl.constexpr):
     """x[idx[j]] <- avg[j] + β·(x[idx[j]] − sent[j]) for j < k; avg (x's dtype or bf16) is widened
     exactly, β rounded once to x's dtype."""
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -50,8 +49,9 @@ def launch_sparse_gather(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) 
     _sparse_gather_kernel[(triton.cdiv(k, block),)](x, idx, out, k, BLOCK=block, **launch_options(x))
 
 
-def launch_sparse_scatter_merge(x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor,
-                                beta: float) -> None:
+def launch_sparse_scatter_merge(
+    x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor, beta: float
+) -> None:
     """x[idx] <- avg + beta·(x[idx] − sent), in place on x. idx: (k,) int64, in range, no
     duplicates; avg: (k,) of x's dtype or bf16; sent: (k,) of x's dtype. Allocates nothing."""
     k = idx.numel()
@@ -59,4 +59,5 @@ def launch_sparse_scatter_merge(x: torch.Tensor, idx: torch.Tensor, avg: torch.T
         return
     block = block_size(x, k)
     _sparse_scatter_merge_kernel[(triton.cdiv(k, block),)](
-        x, idx, avg, sent, k, float(beta), BLOCK=block, **launch_options(x))
+        x, idx, avg, sent, k, float(beta), BLOCK=block, **launch_options(x)
+    )
