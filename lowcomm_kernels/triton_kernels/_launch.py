@@ -13,6 +13,7 @@ see ``block_sum`` for why.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -29,6 +30,19 @@ def interpreted(t: torch.Tensor) -> bool:
     """True when a launch on `t` runs in Triton's interpreter (dispatch allows CPU tensors only
     under TRITON_INTERPRET=1, so the device decides without reading the environment here)."""
     return t.device.type != "cuda"
+
+
+def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The context every launch on `t`'s data runs in: ``torch.cuda.device(t.device)`` for a CUDA
+    tensor, a no-op for a CPU one (the interpreter).
+
+    Triton launches on the *current* device and its current stream, not on the arguments'
+    device: without this, data on cuda:1 launched while cuda:0 is current would run on cuda:0's
+    stream against cuda:1's memory (a fault, or a race with cuda:1's stream). Inside it, the
+    launch goes to the current stream of `t`'s device, as a torch op on `t` would."""
+    if t.device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)
 
 
 def block_size(t: torch.Tensor, n: int) -> int:

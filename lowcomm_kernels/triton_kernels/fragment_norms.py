@@ -19,7 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import GPU_BLOCK, block_size, block_sum, gpu_programs, interpreted, launch_options
+from ._launch import (
+    GPU_BLOCK,
+    block_size,
+    block_sum,
+    gpu_programs,
+    interpreted,
+    launch_options,
+    on_device,
+)
 
 
 @triton.jit
@@ -95,15 +103,16 @@ def launch_fragment_norms(
     P = programs_per_segment(buf, n, nseg) if programs is None else int(programs)
     if not 1 <= P <= 65535:  # the grid's second dimension
         raise ValueError(f"programs must be in [1, 65535], got {P}")
-    if P == 1:
-        _fragment_norms_kernel[(nseg, 1)](
-            buf, offsets, out, 1, ORD=ord, FINAL=True, BLOCK=block, **launch_options(buf)
+    with on_device(buf):
+        if P == 1:
+            _fragment_norms_kernel[(nseg, 1)](
+                buf, offsets, out, 1, ORD=ord, FINAL=True, BLOCK=block, **launch_options(buf)
+            )
+            return
+        partial = torch.empty(nseg * P, dtype=torch.float64, device=buf.device)
+        _fragment_norms_kernel[(nseg, P)](
+            buf, offsets, partial, P, ORD=ord, FINAL=False, BLOCK=block, **launch_options(buf)
         )
-        return
-    partial = torch.empty(nseg * P, dtype=torch.float64, device=buf.device)
-    _fragment_norms_kernel[(nseg, P)](
-        buf, offsets, partial, P, ORD=ord, FINAL=False, BLOCK=block, **launch_options(buf)
-    )
-    _fragment_norms_finish_kernel[(nseg,)](
-        partial, out, P, ORD=ord, P_BLOCK=triton.next_power_of_2(P), **launch_options(out, warps=1)
-    )
+        _fragment_norms_finish_kernel[(nseg,)](
+            partial, out, P, ORD=ord, P_BLOCK=triton.next_power_of_2(P), **launch_options(out, warps=1)
+        )

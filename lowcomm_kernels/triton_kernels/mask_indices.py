@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import block_size, block_sum, launch_options
+from ._launch import block_size, block_sum, launch_options, on_device
 
 ROUNDS = 4
 
@@ -86,6 +86,7 @@ def launch_mask_perm(
     block = block_size(out, k)
     a = [int(v) for v in adds]
     c = [int(v) for v in muls]
-    _mask_perm_kernel[(triton.cdiv(k, block),)](
-        out, int(n), int(k), *a, *c, int(shift), int(bitmask), BLOCK=block, **launch_options(out)
-    )
+    with on_device(out):
+        _mask_perm_kernel[(triton.cdiv(k, block),)](
+            out, int(n), int(k), *a, *c, int(shift), int(bitmask), BLOCK=block, **launch_options(out)
+        )

@@ -36,6 +36,7 @@ from ._launch import (
     interpreted,
     launch_options,
     load_block,
+    on_device,
     store_block,
 )
 
@@ -312,26 +313,27 @@ def launch_outer_merge(
     if has_sent and x_sent is None:
         raise ValueError("x_sent is required when beta or lam is non-zero")
     block = block_size(g, n)
-    _outer_merge_kernel[(triton.cdiv(n, block),)](
-        g,
-        u,
-        delta_avg,
-        x,
-        x_sent if has_sent else x,
-        n,
-        float(lr),
-        float(momentum),
-        float(alpha),
-        1.0 - float(alpha),
-        float(beta),
-        float(lam),
-        HAS_MOMENTUM=momentum != 0.0,
-        NESTEROV=bool(nesterov),
-        HAS_SENT=has_sent,
-        HAS_ALPHA=alpha != 0.0,
-        BLOCK=block,
-        **launch_options(g),
-    )
+    with on_device(g):
+        _outer_merge_kernel[(triton.cdiv(n, block),)](
+            g,
+            u,
+            delta_avg,
+            x,
+            x_sent if has_sent else x,
+            n,
+            float(lr),
+            float(momentum),
+            float(alpha),
+            1.0 - float(alpha),
+            float(beta),
+            float(lam),
+            HAS_MOMENTUM=momentum != 0.0,
+            NESTEROV=bool(nesterov),
+            HAS_SENT=has_sent,
+            HAS_ALPHA=alpha != 0.0,
+            BLOCK=block,
+            **launch_options(g),
+        )
 
 
 def launch_taylor_norms(
@@ -364,39 +366,40 @@ def launch_taylor_norms(
     if nprog < 1:
         raise ValueError(f"programs must be >= 1, got {nprog}")
     flags = dict(HAS_MOMENTUM=momentum != 0.0, NESTEROV=bool(nesterov), BLOCK=block)
-    if nprog == 1:
-        _taylor_norms_kernel[(1,)](
+    with on_device(g):
+        if nprog == 1:
+            _taylor_norms_kernel[(1,)](
+                g,
+                u,
+                delta_avg,
+                x,
+                x_sent,
+                out,
+                n,
+                float(lr),
+                float(momentum),
+                1,
+                FINAL=True,
+                **flags,
+                **launch_options(g),
+            )
+            return
+        partial = torch.empty(2 * nprog, dtype=torch.float64, device=g.device)
+        _taylor_norms_kernel[(nprog,)](
             g,
             u,
             delta_avg,
             x,
             x_sent,
-            out,
+            partial,
             n,
             float(lr),
             float(momentum),
-            1,
-            FINAL=True,
+            nprog,
+            FINAL=False,
             **flags,
             **launch_options(g),
         )
-        return
-    partial = torch.empty(2 * nprog, dtype=torch.float64, device=g.device)
-    _taylor_norms_kernel[(nprog,)](
-        g,
-        u,
-        delta_avg,
-        x,
-        x_sent,
-        partial,
-        n,
-        float(lr),
-        float(momentum),
-        nprog,
-        FINAL=False,
-        **flags,
-        **launch_options(g),
-    )
-    _taylor_norms_finish_kernel[(1,)](
-        partial, out, nprog, P_BLOCK=triton.next_power_of_2(nprog), **launch_options(out, warps=1)
-    )
+        _taylor_norms_finish_kernel[(1,)](
+            partial, out, nprog, P_BLOCK=triton.next_power_of_2(nprog), **launch_options(out, warps=1)
+        )

@@ -20,7 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import block_size, block_sum, finite_max, launch_options, load_block, store_block
+from ._launch import (
+    block_size,
+    block_sum,
+    finite_max,
+    launch_options,
+    load_block,
+    on_device,
+    store_block,
+)
 
 
 @triton.jit
@@ -111,15 +119,16 @@ def launch_pack(
     if n == 0:
         return
     block = block_size(g, n)
-    _pack_kernel[(triton.cdiv(n, block),)](
-        g,
-        x,
-        delta,
-        snapshot if snapshot is not None else delta,
-        nonfinite,
-        n,
-        HAS_SNAPSHOT=snapshot is not None,
-        WIRE_MAX=finite_max(delta.dtype),
-        BLOCK=block,
-        **launch_options(g),
-    )
+    with on_device(g):
+        _pack_kernel[(triton.cdiv(n, block),)](
+            g,
+            x,
+            delta,
+            snapshot if snapshot is not None else delta,
+            nonfinite,
+            n,
+            HAS_SNAPSHOT=snapshot is not None,
+            WIRE_MAX=finite_max(delta.dtype),
+            BLOCK=block,
+            **launch_options(g),
+        )

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import block_size, launch_options
+from ._launch import block_size, launch_options, on_device
 
 
 @triton.jit
@@ -46,7 +46,8 @@ def launch_sparse_gather(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) 
     if k == 0:
         return
     block = block_size(x, k)
-    _sparse_gather_kernel[(triton.cdiv(k, block),)](x, idx, out, k, BLOCK=block, **launch_options(x))
+    with on_device(x):
+        _sparse_gather_kernel[(triton.cdiv(k, block),)](x, idx, out, k, BLOCK=block, **launch_options(x))
 
 
 def launch_sparse_scatter_merge(
@@ -58,6 +59,7 @@ def launch_sparse_scatter_merge(
     if k == 0:
         return
     block = block_size(x, k)
-    _sparse_scatter_merge_kernel[(triton.cdiv(k, block),)](
-        x, idx, avg, sent, k, float(beta), BLOCK=block, **launch_options(x)
-    )
+    with on_device(x):
+        _sparse_scatter_merge_kernel[(triton.cdiv(k, block),)](
+            x, idx, avg, sent, k, float(beta), BLOCK=block, **launch_options(x)
+        )

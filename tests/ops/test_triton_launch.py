@@ -1,0 +1,119 @@
+"""How the Triton launchers launch, checked on the CPU without running a kernel: the device and
+stream a launch goes to, read from the launchers' source and from the helpers' logic."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import pathlib
+import types
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed: the Triton backend cannot be tested")
+
+from lowcomm_kernels.triton_kernels import _launch  # noqa: E402
+
+KERNEL_DIR = pathlib.Path(_launch.__file__).parent
+LAUNCHER_MODULES = sorted(
+    p for p in KERNEL_DIR.glob("*.py") if p.name not in ("__init__.py", "_launch.py", "aot_check.py")
+)
+
+
+# ---- on_device: the launch runs on the tensors' device ---------------------------------------
+
+
+def test_on_device_is_a_no_op_for_cpu_tensors(monkeypatch):
+    """Under the interpreter (CPU tensors) there is no CUDA device to enter."""
+    monkeypatch.setattr(torch.cuda, "device", _fail_if_called)
+    ctx = _launch.on_device(torch.ones(3))
+    assert isinstance(ctx, contextlib.nullcontext)
+    with ctx:
+        pass
+
+
+def _fail_if_called(*args, **kwargs):
+    raise AssertionError("torch.cuda.device must not be entered for a CPU tensor")
+
+
+@pytest.mark.parametrize("index", [0, 1, 3])
+def test_on_device_enters_the_tensors_device(monkeypatch, index):
+    """A tensor on cuda:<index> makes cuda:<index> current for the launch (whatever is current
+    outside), so Triton takes that device's current stream. Checked with a stand-in tensor and a
+    recording torch.cuda.device: only the logic is tested here, not CUDA."""
+    entered: list[torch.device] = []
+    exited: list[torch.device] = []
+
+    class Recording:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            entered.append(self.device)
+
+        def __exit__(self, *exc):
+            exited.append(self.device)
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", Recording)
+    stand_in = types.SimpleNamespace(device=torch.device("cuda", index))
+    with _launch.on_device(stand_in):
+        assert entered == [torch.device("cuda", index)] and not exited
+    assert exited == entered
+
+
+# ---- every launch in the kernel modules is inside `with on_device(...)` ---------------------
+
+
+def _launches(tree: ast.AST) -> list[tuple[ast.Call, list[ast.AST]]]:
+    """Every ``<name>_kernel[grid](...)`` call in `tree`, with its chain of ancestors."""
+    found = []
+
+    def walk(node: ast.AST, parents: list[ast.AST]) -> None:
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Subscript)
+            and isinstance(node.func.value, ast.Name)
+            and node.func.value.id.endswith("_kernel")
+        ):
+            found.append((node, parents))
+        for child in ast.iter_child_nodes(node):
+            walk(child, [*parents, node])
+
+    walk(tree, [])
+    return found
+
+
+def _inside_on_device(parents: list[ast.AST]) -> bool:
+    for p in parents:
+        if isinstance(p, ast.With):
+            for item in p.items:
+                e = item.context_expr
+                if isinstance(e, ast.Call) and isinstance(e.func, ast.Name) and e.func.id == "on_device":
+                    return True
+    return False
+
+
+def test_launcher_modules_found():
+    names = {p.stem for p in LAUNCHER_MODULES}
+    assert {"pack", "outer_merge", "mask_indices", "sparse", "fragment_norms"} <= names
+
+
+@pytest.mark.parametrize("path", LAUNCHER_MODULES, ids=lambda p: p.stem)
+def test_every_launch_runs_on_the_tensors_device(path):
+    """Static check of the source: each kernel launch sits inside ``with on_device(...)``, and
+    every ``launch_*`` function launches something (so the check cannot pass vacuously)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    launches = _launches(tree)
+    assert launches, f"{path.name}: no kernel launch found"
+    outside = [
+        f"line {call.lineno}: {call.func.value.id}"
+        for call, parents in launches
+        if not _inside_on_device(parents)
+    ]
+    assert not outside, f"{path.name}: launches outside `with on_device(...)`: {outside}"
+    launchers = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("launch_")]
+    assert launchers, f"{path.name}: no launch_* function"
+    for fn in launchers:
+        assert _launches(fn), f"{path.name}: {fn.name} launches no kernel"
