@@ -278,6 +278,15 @@ class Strategy(abc.ABC):
                         return True
         return False
 
+    def _restarted(self, source: str) -> None:
+        """This rank's parameters were just replaced by good ones from ``source``: clear all of its
+        inner-optimizer state (it may hold the non-finite values) and say so."""
+        self._clear_inner_state(p for grp in self.frags.params for p in grp)
+        self.log.warning(
+            f"held non-finite parameters or inner-optimizer state at step {self.step_count}: "
+            f"restarted {source}, inner-optimizer state cleared"
+        )
+
     def _clear_inner_state(self, params: Iterable[torch.Tensor]) -> None:
         """Forget the inner optimizer's per-parameter state (momentum, Adam moments and step) for
         ``params``. Optimizers that follow torch's convention (state created lazily in
@@ -391,6 +400,23 @@ class Strategy(abc.ABC):
         new = samples[self._samples_seen :]
         self._samples_seen = len(samples)
         return new
+
+    def _record_sync(self, pd: Any, t: int, t0: float, **fields: Any) -> None:
+        """Record the sync ``pd`` (a dense or sparse pending sync) applied after step t; its merge
+        started at ``t0`` (perf_counter)."""
+        self._record(
+            SyncRecord(
+                send_step=pd.send_step,
+                apply_step=t,
+                bytes=pd.wire_bytes,
+                in_flight_s=pd.in_flight_s,
+                exposed_s=pd.exposed_s,
+                staleness=t - pd.send_step,
+                pack_s=pd.pack_s,
+                merge_s=time.perf_counter() - t0,
+                **fields,
+            )
+        )
 
     def _record(self, rec: SyncRecord) -> None:
         m = self.metrics

@@ -31,7 +31,6 @@ from .. import ops
 from .._checks import integer, scalar
 from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
-from .metrics import SyncRecord
 from .schedule import check_streaming_schedule
 from .transport import Handle
 
@@ -224,21 +223,7 @@ class DenseStrategy(Strategy):
                 if x_work is not x_p:
                     x_p.copy_(self.to_model(x_work))
         self.applied_count += 1
-        self._record(
-            SyncRecord(
-                fragment=p,
-                send_step=pd.send_step,
-                apply_step=t,
-                bytes=pd.wire_bytes,
-                in_flight_s=pd.in_flight_s,
-                exposed_s=pd.exposed_s,
-                staleness=t - pd.send_step,
-                skipped=skipped,
-                reason=pd.reason,
-                pack_s=pd.pack_s,
-                merge_s=time.perf_counter() - t0,
-            )
-        )
+        self._record_sync(pd, t, t0, fragment=p, skipped=skipped, reason=pd.reason)
 
     def _restart_poisoned(self) -> None:
         """This rank holds non-finite values: restart it entirely from the last good global."""
@@ -246,11 +231,7 @@ class DenseStrategy(Strategy):
         for pd in self.pending:
             if pd.x_sent is not None:
                 pd.x_sent.copy_(self.frags.slice(self.g, pd.fragment))
-        self._clear_inner_state(p for grp in self.frags.params for p in grp)
-        self.log.warning(
-            f"held non-finite parameters or inner-optimizer state at step {self.step_count}: "
-            "restarting from the last good global with the inner-optimizer state cleared"
-        )
+        self._restarted("from the last good global")
 
     # ----- checkpoint / guard --------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:

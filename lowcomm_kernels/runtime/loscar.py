@@ -41,7 +41,6 @@ from .. import ops
 from .._checks import integer, scalar
 from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
-from .metrics import SyncRecord
 from .schedule import LOSCAR_MERGES
 from .transport import Handle, SyncError
 
@@ -175,21 +174,7 @@ class LOSCAR(Strategy):
                 ops.sparse_scatter_merge_(
                     self.frags.flat, pd.idx, pd.wire, pd.sent, beta=LOSCAR_MERGES[self.merge]
                 )
-        self._record(
-            SyncRecord(
-                fragment=-1,
-                send_step=pd.send_step,
-                apply_step=t,
-                bytes=pd.wire_bytes,
-                in_flight_s=pd.in_flight_s,
-                exposed_s=pd.exposed_s,
-                staleness=t - pd.send_step,
-                skipped=skipped,
-                round=pd.round,
-                pack_s=pd.pack_s,
-                merge_s=time.perf_counter() - t0,
-            )
-        )
+        self._record_sync(pd, t, t0, fragment=-1, skipped=skipped, round=pd.round)
 
     def _heal(self, poisoned: list[int], rnd: int) -> None:
         """Every rank: poisoned ranks take the parameters of the lowest healthy rank (collective)."""
@@ -217,11 +202,7 @@ class LOSCAR(Strategy):
             )
         self.metrics.recovery_bytes += x.numel() * x.element_size()
         if self.rank in poisoned:
-            self._clear_inner_state(p for grp in self.frags.params for p in grp)
-            self.log.warning(
-                f"LOSCAR round {rnd}: held non-finite parameters; restarting from rank {src}'s "
-                "parameters with the inner-optimizer state cleared"
-            )
+            self._restarted(f"from rank {src}'s parameters (LOSCAR round {rnd})")
 
     def _config_fields(self) -> dict[str, Any]:
         return {

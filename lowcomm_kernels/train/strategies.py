@@ -44,7 +44,7 @@ class CommTotals:
 
 
 def build_strategy(
-    spec: TrainSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any, rank: int
+    spec: TrainSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any
 ) -> Any:
     """The runtime strategy for ``spec.method`` (not 'dp', which the harness implements itself)."""
     import lowcomm_kernels.runtime as rt

@@ -179,7 +179,7 @@ class RankRun:
         self.strategy = (
             None
             if self.dp is not None
-            else build_strategy(spec, self.model, self.optimizer, self.train_group, rank)
+            else build_strategy(spec, self.model, self.optimizer, self.train_group)
         )
         # The scheduler is created after the strategy: the runtime may re-home parameters into flat
         # buffers, but the optimizer object (and its param_groups' lr) stays the user's.
