@@ -60,14 +60,17 @@ def _variants(quick: bool) -> Iterator[tuple[str, Any, dict[str, str], dict[str,
             "x_ptr": f"*{dt}",
             "sent_ptr": f"*{dt}",
         }
-        for mom, nest, sent, alpha in flags[:1] if quick else flags:
+        merge_flags = [(*f, lam_dev) for f in flags for lam_dev in (False, True) if f[2] or not lam_dev]
+        for mom, nest, sent, alpha, lam_dev in merge_flags[:2] if quick else merge_flags:
             if not mom and not nest:
                 continue  # nesterov is irrelevant without momentum: the launcher passes it as given
             yield (
-                f"outer_merge {dt} avg={a} momentum={mom} nesterov={nest} sent={sent} alpha={alpha}",
+                f"outer_merge {dt} avg={a} momentum={mom} nesterov={nest} sent={sent} alpha={alpha} "
+                f"lam_on_device={lam_dev}",
                 outer_merge._outer_merge_kernel,
                 {
                     **ptrs,
+                    "lam_sums_ptr": "*fp64" if lam_dev else f"*{dt}",
                     "n": "i64",
                     "lr": "fp64",
                     "momentum": "fp64",
@@ -76,7 +79,14 @@ def _variants(quick: bool) -> Iterator[tuple[str, Any, dict[str, str], dict[str,
                     "beta": "fp64",
                     "lam": "fp64",
                 },
-                {"HAS_MOMENTUM": mom, "NESTEROV": nest, "HAS_SENT": sent, "HAS_ALPHA": alpha, "BLOCK": block},
+                {
+                    "HAS_MOMENTUM": mom,
+                    "NESTEROV": nest,
+                    "HAS_SENT": sent,
+                    "HAS_ALPHA": alpha,
+                    "LAM_ON_DEVICE": lam_dev,
+                    "BLOCK": block,
+                },
             )
         for (mom, nest), final in itertools.product(
             [(True, True)] if quick else [(True, True), (True, False), (False, True)], [True, False]

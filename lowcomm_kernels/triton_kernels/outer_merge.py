@@ -20,6 +20,13 @@ The v/D terms are compiled out when β = λ = 0 (x_sent is then not read); when 
 written but not read (x <- g_new; the reference computes 0·x, which differs only when x holds
 inf/NaN).
 
+Normalized λ without a host read: ``launch_taylor_norms`` leaves [Σ v², Σ (v⊙v⊙D)²] in a float64
+device tensor, and ``launch_outer_merge(..., lam, lam_sums)`` has every program form
+λ_eff = λ·√s0/√s1 (0 when s1 = 0 or λ = 0) from it in float64 (``_lam_effective``: correctly
+rounded sqrt and division, as ops/outer_merge.py's ``lam_effective`` computes it on the host), then
+round it once to the data dtype like any other λ. The two launches queue back to back on the
+stream; nothing waits for the sums.
+
 Bytes (fp32, n elements): read g, Δ̄ [, u] [, x] [, x_sent]; write g, x [, u].
 """
 
@@ -89,6 +96,20 @@ def _load_and_step(
 
 
 @triton.jit
+def _lam_effective(lam, sums_ptr):
+    """λ_eff = λ·√s0/√s1 in float64 from sums = [s0, s1]; 0 when s1 == 0 or λ == 0. The same
+    operations in the same order as ``lam_effective`` in ops/outer_merge.py, each correctly
+    rounded (sqrt.rn.f64, mul.rn.f64, div.rn.f64 in the PTX; numpy's under the interpreter), so
+    the value is the host's bit for bit. The zero case divides by 1, not by 0, only to keep inf
+    and NaN out of the discarded lane."""
+    s0 = tl.load(sums_ptr)
+    s1 = tl.load(sums_ptr + 1)
+    zero = (s1 == 0.0) | (lam == 0.0)
+    scaled = lam * tl.sqrt(s0) / tl.sqrt(tl.where(s1 == 0.0, 1.0, s1))
+    return tl.where(zero, 0.0, scaled)
+
+
+@triton.jit
 def _outer_merge_block(
     g_ptr,
     u_ptr,
@@ -107,6 +128,7 @@ def _outer_merge_block(
     NESTEROV: tl.constexpr,
     HAS_SENT: tl.constexpr,
     HAS_ALPHA: tl.constexpr,
+    LAM_ON_DEVICE: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     g_new, u_new = _load_and_step(
@@ -123,7 +145,13 @@ def _outer_merge_block(
             sent = load_block(sent_ptr, offs, n, MASKED)
             v = x - sent
             # Same association as the reference: (g + β·v) − ((λ·v)·v)·D.
-            target = target + tl.cast(beta, dt) * v - tl.cast(lam, dt) * v * v * (g_new - sent)
+            merged = target + tl.cast(beta, dt) * v - tl.cast(lam, dt) * v * v * (g_new - sent)
+            if LAM_ON_DEVICE:
+                # λ_eff can be 0 where the given λ is not; the reference then leaves the v terms
+                # out when β = 0 too (g + 0·v would turn a −0 in g into +0): so does this select.
+                target = tl.where((beta != 0.0) | (lam != 0.0), merged, target)
+            else:
+                target = merged
         target = tl.cast(one_minus_alpha, dt) * target + tl.cast(alpha, dt) * x
     store_block(x_ptr, offs, target, n, MASKED)
 
@@ -135,6 +163,7 @@ def _outer_merge_kernel(
     avg_ptr,
     x_ptr,
     sent_ptr,
+    lam_sums_ptr,
     n,
     lr: tl.float64,
     momentum: tl.float64,
@@ -146,6 +175,7 @@ def _outer_merge_kernel(
     NESTEROV: tl.constexpr,
     HAS_SENT: tl.constexpr,
     HAS_ALPHA: tl.constexpr,
+    LAM_ON_DEVICE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """In place on (n,) g, u, x:
@@ -156,8 +186,11 @@ def _outer_merge_kernel(
     Δ̄ (avg_ptr) is g's dtype or bf16, widened exactly. HAS_SENT compiles the β/λ terms in
     (x_sent read), HAS_ALPHA the α mix (x read); HAS_MOMENTUM=False leaves u untouched.
     one_minus_alpha is 1 − α formed in fp64 by the caller, as the reference's ``(1.0 - alpha)``.
-    Full blocks run unmasked.
+    LAM_ON_DEVICE: λ is normalized here, λ_eff = ``_lam_effective(λ, lam_sums)`` (float64 [s0, s1]
+    from ``_taylor_norms_kernel``); otherwise lam_sums_ptr is not read. Full blocks run unmasked.
     """
+    if LAM_ON_DEVICE:
+        lam = _lam_effective(lam, lam_sums_ptr)
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= n:
@@ -179,6 +212,7 @@ def _outer_merge_kernel(
             NESTEROV,
             HAS_SENT,
             HAS_ALPHA,
+            LAM_ON_DEVICE,
             False,
         )
     else:
@@ -200,6 +234,7 @@ def _outer_merge_kernel(
             NESTEROV,
             HAS_SENT,
             HAS_ALPHA,
+            LAM_ON_DEVICE,
             True,
         )
 
@@ -299,12 +334,24 @@ def launch_outer_merge(
     alpha: float,
     beta: float,
     lam: float,
+    lam_sums: torch.Tensor | None = None,
 ) -> None:
     """Outer SGD/Nesterov step then merge, in place on g, u (only if momentum ≠ 0) and x.
 
     g, u, x (and x_sent): contiguous, n elements, one fp32/fp64 dtype; delta_avg: n elements of
-    that dtype or bf16. λ is absolute (the caller resolves the normalized mode). x_sent may be
-    None only when beta == lam == 0. Allocates nothing; n == 0 is a no-op.
+    that dtype or bf16. x_sent may be None only when beta == lam == 0. Allocates nothing and reads
+    nothing on the host; n == 0 is a no-op.
+
+    lam_sums: None, and λ is used as given (absolute); or the float64 (2,) tensor
+    [Σ v², Σ (v⊙v⊙D)²] on g's device that ``launch_taylor_norms`` filled for these operands, and
+    the kernel uses λ_eff = λ·√s0/√s1 (0 when s1 == 0 or λ == 0), formed on the device exactly as
+    ops/outer_merge.py's ``lam_effective`` forms it on the host. Normalized mode is then
+
+        sums = torch.zeros(2, dtype=torch.float64, device=g.device)
+        launch_taylor_norms(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, sums)
+        launch_outer_merge(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, sums)
+
+    with no host synchronisation.
     """
     n = g.numel()
     if n == 0:
@@ -312,6 +359,13 @@ def launch_outer_merge(
     has_sent = beta != 0.0 or lam != 0.0
     if has_sent and x_sent is None:
         raise ValueError("x_sent is required when beta or lam is non-zero")
+    if lam_sums is not None:
+        if lam_sums.dtype != torch.float64 or lam_sums.numel() != 2 or lam_sums.device != g.device:
+            raise ValueError(
+                "lam_sums must be the float64 (2,) tensor of launch_taylor_norms on g's device, got "
+                f"{lam_sums.dtype} {tuple(lam_sums.shape)} on {lam_sums.device}"
+            )
+    lam_on_device = lam_sums is not None and lam != 0.0  # λ = 0 needs no sums: λ_eff = 0 = λ
     block = block_size(g, n)
     with on_device(g):
         _outer_merge_kernel[(triton.cdiv(n, block),)](
@@ -320,6 +374,7 @@ def launch_outer_merge(
             delta_avg,
             x,
             x_sent if has_sent else x,
+            lam_sums if lam_on_device else g,
             n,
             float(lr),
             float(momentum),
@@ -331,6 +386,7 @@ def launch_outer_merge(
             NESTEROV=bool(nesterov),
             HAS_SENT=has_sent,
             HAS_ALPHA=alpha != 0.0,
+            LAM_ON_DEVICE=lam_on_device,
             BLOCK=block,
             **launch_options(g),
         )

@@ -7,7 +7,9 @@ tolerance table of ``tests/conftest.py``:
 * pack's delta is one IEEE subtraction on both sides: bit-identical; the bf16 wire value is
   bit-identical to torch's conversion (the kernel rounds to nearest-even by hand, so this holds
   under the interpreter too, whose own bf16 cast truncates);
-* outer_merge's outputs are a few O(1) roundings from the inputs: "elementwise" (8·eps);
+* outer_merge's outputs are a few O(1) roundings from the inputs: "elementwise" (8·eps); with
+  normalized λ formed on the device from taylor_norms' sums, bit-identical to λ_eff formed on the
+  host from the same sums;
 * mask_perm is integer arithmetic: bit-identical;
 * gather is a copy (bit-identical); the scatter-merge is two roundings: "elementwise";
 * fragment_norms and taylor_norms are fp64 sums of n terms: "reduction" (eps_out + 8·√n·eps_64),
@@ -54,6 +56,7 @@ from lowcomm_kernels.ops import (
     taylor_norms_ref,
 )
 from lowcomm_kernels.ops.mask_indices import mask_perm_ref
+from lowcomm_kernels.ops.outer_merge import lam_effective
 
 SIZES = [0, 1, 7, 1000003]
 BIG = SIZES[-1]
@@ -112,8 +115,9 @@ def kernels():
     os.environ["TRITON_INTERPRET"] = "1"
     try:
         _forget_kernel_modules()  # imported earlier without the variable: compiled-mode kernels
-        mods = {name: importlib.import_module(f"lowcomm_kernels.triton_kernels.{name}")
-                for name in KERNEL_MODULES}
+        mods = {
+            name: importlib.import_module(f"lowcomm_kernels.triton_kernels.{name}") for name in KERNEL_MODULES
+        }
         for name, mod in mods.items():
             funcs = _jitted(mod)
             assert name == "_launch" or any(k.endswith("_kernel") for k in funcs), f"{name}: no _<op>_kernel"
@@ -138,6 +142,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # ---- pack -----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", SIZES)
 def test_pack_matches_ref(n, rng):
     g, x = _randn(n, rng), _randn(n, rng)
@@ -161,20 +166,20 @@ def test_pack_bf16_wire_is_torchs_rounding(n, dtype, rng):
     # Magnitudes from 1e-40 (bf16 subnormals) to 3e38 (near bf16's max), plus crafted ties.
     mag = torch.logspace(-40, 38.4, n, dtype=torch.float64)[torch.randperm(n, generator=rng)]
     g = (torch.randn(n, generator=rng, dtype=torch.float64) * mag).to(dtype)
-    x = torch.zeros(n, dtype=dtype) if n < 7 else (g * 2.0 ** -9).to(dtype)
+    x = torch.zeros(n, dtype=dtype) if n < 7 else (g * 2.0**-9).to(dtype)
     if n >= 7:
-        special = [1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, -(1.0 + 2.0 ** -8), 3e38, 3.4e38, -3.4e38,
-                   float("nan")]
+        special = [1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 3e38, 3.4e38, -3.4e38, float("nan")]
         if dtype == torch.float64:
-            special[:2] = [1.0 + 2.0 ** -8 + 2.0 ** -30, 1e39]
+            special[:2] = [1.0 + 2.0**-8 + 2.0**-30, 1e39]
         g[:7] = torch.tensor(special, dtype=dtype)
         x[:7] = 0.0
     delta, _, nonfinite = pack(g, x, wire_dtype=BF16, snapshot_out=False, backend="triton")
     expected = (g - x).to(BF16)
     nan = torch.isnan(expected)
     assert torch.equal(torch.isnan(delta), nan)
-    assert torch.equal(delta.view(torch.int16)[~nan], expected.view(torch.int16)[~nan]), \
+    assert torch.equal(delta.view(torch.int16)[~nan], expected.view(torch.int16)[~nan]), (
         "bf16 wire value is not torch's round-to-nearest-even"
+    )
     assert int(nonfinite) == int((~torch.isfinite(expected)).sum()) == int(pack_ref(g, x, wire_dtype=BF16)[2])
     if n >= 7:
         assert int(nonfinite) >= 3  # 3.4e38 and -3.4e38 overflow the bf16 wire, plus the NaN
@@ -217,10 +222,17 @@ def _merge_inputs(n: int, rng: torch.Generator, avg_dtype: torch.dtype):
     return g, u, avg, x, x_sent
 
 
-@pytest.mark.parametrize("n,mode,avg_dtype", _grid(
-    SIZES, list(MERGE_MODES), [F32, BF16],
-    big_only=[(m, F32) for m in MERGE_MODES] + [("nesterov-overwrite", BF16), ("taylor-normalized", BF16)]),
-    ids=_id)
+@pytest.mark.parametrize(
+    "n,mode,avg_dtype",
+    _grid(
+        SIZES,
+        list(MERGE_MODES),
+        [F32, BF16],
+        big_only=[(m, F32) for m in MERGE_MODES]
+        + [("nesterov-overwrite", BF16), ("taylor-normalized", BF16)],
+    ),
+    ids=_id,
+)
 def test_outer_merge_matches_ref(n, mode, avg_dtype, rng, close):
     kw = MERGE_MODES[mode]
     got = _merge_inputs(n, rng, avg_dtype)
@@ -290,15 +302,93 @@ def test_taylor_norms_matches_ref(n, momentum, nesterov, rng, close, kernels):
         assert _same_bits(added, expected), "taylor_norms must add into out"
 
 
+LAM_SUM_MODES = {
+    "taylor": dict(lr=0.7, momentum=0.9, nesterov=True, alpha=0.0, beta=1.0, lam=0.5),
+    "taylor-mix": dict(lr=0.7, momentum=0.9, nesterov=False, alpha=0.25, beta=1.0, lam=0.5),
+    "lam-only": dict(lr=1.0, momentum=0.0, nesterov=True, alpha=0.0, beta=0.0, lam=0.5),
+}
+
+
+@pytest.mark.parametrize("mode", list(LAM_SUM_MODES))
+@pytest.mark.parametrize("n", [1, 7, 70001])
+def test_outer_merge_normalizes_lam_on_the_device(n, mode, rng, close, kernels):
+    """launch_outer_merge(..., lam, lam_sums) forms λ_eff from the device sums itself: bit for
+    bit what the host path (lam_effective(λ, sums) read back, then an absolute-λ launch) gives
+    from the same sums, and within the elementwise tolerance of the reference (whose sums come
+    in another order)."""
+    kw = LAM_SUM_MODES[mode]
+    mod = kernels["outer_merge"]
+    scalars = (kw["lr"], kw["momentum"], kw["nesterov"], kw["alpha"], kw["beta"])
+    inputs = _merge_inputs(n, rng, F32)
+    sums = torch.zeros(2, dtype=torch.float64)
+    mod.launch_taylor_norms(*inputs, *scalars[:3], sums)
+    on_device = [t.clone() for t in inputs]
+    mod.launch_outer_merge(*on_device, *scalars, kw["lam"], sums)
+    host = [t.clone() for t in inputs]
+    mod.launch_outer_merge(*host, *scalars, lam_effective(kw["lam"], sums))
+    for name, a, b in zip(("g", "u", "delta_avg", "x", "x_sent"), on_device, host, strict=True):
+        assert _same_bits(a, b), f"{name}: λ_eff on the device differs from the host's ({mode})"
+    want = [t.clone() for t in inputs]
+    outer_merge_ref(*want, **kw, lam_mode="normalized")
+    for i, name in ((0, "g"), (1, "u"), (3, "x")):
+        close.assert_close(on_device[i], want[i], "elementwise", msg=f"{name} ({mode})")
+
+
+def test_outer_merge_lam_sums_zero_correction(rng, kernels):
+    """s1 = Σ(v⊙v⊙D)² = 0 gives λ_eff = 0; with β = 0 the reference then leaves the v terms out
+    entirely, so a −0 in g_new reaches x as −0 (g + 0·v would make it +0, and +0 + 0·x stays +0).
+    λ = 0 ignores the sums."""
+    n = 33
+    mod = kernels["outer_merge"]
+    g = torch.full((n,), -0.0)
+    u = torch.zeros(n)
+    avg = torch.zeros(n)  # g_new = g − η·0 = −0
+    x = -1.0 - _randn(n, rng).abs()  # x < 0, so the α-mix adds 0·x = −0, which keeps a −0 target
+    x_sent = x - 1.0  # v = 1 > 0: g + 0·v would be +0
+    sums = torch.tensor([float(n), 0.0], dtype=torch.float64)
+    got = [t.clone() for t in (g, u, avg, x, x_sent)]
+    mod.launch_outer_merge(*got, 0.5, 0.9, True, 0.0, 0.0, 0.5, sums)
+    want = [t.clone() for t in (g, u, avg, x, x_sent)]
+    outer_merge_ref(*want[:4], None, lr=0.5, momentum=0.9, nesterov=True)  # λ = β = 0
+    assert _same_bits(got[3], want[3]) and bool(torch.signbit(got[3]).all()), "x must be g_new = −0"
+    assert _same_bits(got[0], want[0])
+    zero_lam = [t.clone() for t in (g, u, avg, x, x_sent)]
+    mod.launch_outer_merge(
+        *zero_lam, 0.5, 0.9, True, 0.0, 0.0, 0.0, torch.full((2,), float("nan"), dtype=torch.float64)
+    )
+    assert _same_bits(zero_lam[3], want[3]), "λ = 0: the sums are not read"
+
+
+def test_outer_merge_rejects_bad_lam_sums(kernels):
+    g, u, avg, x, s = (torch.randn(8) for _ in range(5))
+    for bad in (
+        torch.zeros(2),
+        torch.zeros(3, dtype=torch.float64),
+        torch.zeros(1, 2, 1, dtype=torch.float64)[0, :1],
+    ):
+        with pytest.raises(ValueError, match="lam_sums"):
+            kernels["outer_merge"].launch_outer_merge(g, u, avg, x, s, 0.7, 0.9, True, 0.0, 1.0, 0.5, bad)
+
+
 # ---- mask_indices ------------------------------------------------------------------------------
 
-MASK_CASES = [(0, 0), (1, 0), (1, 1), (7, 7), (7, 3), (BIG, BIG), (BIG, 1000),
-              (2 ** 31 + 11, 5000), (2 ** 40 + 5, 1000), (2 ** 62, 100)]
+MASK_CASES = [
+    (0, 0),
+    (1, 0),
+    (1, 1),
+    (7, 7),
+    (7, 3),
+    (BIG, BIG),
+    (BIG, 1000),
+    (2**31 + 11, 5000),
+    (2**40 + 5, 1000),
+    (2**62, 100),
+]
 
 
 @pytest.mark.parametrize("n,k", MASK_CASES, ids=[f"n{n}-k{k}" for n, k in MASK_CASES])
 def test_mask_perm_bit_identical(n, k, rng, kernels):
-    seed, rnd = (int(v) for v in torch.randint(0, 2 ** 62, (2,), generator=rng))
+    seed, rnd = (int(v) for v in torch.randint(0, 2**62, (2,), generator=rng))
     keys = mask_keys(seed, rnd, n)
     out = torch.full((k,), -1, dtype=torch.int64)
     kernels["mask_indices"].launch_mask_perm(n, k, *keys, out)
@@ -314,6 +404,7 @@ def test_mask_perm_bit_identical(n, k, rng, kernels):
 
 # ---- sparse gather / scatter-merge ------------------------------------------------------------
 
+
 @pytest.mark.parametrize("k", SIZES)
 def test_sparse_gather_matches_ref(k, rng):
     n = max(2 * k, 1)
@@ -324,8 +415,11 @@ def test_sparse_gather_matches_ref(k, rng):
     assert got is out and _same_bits(got, x[idx])
 
 
-@pytest.mark.parametrize("k,beta,avg_dtype", _grid(SIZES, [0.0, 1.0, 0.7], [F32, BF16],
-                                                    big_only=[(1.0, F32), (0.7, BF16)]), ids=_id)
+@pytest.mark.parametrize(
+    "k,beta,avg_dtype",
+    _grid(SIZES, [0.0, 1.0, 0.7], [F32, BF16], big_only=[(1.0, F32), (0.7, BF16)]),
+    ids=_id,
+)
 def test_sparse_scatter_merge_matches_ref(k, beta, avg_dtype, rng, close):
     n = max(2 * k, 1)
     x = _randn(n, rng)
@@ -342,6 +436,7 @@ def test_sparse_scatter_merge_matches_ref(k, beta, avg_dtype, rng, close):
 
 
 # ---- fragment_norms ----------------------------------------------------------------------------
+
 
 def _offsets(n: int, rng: torch.Generator) -> torch.Tensor:
     """Random cut points, plus an empty leading/middle/trailing segment and the whole buffer."""
@@ -363,8 +458,12 @@ def test_fragment_norms_matches_ref_and_repeats(n, ord, rng, close, kernels):
     # The launcher's own float64 output, before the cast to buf's dtype, against fp64 sums.
     raw = torch.full((offsets.numel() - 1,), -1.0, dtype=torch.float64)
     kernels["fragment_norms"].launch_fragment_norms(buf, offsets, ord, raw)
-    ref64 = torch.stack([torch.linalg.vector_norm(buf[a:b].double(), ord=ord)
-                         for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)])
+    ref64 = torch.stack(
+        [
+            torch.linalg.vector_norm(buf[a:b].double(), ord=ord)
+            for a, b in zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)
+        ]
+    )
     close.assert_close(raw, ref64, "reduction", n=seg, msg=f"ord {ord}, float64")
     raw2 = torch.empty_like(raw)
     kernels["fragment_norms"].launch_fragment_norms(buf, offsets, ord, raw2)
@@ -398,19 +497,32 @@ def test_fragment_norms_no_segments():
 
 # ---- the registered ops with backend="triton": schema, fake and AOT-dispatch checks -----------
 
+
 def _opcheck_cases():
     g, x, u, avg, xs = (torch.randn(100, dtype=F32) for _ in range(5))
     idx = torch.arange(0, 100, 3)
     yield "pack", torch.ops.lowcomm.pack.default, (g, x, torch.empty(100), torch.empty(100), "triton")
-    yield "outer_merge_", torch.ops.lowcomm.outer_merge_.default, (
-        g.clone(), u.clone(), avg, x.clone(), xs, 0.7, 0.9, True, 0.5, 1.0, 0.5, "normalized", "triton")
-    yield "mask_indices", torch.ops.lowcomm.mask_indices.default, (
-        1, 2, 1000, 100, torch.device("cpu"), "triton")
+    yield (
+        "outer_merge_",
+        torch.ops.lowcomm.outer_merge_.default,
+        (g.clone(), u.clone(), avg, x.clone(), xs, 0.7, 0.9, True, 0.5, 1.0, 0.5, "normalized", "triton"),
+    )
+    yield (
+        "mask_indices",
+        torch.ops.lowcomm.mask_indices.default,
+        (1, 2, 1000, 100, torch.device("cpu"), "triton"),
+    )
     yield "sparse_gather", torch.ops.lowcomm.sparse_gather.default, (x, idx, torch.empty(34), "triton")
-    yield "sparse_scatter_merge_", torch.ops.lowcomm.sparse_scatter_merge_.default, (
-        x.clone(), idx, torch.randn(34), torch.randn(34), 0.7, "triton")
-    yield "fragment_norms", torch.ops.lowcomm.fragment_norms.default, (
-        g, torch.tensor([0, 10, 10, 100]), 2, "triton")
+    yield (
+        "sparse_scatter_merge_",
+        torch.ops.lowcomm.sparse_scatter_merge_.default,
+        (x.clone(), idx, torch.randn(34), torch.randn(34), 0.7, "triton"),
+    )
+    yield (
+        "fragment_norms",
+        torch.ops.lowcomm.fragment_norms.default,
+        (g, torch.tensor([0, 10, 10, 100]), 2, "triton"),
+    )
 
 
 @pytest.mark.parametrize("case", list(_opcheck_cases()), ids=lambda c: c[0])
@@ -423,17 +535,23 @@ def test_opcheck_with_triton_backend(case):
 
 # ---- launchers: n == 0 is a no-op, nothing allocated or written ------------------------------
 
+
 def test_launchers_accept_empty(kernels):
     e = torch.empty(0)
     nf = torch.zeros((), dtype=torch.int64)
     kernels["pack"].launch_pack(e, e.clone(), e.clone(), None, nf)
     assert int(nf) == 0
-    kernels["outer_merge"].launch_outer_merge(e, e.clone(), e.clone(), e.clone(), None, 1.0, 0.9, True,
-                                              0.0, 0.0, 0.0)
+    kernels["outer_merge"].launch_outer_merge(
+        e, e.clone(), e.clone(), e.clone(), None, 1.0, 0.9, True, 0.0, 0.0, 0.0
+    )
     out = torch.zeros(2, dtype=torch.float64)
-    kernels["outer_merge"].launch_taylor_norms(e, e.clone(), e.clone(), e.clone(), e.clone(), 1.0, 0.9, True,
-                                               out)
+    kernels["outer_merge"].launch_taylor_norms(
+        e, e.clone(), e.clone(), e.clone(), e.clone(), 1.0, 0.9, True, out
+    )
     assert torch.equal(out, torch.zeros(2, dtype=torch.float64))
+    kernels["outer_merge"].launch_outer_merge(
+        e, e.clone(), e.clone(), e.clone(), e.clone(), 1.0, 0.9, True, 0.0, 1.0, 0.5, out
+    )
     kernels["mask_indices"].launch_mask_perm(5, 0, *mask_keys(1, 2, 5), torch.empty(0, dtype=torch.int64))
     idx = torch.empty(0, dtype=torch.int64)
     kernels["sparse"].launch_sparse_gather(torch.ones(3), idx, e)
