@@ -35,8 +35,22 @@ SIGNATURES: dict[str, list] = {
     # dtype, wire_dtype, g, x, delta, snapshot|NULL, n, nonfinite*
     "lc_pack": [_c_int, _c_int, _vp, _vp, _vp, _vp, _c_i64, _vp],
     # dtype, avg_dtype, g, u, delta_avg, x, x_sent|NULL, n, lr, momentum, nesterov, alpha, beta, lam
-    "lc_outer_merge": [_c_int, _c_int, _vp, _vp, _vp, _vp, _vp, _c_i64,
-                       _c_dbl, _c_dbl, _c_int, _c_dbl, _c_dbl, _c_dbl],
+    "lc_outer_merge": [
+        _c_int,
+        _c_int,
+        _vp,
+        _vp,
+        _vp,
+        _vp,
+        _vp,
+        _c_i64,
+        _c_dbl,
+        _c_dbl,
+        _c_int,
+        _c_dbl,
+        _c_dbl,
+        _c_dbl,
+    ],
     # dtype, avg_dtype, g, u, delta_avg, x, x_sent, n, lr, momentum, nesterov, out(double[2])
     "lc_taylor_norms": [_c_int, _c_int, _vp, _vp, _vp, _vp, _vp, _c_i64, _c_dbl, _c_dbl, _c_int, _vp],
     # n, k, adds(int64[4]), muls(int64[4]), shift, bitmask, out(int64[k])
@@ -85,15 +99,21 @@ def cpu_lib() -> ctypes.CDLL | None:
         return None
     path = _config.native_library_path() or _locate("liblowcomm_cpu")
     if path is None:
-        warnings.warn("lowcomm_kernels: the native CPU library (liblowcomm_cpu) was not found, so every "
-                      "op runs on the slow 'ref' backend. Reinstall with `pip install .` to build it.",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            "lowcomm_kernels: the native CPU library (liblowcomm_cpu) was not found, so every "
+            "op runs on the slow 'ref' backend. Reinstall with `pip install .` to build it.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
     try:
         lib = ctypes.CDLL(path)
     except OSError as exc:
-        warnings.warn(f"lowcomm_kernels: could not load {path} ({exc}); ops run on the 'ref' backend.",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"lowcomm_kernels: could not load {path} ({exc}); ops run on the 'ref' backend.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
     return _bind(lib, "lc_", [])
 
@@ -108,8 +128,11 @@ def cuda_lib() -> ctypes.CDLL | None:
     try:
         lib = ctypes.CDLL(path)
     except OSError as exc:
-        warnings.warn(f"lowcomm_kernels: could not load {path} ({exc}); the 'cuda' backend is off.",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"lowcomm_kernels: could not load {path} ({exc}); the 'cuda' backend is off.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
     return _bind(lib, "lc_cuda_", CUDA_EXTRA)
 

@@ -34,8 +34,9 @@ from ._common import code, compiling, declare, launch, launcher, native, traced_
 LAM_MODES = ("absolute", "normalized")
 
 
-def outer_step_ref(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, *, lr: float,
-                   momentum: float, nesterov: bool) -> None:
+def outer_step_ref(
+    g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, *, lr: float, momentum: float, nesterov: bool
+) -> None:
     """torch.optim.SGD's update (single-tensor form), in place on g and u (treated as flat)."""
     g, u, d = g.view(-1), u.view(-1), delta_avg.reshape(-1).to(g.dtype)
     if momentum != 0.0:
@@ -44,8 +45,17 @@ def outer_step_ref(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, *,
     g.add_(d, alpha=-lr)
 
 
-def taylor_norms_ref(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
-                     x_sent: torch.Tensor, *, lr: float, momentum: float, nesterov: bool) -> torch.Tensor:
+def taylor_norms_ref(
+    g: torch.Tensor,
+    u: torch.Tensor,
+    delta_avg: torch.Tensor,
+    x: torch.Tensor,
+    x_sent: torch.Tensor,
+    *,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+) -> torch.Tensor:
     """[Σ v², Σ (v⊙v⊙D)²] in float64 for the g_new the outer step would produce (nothing mutated)."""
     g_new, u_new = g.reshape(-1).clone(), u.reshape(-1).clone()
     outer_step_ref(g_new, u_new, delta_avg, lr=lr, momentum=momentum, nesterov=nesterov)
@@ -61,14 +71,26 @@ def lam_effective(lam: float, sums: torch.Tensor) -> float:
     return 0.0 if sc == 0.0 or lam == 0.0 else lam * math.sqrt(sv) / math.sqrt(sc)
 
 
-def outer_merge_ref(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
-                    x_sent: torch.Tensor | None = None, *, lr: float, momentum: float = 0.0,
-                    nesterov: bool = True, alpha: float = 0.0, beta: float = 0.0, lam: float = 0.0,
-                    lam_mode: str = "absolute") -> None:
+def outer_merge_ref(
+    g: torch.Tensor,
+    u: torch.Tensor,
+    delta_avg: torch.Tensor,
+    x: torch.Tensor,
+    x_sent: torch.Tensor | None = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    nesterov: bool = True,
+    alpha: float = 0.0,
+    beta: float = 0.0,
+    lam: float = 0.0,
+    lam_mode: str = "absolute",
+) -> None:
     """The specification, in plain torch (float64-capable). In place on g, u, x."""
     if lam_mode == "normalized" and lam != 0.0:
-        lam = lam_effective(lam, taylor_norms_ref(g, u, delta_avg, x, x_sent, lr=lr, momentum=momentum,
-                                                  nesterov=nesterov))
+        lam = lam_effective(
+            lam, taylor_norms_ref(g, u, delta_avg, x, x_sent, lr=lr, momentum=momentum, nesterov=nesterov)
+        )
     outer_step_ref(g, u, delta_avg, lr=lr, momentum=momentum, nesterov=nesterov)
     g, x = g.view(-1), x.view(-1)  # flat, like every op: the buffers need only the same numel
     target = g.clone()
@@ -83,6 +105,7 @@ def outer_merge_ref(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x
 # taylor_norms: the two float64 sums into `out` (2,), zeroed, read-only otherwise. outer_merge: in
 # place on g, u, x with an absolute λ (a normalized one is scaled first, by the caller).
 
+
 @launcher("taylor_norms", "ref")
 def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, out):
     out.copy_(taylor_norms_ref(g, u, delta_avg, x, x_sent, lr=lr, momentum=momentum, nesterov=nesterov))
@@ -90,22 +113,66 @@ def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, out):
 
 @launcher("outer_merge", "ref")
 def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam):
-    outer_merge_ref(g, u, delta_avg, x, x_sent, lr=lr, momentum=momentum, nesterov=nesterov, alpha=alpha,
-                    beta=beta, lam=lam)
+    outer_merge_ref(
+        g,
+        u,
+        delta_avg,
+        x,
+        x_sent,
+        lr=lr,
+        momentum=momentum,
+        nesterov=nesterov,
+        alpha=alpha,
+        beta=beta,
+        lam=lam,
+    )
 
 
-native("taylor_norms", "lc_taylor_norms", lambda g, u, delta_avg, x, x_sent, lr, momentum, nesterov, out: (
-    code(g), code(delta_avg), g, u, delta_avg, x, x_sent, g.numel(), lr, momentum, int(nesterov), out))
-native("outer_merge", "lc_outer_merge",
-       lambda g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam: (
-           code(g), code(delta_avg), g, u, delta_avg, x, x_sent, g.numel(), lr, momentum, int(nesterov),
-           alpha, beta, lam))
+native(
+    "taylor_norms",
+    "lc_taylor_norms",
+    lambda g, u, delta_avg, x, x_sent, lr, momentum, nesterov, out: (
+        code(g),
+        code(delta_avg),
+        g,
+        u,
+        delta_avg,
+        x,
+        x_sent,
+        g.numel(),
+        lr,
+        momentum,
+        int(nesterov),
+        out,
+    ),
+)
+native(
+    "outer_merge",
+    "lc_outer_merge",
+    lambda g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam: (
+        code(g),
+        code(delta_avg),
+        g,
+        u,
+        delta_avg,
+        x,
+        x_sent,
+        g.numel(),
+        lr,
+        momentum,
+        int(nesterov),
+        alpha,
+        beta,
+        lam,
+    ),
+)
 triton("taylor_norms", "outer_merge", "launch_taylor_norms")
 triton("outer_merge", "outer_merge", "launch_outer_merge")
 
 
-def _check(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam,
-           lam_mode) -> tuple[float, float, float, float, float]:
+def _check(
+    g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode
+) -> tuple[float, float, float, float, float]:
     """Every check of an outer_merge_ call, before anything is written; returns the scalars
     (lr, momentum, alpha, beta, lam) as floats."""
     for name, t in (("g", g), ("u", u), ("x", x)):
@@ -131,12 +198,14 @@ def _check(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam,
     return lr, momentum, alpha, beta, lam
 
 
-def _outer_merge_impl(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode,
-                      backend) -> None:
+def _outer_merge_impl(
+    g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend
+) -> None:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     outer_merge_."""
-    lr, momentum, alpha, beta, lam = _check(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta,
-                                            lam, lam_mode)
+    lr, momentum, alpha, beta, lam = _check(
+        g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode
+    )
     b = _dispatch.resolve(backend, g.device, "lc_outer_merge")
     if g.numel() == 0:
         return
@@ -151,9 +220,21 @@ def _outer_merge_impl(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha,
 
 
 @torch.library.custom_op("lowcomm::outer_merge_", mutates_args=("g", "u", "x"))
-def _outer_merge_op(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
-                    x_sent: torch.Tensor | None, lr: float, momentum: float, nesterov: bool, alpha: float,
-                    beta: float, lam: float, lam_mode: str, backend: str | None) -> None:
+def _outer_merge_op(
+    g: torch.Tensor,
+    u: torch.Tensor,
+    delta_avg: torch.Tensor,
+    x: torch.Tensor,
+    x_sent: torch.Tensor | None,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    alpha: float,
+    beta: float,
+    lam: float,
+    lam_mode: str,
+    backend: str | None,
+) -> None:
     _outer_merge_impl(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend)
 
 
@@ -166,10 +247,22 @@ declare("outer_merge_")
 
 
 @torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
-def outer_merge_(g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
-                 x_sent: torch.Tensor | None = None, *, lr: float, momentum: float = 0.0,
-                 nesterov: bool = True, alpha: float = 0.0, beta: float = 0.0, lam: float = 0.0,
-                 lam_mode: str = "absolute", backend: str | None = None) -> None:
+def outer_merge_(
+    g: torch.Tensor,
+    u: torch.Tensor,
+    delta_avg: torch.Tensor,
+    x: torch.Tensor,
+    x_sent: torch.Tensor | None = None,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    nesterov: bool = True,
+    alpha: float = 0.0,
+    beta: float = 0.0,
+    lam: float = 0.0,
+    lam_mode: str = "absolute",
+    backend: str | None = None,
+) -> None:
     """Outer step on (g, u) with the averaged pseudo-gradient Δ̄, then the delay-compensated
     merge into x, in place, in one pass (see the module docstring for the equations):
 
