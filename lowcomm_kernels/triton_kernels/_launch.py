@@ -45,13 +45,13 @@ def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
     return torch.cuda.device(t.device)
 
 
-def block_size(t: torch.Tensor, n: int) -> int:
+def block_size(t: torch.Tensor, n: int, gpu_block: int = GPU_BLOCK) -> int:
     """Elements per program for an elementwise pass over n elements of `t`'s device.
 
-    Fixed on a GPU (one compiled variant); on the interpreter the smallest power of two covering
-    n, capped at INTERPRET_BLOCK (no compilation there, so varying it costs nothing)."""
+    Fixed on a GPU (`gpu_block`: one compiled variant); on the interpreter the smallest power of
+    two covering n, capped at INTERPRET_BLOCK (no compilation there, so varying it costs nothing)."""
     if not interpreted(t):
-        return GPU_BLOCK
+        return gpu_block
     return max(_MIN_BLOCK, min(INTERPRET_BLOCK, triton.next_power_of_2(max(n, 1))))
 
 

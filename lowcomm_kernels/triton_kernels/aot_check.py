@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import struct
 import sys
 import time
 from collections.abc import Iterator
@@ -95,7 +96,12 @@ def _variants(quick: bool) -> Iterator[tuple[str, Any, dict[str, str], dict[str,
                 f"taylor_norms {dt} avg={a} momentum={mom} nesterov={nest} final={final}",
                 outer_merge._taylor_norms_kernel,
                 {**ptrs, "dst_ptr": "*fp64", "n": "i64", "lr": "fp64", "momentum": "fp64", "NPROG": "i32"},
-                {"HAS_MOMENTUM": mom, "NESTEROV": nest, "FINAL": final, "BLOCK": block},
+                {
+                    "HAS_MOMENTUM": mom,
+                    "NESTEROV": nest,
+                    "FINAL": final,
+                    "BLOCK": outer_merge.TAYLOR_GPU_BLOCK,
+                },
             )
     keys = ("n", "k", "a0", "a1", "a2", "a3", "c0", "c1", "c2", "c3", "shift", "bitmask")
     yield (
@@ -159,6 +165,36 @@ def _wide_accesses(ptx: str) -> tuple[int, int]:
     return loads, stores
 
 
+def _registers(cubin: bytes) -> int | None:
+    """Registers per thread of the (one) kernel in a cubin, what ``cuobjdump -res-usage`` prints as
+    REG: the EIATTR_REGCOUNT attribute (0x2F; format EIFMT_SVAL, payload (symbol, count)) of the
+    ELF section ``.nv.info``. None when absent."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+
+    def header(i: int) -> tuple[int, ...]:
+        # sh_name, sh_type, sh_flags, sh_addr, sh_offset, sh_size, sh_link, sh_info, ...
+        return struct.unpack_from("<IIQQQQIIQQ", cubin, shoff + i * shentsize)
+
+    strtab = header(shstrndx)[4]
+    for i in range(shnum):
+        name_at, _, _, _, offset, size, *_ = header(i)
+        name = cubin[strtab + name_at : cubin.index(b"\0", strtab + name_at)]
+        if name != b".nv.info":
+            continue
+        pos = offset
+        while pos < offset + size:
+            fmt, attr = cubin[pos], cubin[pos + 1]
+            if fmt == 0x04:  # EIFMT_SVAL: u16 payload size, then the payload
+                payload = struct.unpack_from("<H", cubin, pos + 2)[0]
+                if attr == 0x2F:
+                    return struct.unpack_from("<II", cubin, pos + 4)[1]
+                pos += 4 + payload
+            else:  # EIFMT_NVAL / BVAL / HVAL: 4 bytes in all
+                pos += 4
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities")
@@ -205,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             ld, st = _wide_accesses(compiled.asm["ptx"])
             print(
                 f"sm_{arch} ok   {label}: {time.perf_counter() - t0:.2f} s, 128-bit ld/st {ld}/{st}, "
-                f"cubin {len(compiled.asm['cubin'])} B"
+                f"regs {_registers(compiled.asm['cubin'])}, cubin {len(compiled.asm['cubin'])} B"
             )
     print(f"{count} variants compiled, {failures} failed, {time.perf_counter() - start:.1f} s")
     return 1 if failures else 0

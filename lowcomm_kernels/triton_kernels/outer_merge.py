@@ -263,6 +263,14 @@ def _taylor_terms(
     return v * v, corr * corr
 
 
+#: Elements per program and loop step of ``_taylor_norms_kernel`` on a GPU: 8 per thread with 4
+#: warps. It keeps two float64 accumulators per element live across the loop on top of five
+#: loaded streams, so GPU_BLOCK (16 per thread) needed 212 registers per thread on sm_90 (252 for
+#: fp64), and PROGRAMS_PER_SM programs of 128 threads did not fit an SM's 64K registers. 1024:
+#: at most 98 (sm_80 and sm_90, every dtype pairing; ``aot_check`` prints them).
+TAYLOR_GPU_BLOCK = 1024
+
+
 @triton.jit
 def _taylor_norms_kernel(
     g_ptr,
@@ -415,7 +423,7 @@ def launch_taylor_norms(
     n = g.numel()
     if n == 0:
         return
-    block = block_size(g, n)
+    block = block_size(g, n, TAYLOR_GPU_BLOCK)
     if programs is None:
         programs = min(gpu_programs(g) if not interpreted(g) else 1, triton.cdiv(n, block))
     nprog = int(programs)
