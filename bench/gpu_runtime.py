@@ -4,7 +4,7 @@
 
 Run by bench/gpu_check.sh. The runtime's tests run on the CPU with gloo; this checks what only a GPU
 can show, with the model, data and inner step of tests/runtime/rt_common.py and the independent
-float64 simulation of tests/runtime/rt_sim.py (both imported by path), so that a match means the
+float64 simulation of tests/runtime/rt_sim.py (imported from the checkout as tests.runtime.*), so that a match means the
 same thing it means in tests/runtime:
 
 (a) one rank, an NCCL group of size 1 (``init_process_group("nccl", world_size=1)``, TCP on
@@ -50,14 +50,14 @@ import torch
 import torch.distributed as dist
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parent / "tests" / "runtime"), str(HERE)]
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # the checkout: tests.runtime.* and bench modules
 from bench_overlap import _model  # noqa: E402
-from rt_common import batch, loss_fn, make_model, make_opt  # noqa: E402
-from rt_sim import simulate_dense, simulate_loscar  # noqa: E402
 
 import lowcomm_kernels.runtime as rt  # noqa: E402
 from lowcomm_kernels import ops as lk  # noqa: E402
 from lowcomm_kernels.runtime.launch import free_port, spawn_local  # noqa: E402
+from tests.runtime.rt_common import batch, loss_fn, make_model, make_opt  # noqa: E402
+from tests.runtime.rt_sim import simulate_dense, simulate_loscar  # noqa: E402
 
 CLASSES = {"diloco": rt.DiLoCo, "streaming": rt.StreamingDiLoCo, "cocodc": rt.CoCoDC, "loscar": rt.LOSCAR}
 STREAM = dict(sync_every=8, num_fragments=2, fragment_sync_delay=2)

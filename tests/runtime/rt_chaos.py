@@ -25,17 +25,14 @@ import os
 import pickle
 import random
 import signal
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from rt_common import WIDTH, batch, loss_fn, make_model  # noqa: E402
-from rt_faults import CLASSES, make_optimizer  # noqa: E402
-
-from lowcomm_kernels.runtime.base import tensor_hash  # noqa: E402
+from lowcomm_kernels.runtime.base import tensor_hash
+from tests.runtime.rt_common import WIDTH, batch, loss_fn, make_model
+from tests.runtime.rt_faults import CLASSES, make_optimizer
 
 METHODS = ("diloco", "streaming", "cocodc", "loscar")
 OPTS = ("sgd_momentum", "adamw", "custom")

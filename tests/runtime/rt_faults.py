@@ -7,16 +7,13 @@ whether the parameters are finite, and hashes of g so the test can compare ranks
 from __future__ import annotations
 
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-from rt_common import batch, loss_fn, make_model  # noqa: E402
-
-import lowcomm_kernels.runtime as rt  # noqa: E402
-from lowcomm_kernels.runtime.base import tensor_hash  # noqa: E402
-from lowcomm_kernels.runtime.checkpoint import read_checkpoint, write_checkpoint  # noqa: E402
+import lowcomm_kernels.runtime as rt
+from lowcomm_kernels.runtime.base import tensor_hash
+from lowcomm_kernels.runtime.checkpoint import read_checkpoint, write_checkpoint
+from tests.runtime.rt_common import batch, loss_fn, make_model
 
 CLASSES = {"diloco": rt.DiLoCo, "streaming": rt.StreamingDiLoCo, "cocodc": rt.CoCoDC, "loscar": rt.LOSCAR}
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 
 import torch
-from rt_common import inner_step, make_model, make_opt
+
+from tests.runtime.rt_common import inner_step, make_model, make_opt
 
 
 class Workers:
@@ -35,7 +36,7 @@ class Workers:
             inner_step(self.models[m], self.opts[m], ranks[0], t)
             return
         # DDP averages the gradients of the region's ranks: grad of the mean of their losses.
-        from rt_common import batch, loss_fn
+        from tests.runtime.rt_common import batch, loss_fn
         dtype = next(self.models[m].parameters()).dtype
         loss = sum(loss_fn(self.models[m], *batch(r, t, dtype)) for r in ranks) / len(ranks)
         loss.backward()

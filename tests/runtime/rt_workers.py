@@ -7,18 +7,15 @@ float64 simulation (rt_sim) and across ranks. Loaded by file path, so imports ar
 from __future__ import annotations
 
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-import torch  # noqa: E402
-from rt_common import batch, inner_step, loss_fn, make_model, make_opt  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_leaves  # noqa: E402
-
-import lowcomm_kernels.runtime as rt  # noqa: E402
-from lowcomm_kernels.runtime.base import tensor_hash  # noqa: E402
+import lowcomm_kernels.runtime as rt
+from lowcomm_kernels.runtime.base import tensor_hash
+from tests.runtime.rt_common import batch, inner_step, loss_fn, make_model, make_opt
 
 CLASSES = {"diloco": rt.DiLoCo, "streaming": rt.StreamingDiLoCo, "cocodc": rt.CoCoDC, "loscar": rt.LOSCAR}
 

@@ -37,16 +37,13 @@ import json
 import os
 import pickle
 import re
-import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import rt_chaos  # noqa: E402
-
-from lowcomm_kernels.runtime.checkpoint import read_checkpoint  # noqa: E402
-from lowcomm_kernels.runtime.launch import spawn_local  # noqa: E402
+from lowcomm_kernels.runtime.checkpoint import read_checkpoint
+from lowcomm_kernels.runtime.launch import spawn_local
+from tests.runtime import rt_chaos
 
 CHAOS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rt_chaos.py")
 DEFAULT_SECONDS = 100.0

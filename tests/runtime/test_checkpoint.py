@@ -5,14 +5,12 @@ run."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lowcomm_kernels.runtime.checkpoint import read_checkpoint  # noqa: E402
-from lowcomm_kernels.runtime.launch import spawn_local  # noqa: E402
+from lowcomm_kernels.runtime.checkpoint import read_checkpoint
+from lowcomm_kernels.runtime.launch import spawn_local
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rt_workers.py")
 

@@ -4,16 +4,13 @@ trains exactly like the float64 simulation with M = 1."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rt_sim import simulate_dense, simulate_loscar  # noqa: E402
-
-from lowcomm_kernels.runtime import WAN  # noqa: E402
-from lowcomm_kernels.runtime.launch import spawn_local  # noqa: E402
+from lowcomm_kernels.runtime import WAN
+from lowcomm_kernels.runtime.launch import spawn_local
+from tests.runtime.rt_sim import simulate_dense, simulate_loscar
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rt_workers.py")
 

@@ -4,13 +4,11 @@ the same clear error on every rank. Faults are injected into real 2-rank gloo gr
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from lowcomm_kernels.runtime.launch import spawn_local  # noqa: E402
+from lowcomm_kernels.runtime.launch import spawn_local
 
 FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rt_faults.py")
 M = 2

@@ -6,15 +6,12 @@ over the region's two data shards (what DDP computes)."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from rt_sim import simulate_dense  # noqa: E402
-
-from lowcomm_kernels.runtime.launch import spawn_local  # noqa: E402
+from lowcomm_kernels.runtime.launch import spawn_local
+from tests.runtime.rt_sim import simulate_dense
 
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rt_workers.py")
 
