@@ -84,6 +84,21 @@ def gpu_programs(t: torch.Tensor) -> int:
     return PROGRAMS_PER_SM * sm_count(device_index(t))
 
 
+@functools.cache
+def capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def hardware_bf16(t: torch.Tensor) -> bool:
+    """Does torch convert to bf16 with the hardware's ``cvt.rn.bf16.f32`` on `t`'s device?
+
+    c10::BFloat16(float) calls ``__float2bfloat16`` (that instruction) in device code built for
+    compute capability >= 8.0, and its own ``round_to_nearest_even`` everywhere else (the host, and
+    older GPUs); the two differ only in the NaN they write (0x7FFF vs 0x7FC0). A bf16 store that
+    must match torch bit for bit picks the same way (see pack's ``_to_bf16``)."""
+    return not interpreted(t) and capability(device_index(t)) >= (8, 0)
+
+
 def finite_max(dtype: torch.dtype) -> float:
     """Largest finite value of a float dtype: |v| <= it is false exactly for inf and NaN."""
     return float(torch.finfo(dtype).max)

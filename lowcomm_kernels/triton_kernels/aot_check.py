@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
 import struct
 import sys
 import time
@@ -49,7 +50,8 @@ def _variants(quick: bool) -> Iterator[tuple[str, Any, dict[str, str], dict[str,
                 "nonfinite_ptr": "*i64",
                 "n": "i64",
             },
-            {"HAS_SNAPSHOT": snap, "WIRE_MAX": wmax, "BLOCK": block},
+            # every target here is sm_80+: a bf16 wire is rounded by the hardware's cvt (see pack)
+            {"HAS_SNAPSHOT": snap, "WIRE_MAX": wmax, "HW_BF16": w == BF16, "BLOCK": block},
         )
     flags = list(itertools.product([True, False], repeat=4))
     for dt, avg in itertools.product(dtypes, ["same", BF16]):
@@ -165,6 +167,18 @@ def _wide_accesses(ptx: str) -> tuple[int, int]:
     return loads, stores
 
 
+def _ptx_violations(constexprs: dict[str, object], ptx: str) -> str:
+    """What a variant's PTX must (not) contain, beyond compiling: a pack with HW_BF16 rounds to
+    bf16 with cvt.rn.bf16.f32 (or its x2 form), the instruction torch's __float2bfloat16 is, and
+    never straight from fp64 (cvt.rn.bf16.f64 rounds once where torch rounds twice). '' if none."""
+    if constexprs.get("HW_BF16"):
+        if not re.search(r"\bcvt\.rn\.bf16(x2)?\.f32\b", ptx):
+            return "HW_BF16 but no cvt.rn.bf16.f32 in the PTX: Triton lowers the bf16 cast differently"
+        if re.search(r"\bcvt\.rn\.bf16(x2)?\.f64\b", ptx):
+            return "cvt.rn.bf16.f64 in the PTX: fp64 -> bf16 in one rounding, torch rounds through fp32"
+    return ""
+
+
 def _registers(cubin: bytes) -> int | None:
     """Registers per thread of the (one) kernel in a cubin, what ``cuobjdump -res-usage`` prints as
     REG: the EIATTR_REGCOUNT attribute (0x2F; format EIFMT_SVAL, payload (symbol, count)) of the
@@ -236,6 +250,11 @@ def main(argv: list[str] | None = None) -> int:
                 failures += 1
                 first = str(e).splitlines()[0] if str(e) else ""
                 print(f"sm_{arch} FAIL {label}: {type(e).__name__}: {first}")
+                continue
+            bad = _ptx_violations(constexprs, compiled.asm["ptx"])
+            if bad:
+                failures += 1
+                print(f"sm_{arch} FAIL {label}: {bad}")
                 continue
             count += 1
             ld, st = _wide_accesses(compiled.asm["ptx"])

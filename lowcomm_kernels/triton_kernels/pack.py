@@ -4,11 +4,21 @@
     snapshot[i] = x[i]                     (optional)
     nonfinite += #{ i : delta[i] is ±inf or NaN }   (the value as written: a bf16 overflow counts)
 
-The bf16 wire value is what ``(g - x).to(torch.bfloat16)`` gives: the difference rounded to fp32
-(a no-op for fp32 data; torch rounds fp64 -> bf16 through fp32 too), then to bf16 to nearest-even
-by integer arithmetic on the bits (``_bf16_rne``), NaN -> 0x7FC0 as c10 does. Doing it by hand makes
-the result independent of how a Triton version lowers the cast, and exact under the interpreter
-(whose own ``.to(tl.bfloat16)`` truncates).
+The bf16 wire value is what ``(g - x).to(torch.bfloat16)`` gives on the data's device, NaNs
+included: the difference rounded to fp32 (a no-op for fp32 data; torch rounds fp64 -> bf16 through
+fp32 too), then to bf16 to nearest-even, by the same instruction or formula torch's
+``c10::BFloat16(float)`` uses there (``_to_bf16``):
+
+* CUDA, compute capability >= 8.0: c10 calls ``__float2bfloat16``, which is the PTX instruction
+  ``cvt.rn.bf16.f32``; Triton's ``.to(tl.bfloat16)`` of an fp32 value emits that same instruction
+  on sm_80 and sm_90 (``aot_check`` fails if the PTX of a bf16 pack lacks it), so the bits are
+  torch's for every input: round to nearest-even, and a NaN becomes the canonical NaN 0x7FFF
+  whatever its payload. (Triton's fp64 -> bf16 cast is *not* torch's: on sm_90 it emits the
+  single rounding ``cvt.rn.bf16.f64``; the explicit ``.to(tl.float32)`` first keeps torch's two.)
+* Anywhere else (the interpreter, whose own bf16 cast truncates, and GPUs before sm_80): c10's
+  ``round_to_nearest_even`` by integer arithmetic on the bits (``_bf16_rne``), NaN -> 0x7FC0.
+  torch's vectorised CPU conversion writes 0xFFFF for a NaN instead (and its scalar loop tails
+  0x7FC0), so on the CPU a NaN's payload is the interpreter's claim, not torch's.
 
 Reads 2·n·s bytes, writes n·(s_wire [+ s]). The count is one integer atomic per program that saw a
 non-finite value (none in the normal case), so it is exact and order-independent.
@@ -24,6 +34,7 @@ from ._launch import (
     block_size,
     block_sum,
     finite_max,
+    hardware_bf16,
     launch_options,
     load_block,
     on_device,
@@ -44,6 +55,17 @@ def _bf16_rne(v):
 
 
 @triton.jit
+def _to_bf16(v, HW_BF16: tl.constexpr):
+    """v (fp32/fp64) -> bf16 exactly as torch's conversion on the launch's device: with HW_BF16
+    (CUDA, sm_80+) the hardware's ``cvt.rn.bf16.f32`` after an fp32 rounding, as c10's
+    ``__float2bfloat16``; otherwise ``_bf16_rne`` (c10's ``round_to_nearest_even``)."""
+    if HW_BF16:
+        return v.to(tl.float32).to(tl.bfloat16, fp_downcast_rounding="rtne")
+    else:
+        return _bf16_rne(v)
+
+
+@triton.jit
 def _pack_block(
     g_ptr,
     x_ptr,
@@ -54,12 +76,13 @@ def _pack_block(
     n,
     HAS_SNAPSHOT: tl.constexpr,
     WIRE_MAX: tl.constexpr,
+    HW_BF16: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     g = load_block(g_ptr, offs, n, MASKED)
     x = load_block(x_ptr, offs, n, MASKED)
     if delta_ptr.dtype.element_ty == tl.bfloat16:
-        delta = _bf16_rne(g - x)
+        delta = _to_bf16(g - x, HW_BF16)
     else:
         delta = g - x
     store_block(delta_ptr, offs, delta, n, MASKED)
@@ -82,23 +105,45 @@ def _pack_kernel(
     n,
     HAS_SNAPSHOT: tl.constexpr,
     WIRE_MAX: tl.constexpr,
+    HW_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """delta = wire(g − x); snapshot = x; nonfinite += count(!(|delta| <= WIRE_MAX)).
 
     g, x: (n,) fp32/fp64; delta: (n,) of g's dtype or bf16; snapshot: (n,) of x's dtype (unused
     when HAS_SNAPSHOT is False); nonfinite: 0-d int64. WIRE_MAX is the largest finite value of the
-    delta dtype: the comparison is false exactly for ±inf and NaN. Full blocks run unmasked.
+    delta dtype: the comparison is false exactly for ±inf and NaN. HW_BF16: a bf16 delta is
+    rounded by the hardware's cvt.rn.bf16.f32 (see ``_to_bf16``). Full blocks run unmasked.
     """
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= n:
         _pack_block(
-            g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, offs, n, HAS_SNAPSHOT, WIRE_MAX, False
+            g_ptr,
+            x_ptr,
+            delta_ptr,
+            snapshot_ptr,
+            nonfinite_ptr,
+            offs,
+            n,
+            HAS_SNAPSHOT,
+            WIRE_MAX,
+            HW_BF16,
+            False,
         )
     else:
         _pack_block(
-            g_ptr, x_ptr, delta_ptr, snapshot_ptr, nonfinite_ptr, offs, n, HAS_SNAPSHOT, WIRE_MAX, True
+            g_ptr,
+            x_ptr,
+            delta_ptr,
+            snapshot_ptr,
+            nonfinite_ptr,
+            offs,
+            n,
+            HAS_SNAPSHOT,
+            WIRE_MAX,
+            HW_BF16,
+            True,
         )
 
 
@@ -129,6 +174,7 @@ def launch_pack(
             n,
             HAS_SNAPSHOT=snapshot is not None,
             WIRE_MAX=finite_max(delta.dtype),
+            HW_BF16=delta.dtype == torch.bfloat16 and hardware_bf16(g),
             BLOCK=block,
             **launch_options(g),
         )

@@ -100,6 +100,53 @@ def outcome(call, violations, buffers):
     return ("ok", result)
 
 
+# ---- the bf16 wire: torch's rounding, and the NaN each backend claims ---------------------------
+
+
+def bf16_nan_claim(backend: str, device: torch.device | str) -> int | str | None:
+    """The bits a backend claims to write for a NaN on the bf16 wire: one pattern (an int) for
+    every NaN, "torch" (whatever torch's own conversion writes on that device, element for
+    element), or None (only NaN-ness is claimed).
+
+    torch itself writes 0x7FFF on CUDA sm_80+ (c10 uses cvt.rn.bf16.f32 there) and 0x7FC0 on older
+    GPUs; on the CPU its vectorised conversion writes 0xFFFF and its scalar loop tails 0x7FC0, so
+    no single pattern is "torch's" there and the ref claims none."""
+    if torch.device(device).type == "cuda":
+        # triton: the hardware's cvt (sm_80+) or c10's formula, as torch picks; cuda: csrc's
+        # device LC_BF16_NAN
+        return {"triton": "torch", "ref": "torch", "cuda": 0x7FC0}.get(backend)
+    # triton: the interpreter, c10's round_to_nearest_even; cpu: csrc's host LC_BF16_NAN
+    return {"triton": 0x7FC0, "cpu": 0xFFFF}.get(backend)
+
+
+def nan_payloads(dtype: torch.dtype) -> torch.Tensor:
+    """NaNs of `dtype` with different signs and payloads: quiet, negative, signalling, all ones."""
+    if dtype == torch.float64:
+        bits = [0x7FF8000000000000, -0x0008000000000000, 0x7FF0000000000001, 0x7FFFFFFFFFFFFFFF]
+        return torch.tensor(bits, dtype=torch.int64).view(torch.float64)
+    bits = [0x7FC00000, -0x00400000, 0x7F800001, 0x7FFFFFFF]  # -0x00400000 is 0xFFC00000
+    return torch.tensor(bits, dtype=torch.int32).view(torch.float32).to(dtype)
+
+
+def assert_bf16_wire(actual: torch.Tensor, expected: torch.Tensor, backend: str, msg: str = "") -> None:
+    """`actual` (bf16) is torch's conversion `expected` bit for bit wherever that is not NaN, NaN
+    exactly where it is NaN, and every NaN has the bits `backend` claims (``bf16_nan_claim``)."""
+    assert actual.dtype == expected.dtype == torch.bfloat16, f"{msg}: {actual.dtype}, {expected.dtype}"
+    a = actual.reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.int16)
+    e = expected.reshape(-1).clone(memory_format=torch.contiguous_format).view(torch.int16)
+    nan = torch.isnan(expected.reshape(-1))
+    assert torch.equal(torch.isnan(actual.reshape(-1)), nan), f"{msg}: NaN in other places than torch's"
+    assert torch.equal(a[~nan], e[~nan]), f"{msg}: not torch's round-to-nearest-even"
+    claim = bf16_nan_claim(backend, actual.device)
+    if claim == "torch":
+        assert torch.equal(a[nan], e[nan]), f"{msg}: NaN bits differ from torch's on {actual.device}"
+    elif claim is not None:
+        found = sorted({v & 0xFFFF for v in a[nan].tolist()})
+        assert found in ([], [claim]), (
+            f"{msg}: {backend} on {actual.device} claims NaN = {claim:#06x}, wrote {[hex(v) for v in found]}"
+        )
+
+
 # ---- strategies ---------------------------------------------------------------------------------
 
 

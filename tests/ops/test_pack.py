@@ -9,6 +9,8 @@ import torch
 
 from lowcomm_kernels.ops import pack, pack_ref
 
+from ._contract import assert_bf16_wire, nan_payloads
+
 pytestmark = pytest.mark.op("pack")
 
 SIZES = [0, 1, 7, 1000003]
@@ -40,16 +42,19 @@ def test_matches_ref(device, backend, n, dtype, rng, close):
 @pytest.mark.parametrize("n", [1, 7, 1000003])
 def test_bf16_wire_is_one_exact_rounding(device, backend, n, dtype, rng, close):
     """delta on the bf16 wire is g - x (exact in g's dtype) rounded once to nearest-even: bit-equal
-    to torch's conversion; and within one bf16 rounding of the exact difference."""
+    to torch's conversion on the device, and every NaN (any sign or payload, or inf - inf) has the
+    bits the backend claims; and within one bf16 rounding of the exact difference."""
     g, x = _inputs(n, dtype, rng, device)
     # Also exercise ties and values near bf16 boundaries: differences that are bf16 halfway points.
     if n >= 7:
         g[:4] = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(1.0 + 2.0**-8), 3e38], dtype=dtype)
         x[:4] = 0.0
+        g[4], g[5], x[5] = float("nan"), float("inf"), float("inf")  # a NaN, and inf - inf
+    if n >= 16:
+        g[8:12] = nan_payloads(dtype).to(device)
     delta, _, nonfinite = pack(g, x, wire_dtype=torch.bfloat16, snapshot_out=False, backend=backend)
     expected = (g - x).to(torch.bfloat16)
-    assert delta.dtype == torch.bfloat16
-    assert torch.equal(delta.view(torch.int16), expected.view(torch.int16)), "not round-to-nearest-even"
+    assert_bf16_wire(delta, expected, backend, msg=f"{backend} on {device}")
     exact = g.double() - x.double()
     finite = torch.isfinite(delta)
     rel = ((delta.double() - exact).abs() / exact.abs().clamp_min(1e-300))[finite]
@@ -98,6 +103,8 @@ def test_nonfinite_counts_the_written_delta(backend, dtype, wire, rng):
     delta, _, nonfinite = pack(g, x, wire_dtype=wire, backend=backend)
     assert int(nonfinite) == want == int((~torch.isfinite(delta)).sum())
     assert int(pack_ref(g, x, wire_dtype=wire)[2]) == want
+    if wire is torch.bfloat16:
+        assert_bf16_wire(delta, (g - x).to(wire), backend)
 
 
 # ---- bad input: a ValueError/TypeError naming the argument, and nothing written ----------------
@@ -267,10 +274,12 @@ def test_large_fp32_streaming_path(backend, wire, delta_off, snap_off, rng):
     snap_out = snap_buf[snap_off : snap_off + n] if snap_buf is not None else False
     delta, snap, nonfinite = pack(g, x, delta_out=delta_out, snapshot_out=snap_out, backend=backend)
     expected = (g - x).to(wire)
-    nan = torch.isnan(expected)
-    assert torch.equal(torch.isnan(delta), nan)
-    bits = torch.int32 if wire == torch.float32 else torch.int16
-    assert torch.equal(delta[~nan].view(bits), expected[~nan].view(bits))
+    if wire == torch.bfloat16:
+        assert_bf16_wire(delta, expected, backend)
+    else:  # fp32: g - x claims torch's value; a NaN's payload is not claimed
+        nan = torch.isnan(expected)
+        assert torch.equal(torch.isnan(delta), nan)
+        assert torch.equal(delta[~nan].view(torch.int32), expected[~nan].view(torch.int32))
     assert int(nonfinite) == 6
     sentinel = torch.tensor(7.0, dtype=wire)
     assert bool((delta_buf[:delta_off] == sentinel).all()) and bool(

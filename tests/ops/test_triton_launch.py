@@ -117,3 +117,22 @@ def test_every_launch_runs_on_the_tensors_device(path):
     assert launchers, f"{path.name}: no launch_* function"
     for fn in launchers:
         assert _launches(fn), f"{path.name}: {fn.name} launches no kernel"
+
+
+# ---- which bf16 rounding a launch uses: torch's choice on that device -------------------------
+
+
+def test_hardware_bf16_never_on_the_interpreter(monkeypatch):
+    monkeypatch.setattr(_launch, "capability", _fail_if_called)
+    assert not _launch.hardware_bf16(torch.ones(2))
+
+
+@pytest.mark.parametrize(("cap", "hw"), [((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_hardware_bf16_from_sm_80(monkeypatch, cap, hw):
+    """c10::BFloat16 uses __float2bfloat16 (cvt.rn.bf16.f32) in device code for sm_80+, its own
+    round_to_nearest_even before: the launcher follows the capability of the data's device."""
+    asked: list[int] = []
+    monkeypatch.setattr(_launch, "capability", lambda index: asked.append(index) or cap)
+    stand_in = types.SimpleNamespace(device=torch.device("cuda", 2))
+    assert _launch.hardware_bf16(stand_in) is hw
+    assert asked == [2]
