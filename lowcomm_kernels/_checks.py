@@ -3,7 +3,12 @@ before anything is written, so a rejected call leaves every buffer untouched.
 
 Most checks need real data (pointers, index values, concrete scalars), so they run in eager calls
 and in the body of each registered op, never on the fake tensors of a torch.compile trace; the
-fake kernels use only ``same_device`` (see ``ops._common``)."""
+fake kernels use only ``same_device`` (see ``ops._common``).
+
+Metadata checks (dtype, device, shape, strides, aliasing: pointers, not data) cost no device
+access. Value checks of device data (``index``'s entries, fragment_norms' offsets) read the data
+on the host, which on a GPU waits for every queued kernel: the ops that have them take
+``check_values=False`` for internal callers that produced the values themselves."""
 
 from __future__ import annotations
 
@@ -104,6 +109,12 @@ def distinct(named: dict[str, torch.Tensor | None]) -> None:
     no_alias((an, a, bn, b) for i, (an, a) in enumerate(items) for bn, b in items[i + 1 :])
 
 
+def flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
 def scalar(
     name: str,
     value: object,
@@ -143,12 +154,23 @@ def integer(name: str, value: object, *, lo: int | None = None, hi: int | None =
     return int(value)
 
 
-def index(name: str, idx: object, *, n: int, device: torch.device, strictly_increasing: bool) -> torch.Tensor:
-    """idx: 1-D contiguous int64 on `device`, every entry in [0, n); optionally sorted and unique."""
+def index(
+    name: str,
+    idx: object,
+    *,
+    n: int,
+    device: torch.device,
+    strictly_increasing: bool,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """idx: 1-D contiguous int64 on `device`, every entry in [0, n); optionally sorted and unique.
+
+    The entries are checked only with `check_values` (it reads idx on the host: a device
+    synchronisation on a GPU); the metadata always."""
     t = tensor(name, idx, dtypes=(torch.int64,), dim=1)
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but the data is on {device}")
-    if t.numel():
+    if check_values and t.numel():
         if strictly_increasing:
             if t.numel() > 1 and not bool((t[1:] > t[:-1]).all()):
                 raise ValueError(

@@ -59,10 +59,13 @@ native(
 triton("fragment_norms", "fragment_norms", "launch_fragment_norms")
 
 
-def _norms_impl(buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str | None) -> torch.Tensor:
+def _norms_impl(
+    buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str | None, check_values: bool
+) -> torch.Tensor:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     fragment_norms."""
     _checks.tensor("buf", buf, dtypes=_checks.FLOAT_DTYPES)
+    _checks.flag("check_values", check_values)
     _checks.tensor("offsets", offsets, dtypes=(torch.int64,), dim=1)
     _checks.same_device("buf", buf, offsets=offsets)
     if isinstance(ord, bool) or not isinstance(ord, int):
@@ -72,11 +75,12 @@ def _norms_impl(buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str
     if offsets.numel() == 0:
         raise ValueError("offsets must hold at least one entry (K+1 boundaries for K segments)")
     b = _dispatch.resolve(backend, buf.device, "lc_fragment_norms")
-    if offsets.numel() > 1 and not bool((offsets[1:] >= offsets[:-1]).all()):
-        raise ValueError("offsets must be non-decreasing")
-    lo, hi = (int(v) for v in torch.aminmax(offsets))
-    if lo < 0 or hi > buf.numel():
-        raise ValueError(f"offsets must lie in [0, {buf.numel()}] (buf.numel()), got min {lo}, max {hi}")
+    if check_values:  # reads offsets on the host
+        if offsets.numel() > 1 and not bool((offsets[1:] >= offsets[:-1]).all()):
+            raise ValueError("offsets must be non-decreasing")
+        lo, hi = (int(v) for v in torch.aminmax(offsets))
+        if lo < 0 or hi > buf.numel():
+            raise ValueError(f"offsets must lie in [0, {buf.numel()}] (buf.numel()), got min {lo}, max {hi}")
     nseg = offsets.numel() - 1
     out = torch.empty(nseg, dtype=buf.dtype, device=buf.device)
     if nseg:
@@ -88,12 +92,14 @@ def _norms_impl(buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str
 
 
 @torch.library.custom_op("lowcomm::fragment_norms", mutates_args=())
-def _norms_op(buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str | None) -> torch.Tensor:
-    return _norms_impl(buf, offsets, ord, backend)
+def _norms_op(
+    buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str | None, check_values: bool = True
+) -> torch.Tensor:
+    return _norms_impl(buf, offsets, ord, backend, check_values)
 
 
 @_norms_op.register_fake
-def _(buf, offsets, ord, backend):
+def _(buf, offsets, ord, backend, check_values=True):
     _checks.same_device("buf", buf, offsets=offsets)  # see _common
     return buf.new_empty(max(offsets.numel() - 1, 0))
 
@@ -103,7 +109,12 @@ declare("fragment_norms")
 
 @torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
 def fragment_norms(
-    buf: torch.Tensor, offsets: torch.Tensor, *, ord: int = 2, backend: str | None = None
+    buf: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    ord: int = 2,
+    backend: str | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """One norm per segment of a flat buffer, in one pass:
 
@@ -118,11 +129,17 @@ def fragment_norms(
             [0, buf.numel()]. Read only.
         ord: the int 1 or 2.
         backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
+        check_values: True (the default) checks offsets' entries (non-decreasing, in range),
+            which reads them on the host: on a GPU the call waits for every kernel queued before
+            it. False skips that one check (dtype, device and shape are still checked) for a
+            caller that built offsets itself, e.g. a fragment table; a bad entry is then
+            undefined behaviour (a bad memory access on a GPU). The ``ref`` backend reads
+            offsets on the host either way.
     Returns:
         A new (K,) tensor of buf's dtype.
     Raises:
         TypeError / ValueError naming the argument.
     """
     if compiling():
-        return traced_call("fragment_norms", buf, offsets, ord, backend)
-    return _norms_impl(buf, offsets, ord, backend)
+        return traced_call("fragment_norms", buf, offsets, ord, backend, check_values)
+    return _norms_impl(buf, offsets, ord, backend, check_values)

@@ -82,14 +82,28 @@ def _(n, k, adds, muls, shift, bitmask, out):
     out.copy_(mask_perm_ref(n, k, (adds, muls, shift, bitmask), out.device))
 
 
+def keys_on(values: list[int], device: torch.device) -> torch.Tensor:
+    """The round keys as an int64 tensor on `device`, for the native ABI (which takes them by
+    pointer), built without a host-to-device copy: ``torch.tensor(values, device=cuda)`` copies
+    from pageable memory, which makes the host wait for the device's stream (a full sync in
+    every LOSCAR round). A fill is a kernel launch with the value as its argument, queued like
+    any other. (The Triton launcher takes the keys as kernel scalar arguments: no tensor at all.)"""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=torch.int64)
+    keys = torch.empty(len(values), dtype=torch.int64, device=device)
+    for i, v in enumerate(values):
+        keys[i].fill_(v)
+    return keys
+
+
 native(
     "mask_perm",
     "lc_mask_perm",
     lambda n, k, adds, muls, shift, bitmask, out: (
         n,
         k,
-        torch.tensor(adds, dtype=torch.int64, device=out.device),
-        torch.tensor(muls, dtype=torch.int64, device=out.device),
+        keys_on(adds, out.device),
+        keys_on(muls, out.device),
         shift,
         bitmask,
         out,

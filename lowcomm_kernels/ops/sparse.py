@@ -52,11 +52,16 @@ triton("sparse_gather", "sparse", "launch_sparse_gather")
 triton("sparse_scatter_merge", "sparse", "launch_sparse_scatter_merge")
 
 
-def _gather_impl(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend: str | None) -> None:
+def _gather_impl(
+    x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend: str | None, check_values: bool
+) -> None:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     sparse_gather. Every check runs before anything is written."""
     _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
-    idx = _checks.index("idx", idx, n=x.numel(), device=x.device, strictly_increasing=False)
+    _checks.flag("check_values", check_values)
+    idx = _checks.index(
+        "idx", idx, n=x.numel(), device=x.device, strictly_increasing=False, check_values=check_values
+    )
     _checks.tensor("out", out, dtypes=(x.dtype,))
     _checks.same_device("x", x, out=out)
     _checks.same_numel("idx", idx, out=out)
@@ -74,11 +79,15 @@ def _scatter_merge_impl(
     sent: torch.Tensor,
     beta: float,
     backend: str | None,
+    check_values: bool,
 ) -> None:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     sparse_scatter_merge_. Every check runs before anything is written."""
     _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
-    idx = _checks.index("idx", idx, n=x.numel(), device=x.device, strictly_increasing=True)
+    _checks.flag("check_values", check_values)
+    idx = _checks.index(
+        "idx", idx, n=x.numel(), device=x.device, strictly_increasing=True, check_values=check_values
+    )
     _checks.tensor("avg", avg, dtypes=_checks.wire_dtypes(x.dtype))
     _checks.tensor("sent", sent, dtypes=(x.dtype,))
     _checks.same_device("x", x, avg=avg, sent=sent)
@@ -92,12 +101,14 @@ def _scatter_merge_impl(
 
 
 @torch.library.custom_op("lowcomm::sparse_gather", mutates_args=("out",))
-def _gather_op(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend: str | None) -> None:
-    _gather_impl(x, idx, out, backend)
+def _gather_op(
+    x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend: str | None, check_values: bool = True
+) -> None:
+    _gather_impl(x, idx, out, backend, check_values)
 
 
 @_gather_op.register_fake
-def _(x, idx, out, backend):
+def _(x, idx, out, backend, check_values=True):
     _checks.same_device("x", x, idx=idx, out=out)  # see _common
 
 
@@ -109,12 +120,13 @@ def _scatter_merge_op(
     sent: torch.Tensor,
     beta: float,
     backend: str | None,
+    check_values: bool = True,
 ) -> None:
-    _scatter_merge_impl(x, idx, avg, sent, beta, backend)
+    _scatter_merge_impl(x, idx, avg, sent, beta, backend, check_values)
 
 
 @_scatter_merge_op.register_fake
-def _(x, idx, avg, sent, beta, backend):
+def _(x, idx, avg, sent, beta, backend, check_values=True):
     _checks.same_device("x", x, idx=idx, avg=avg, sent=sent)  # see _common
 
 
@@ -124,7 +136,12 @@ declare("sparse_scatter_merge_")
 
 @torch.no_grad()  # optimizer-style updates: parameters that require grad are fine
 def sparse_gather(
-    x: torch.Tensor, idx: torch.Tensor, *, out: torch.Tensor | None = None, backend: str | None = None
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    *,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+    check_values: bool = True,
 ) -> torch.Tensor:
     """Gather a coordinate subset: ``out[j] = x.flatten()[idx[j]]``.
 
@@ -134,6 +151,11 @@ def sparse_gather(
             any order allowed. Read only.
         out: optional (k,) buffer of x's dtype, contiguous, overlapping neither x nor idx. Written.
         backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
+        check_values: True (the default) checks idx's entries (in range) before anything is
+            written, which reads idx on the host: on a GPU the call waits for every kernel queued
+            before it. False skips that one check (dtype, device, shape, strides and overlap are
+            still checked) for a caller that made idx itself, e.g. with ``mask_indices``; an entry
+            out of range is then undefined behaviour (a bad memory access on a GPU).
     Returns:
         out, or a new (k,) tensor of x's dtype.
     Raises:
@@ -143,9 +165,9 @@ def sparse_gather(
         _checks.is_tensor("x", x)
         out = torch.empty(_checks.is_tensor("idx", idx).numel(), dtype=x.dtype, device=x.device)
     if compiling():
-        traced_call("sparse_gather", x, idx, out, backend)
+        traced_call("sparse_gather", x, idx, out, backend, check_values)
     else:
-        _gather_impl(x, idx, out, backend)
+        _gather_impl(x, idx, out, backend, check_values)
     return out
 
 
@@ -158,6 +180,7 @@ def sparse_scatter_merge_(
     *,
     beta: float = 1.0,
     backend: str | None = None,
+    check_values: bool = True,
 ) -> None:
     """Merge the average of a coordinate subset into x, in place:
 
@@ -174,6 +197,12 @@ def sparse_scatter_merge_(
         sent: (k,) of x's dtype, contiguous: x[idx] when it was sent. Read only.
         beta: finite, >= 0.
         backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
+        check_values: True (the default) checks idx's entries (strictly increasing, in range)
+            before anything is written, which reads idx on the host: on a GPU the call waits for
+            every kernel queued before it. False skips that one check (dtype, device, shape,
+            strides and overlap are still checked) for a caller that made idx itself, e.g. with
+            ``mask_indices``; a bad entry is then undefined behaviour (a duplicate races, an entry
+            out of range is a bad memory access on a GPU).
     x, idx, avg and sent are pairwise distinct buffers (no overlap at all).
 
     Returns:
@@ -182,6 +211,6 @@ def sparse_scatter_merge_(
         TypeError / ValueError naming the argument, before anything is written.
     """
     if compiling():
-        traced_call("sparse_scatter_merge_", x, idx, avg, sent, beta, backend)
+        traced_call("sparse_scatter_merge_", x, idx, avg, sent, beta, backend, check_values)
     else:
-        _scatter_merge_impl(x, idx, avg, sent, beta, backend)
+        _scatter_merge_impl(x, idx, avg, sent, beta, backend, check_values)

@@ -442,6 +442,26 @@ def test_sparse_scatter_merge_matches_ref(k, beta, avg_dtype, rng, close):
     assert _same_bits(x[untouched], want[untouched]), "entries outside idx must not change"
 
 
+def test_sparse_ops_unchecked_match_checked(rng):
+    """check_values=False (the runtime's call) launches the same kernels on the same data."""
+    n, k = 70001, 5001
+    x = _randn(n, rng)
+    idx = mask_indices(3, 4, n, k)
+    assert _same_bits(
+        sparse_gather(x, idx, backend="triton", check_values=False), sparse_gather(x, idx, backend="triton")
+    )
+    avg, sent = _randn(k, rng), _randn(k, rng)
+    a, b = x.clone(), x.clone()
+    sparse_scatter_merge_(a, idx, avg, sent, beta=0.7, backend="triton", check_values=False)
+    sparse_scatter_merge_(b, idx, avg, sent, beta=0.7, backend="triton")
+    assert _same_bits(a, b)
+    offsets = torch.tensor([0, 10, 10, 40000, n])
+    assert _same_bits(
+        fragment_norms(x, offsets, backend="triton", check_values=False),
+        fragment_norms(x, offsets, backend="triton"),
+    )
+
+
 # ---- fragment_norms ----------------------------------------------------------------------------
 
 
