@@ -31,7 +31,7 @@ inline __m256i bf16x8_in_i32(__m256 v, int& bad) {
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
   const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(LC_BF16_NAN), _mm256_castps_si256(nan));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(LC_BF16_NAN_CPU), _mm256_castps_si256(nan));
   const __m256i e = _mm256_and_si256(r, _mm256_set1_epi32(0x7F80));
   bad += __builtin_popcount(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(e, _mm256_set1_epi32(0x7F80)))));
   return r;

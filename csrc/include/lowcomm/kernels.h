@@ -16,6 +16,10 @@
 #include "lowcomm/abi.h"
 
 #if defined(__CUDACC__)
+#include <cuda_bf16.h>
+#endif
+
+#if defined(__CUDACC__)
 #define LC_HD __host__ __device__ __forceinline__
 #define LC_UNROLL _Pragma("unroll")
 #else
@@ -60,22 +64,27 @@ LC_HD uint64_t f64_bits(double d) {
 #endif
 }
 
-// float -> bf16 exactly as torch: round to nearest even (add 0x7FFF plus the lowest kept bit, keep
-// the upper half). Every NaN becomes one canonical NaN, and torch itself uses two: its CPU
-// vectorised conversion (at::vec cvtfp32_bf16, AVX2 and AVX-512: every float tensor and all but
-// tiny double ones) writes 0xFFFF, its scalar c10::BFloat16 path (CUDA, and CPU loops too short to
-// vectorise) writes 0x7FC0. We match the path torch takes on each device. Branch-free so loops
-// vectorise.
-#if defined(__CUDA_ARCH__)
-#define LC_BF16_NAN 0x7FC0u
-#else
-#define LC_BF16_NAN 0xFFFFu
-#endif
+// float -> bf16 exactly as torch converts on each device; the bits of NaN differ by device:
+//   * CUDA (device code, sm_80+): the hardware conversion, __float2bfloat16_rn (cvt.rn.bf16.f32),
+//     as torch's c10::BFloat16 does on sm_80+: round to nearest even, every NaN -> 0x7FFF.
+//   * CPU: round to nearest even on the bits (add 0x7FFF plus the lowest kept bit, keep the upper
+//     half), every NaN -> 0xFFFF: the bits of torch's vectorised CPU conversion (at::vec
+//     cvtfp32_bf16, AVX2 and AVX-512), which is what torch writes for every element of a float32
+//     tensor. For a float64 tensor torch's CPU copy converts 16-element vectors the same way but
+//     the < 16 elements left over at the end of each thread's range through the scalar c10 path,
+//     which writes 0x7FC0, so its NaN bits there depend on torch's thread split; these kernels
+//     write 0xFFFF for every NaN (tests/ops/test_csrc_bf16_bits.py pins all of this).
+// Branch-free so loops vectorise.
+#define LC_BF16_NAN_CPU 0xFFFFu
 LC_HD bf16 bf16_from_f32(float f) {
+#if defined(__CUDA_ARCH__)
+  return bf16{__bfloat16_as_ushort(__float2bfloat16_rn(f))};
+#else
   const uint32_t u = f32_bits(f);
   const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-  return bf16{static_cast<uint16_t>(nan ? LC_BF16_NAN : rounded)};
+  return bf16{static_cast<uint16_t>(nan ? LC_BF16_NAN_CPU : rounded)};
+#endif
 }
 
 // Conversions between the storage types and the compute type. double -> bf16 goes through float,
