@@ -2,9 +2,12 @@
 
 The C ABI (csrc/include/lowcomm/abi.h is the source of truth) takes raw pointers, element counts
 and scalars; dtypes travel as small integer codes (``DTYPE_CODE``). Every entry point returns an
-int: 0 on success, else one of ``ERRORS``. The CUDA entry points carry the same arguments plus a
-trailing ``cudaStream_t``; their scalar outputs are device pointers. ``SIGNATURES``, ``RESTYPE`` and
-``CUDA_EXTRA`` restate the header's declarations for ctypes (a test compares them with it).
+int: 0 on success, else one of ``ERRORS``, and then the library's ``lc_last_error`` /
+``lc_cuda_last_error`` says which entry point failed and why (the argument and its value, or the
+CUDA call and its error); ``check`` raises with that line. The CUDA entry points carry the same
+arguments plus a trailing ``cudaStream_t``; their scalar inputs and outputs are device pointers.
+``SIGNATURES``, ``RESTYPE``, ``CUDA_EXTRA`` and ``STRINGS`` restate the header's declarations for
+ctypes (a test compares them with it).
 
 When the CPU library is missing (a source checkout that was never built, a platform without a
 compiler), the package still imports and every op runs on the ``ref`` backend: one warning says so.
@@ -23,7 +26,7 @@ import torch
 from . import _config
 
 DTYPE_CODE = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}  # LC_F32, LC_F64, LC_BF16
-ERRORS = {1: "unsupported dtype combination", 2: "bad argument", 3: "CUDA launch error"}
+ERRORS = {1: "unsupported dtype combination", 2: "bad argument", 3: "CUDA error"}
 
 _c_int, _c_i64, _c_dbl, _vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
 
@@ -64,6 +67,9 @@ SIGNATURES: dict[str, list] = {
     # dst, src, nbytes: memcpy with non-temporal stores (the benchmarks' roofline row)
     "lc_copy_nt": [_vp, _vp, _c_i64],
 }
+#: entry points without arguments that return a C string (not kernels; the CUDA library's are
+#: lc_cuda_<name>): the library's identity, and the calling thread's last failure message.
+STRINGS = ("lc_version", "lc_last_error")
 
 
 def _locate(libname: str) -> str | None:
@@ -90,6 +96,12 @@ def _bind(lib: ctypes.CDLL, prefix: str, extra: list) -> ctypes.CDLL:
         fn = getattr(lib, full)
         fn.argtypes = argtypes + extra
         fn.restype = RESTYPE
+    for name in STRINGS:
+        full = name.replace("lc_", prefix, 1)
+        if hasattr(lib, full):
+            fn = getattr(lib, full)
+            fn.argtypes = []
+            fn.restype = ctypes.c_char_p
     return lib
 
 
@@ -142,9 +154,25 @@ def cuda_has(name: str) -> bool:
     return lib is not None and hasattr(lib, name.replace("lc_", "lc_cuda_", 1))
 
 
+def last_error(name: str) -> str:
+    """The calling thread's last failure message of the library that holds entry point `name`
+    ("" when that library or its ``lc_last_error`` is missing)."""
+    lib = cuda_lib() if name.startswith("lc_cuda_") else cpu_lib()
+    getter = getattr(lib, "lc_cuda_last_error" if name.startswith("lc_cuda_") else "lc_last_error", None)
+    if getter is None:
+        return ""
+    return (getter() or b"").decode("utf-8", "replace")
+
+
 def check(rc: int, name: str) -> None:
+    """Raise RuntimeError if entry point `name` returned a non-zero code: the library's message
+    (the entry point, then the argument or the CUDA call and error), then the code's meaning."""
     if rc != 0:
-        raise RuntimeError(f"native {name} failed with code {rc} ({ERRORS.get(rc, 'unknown code')})")
+        what = ERRORS.get(rc, "unknown code")
+        detail = last_error(name)
+        if detail.startswith(f"{name}:"):
+            raise RuntimeError(f"{detail} (code {rc}: {what})")
+        raise RuntimeError(f"native {name} failed with code {rc} ({what})")
 
 
 def stream_ptr(device: torch.device) -> int:

@@ -43,10 +43,13 @@ void nt_fence() { _mm_sfence(); }
 }  // namespace cpu
 }  // namespace lowcomm
 
+using namespace lowcomm;
 using namespace lowcomm::cpu;
 
 LOWCOMM_EXPORT int lc_copy_nt(void* dst, const void* src, int64_t nbytes) {
-  if (nbytes < 0 || (nbytes > 0 && (dst == nullptr || src == nullptr))) return LC_EARG;
+  static const char* const op = "lc_copy_nt";
+  if (nbytes < 0) return fail(LC_EARG, op, "nbytes = %lld is negative", static_cast<long long>(nbytes));
+  if (nbytes > 0 && (!dst || !src)) return fail(LC_EARG, op, "%s is NULL", !dst ? "dst" : "src");
   if (nbytes < kParallelMin * 4) {
     nt_copy(dst, src, static_cast<size_t>(nbytes));
     nt_fence();

@@ -9,6 +9,7 @@
 
 #include "lowcomm/abi.h"
 #include "lowcomm/kernels.h"
+#include "lowcomm/status.h"
 
 namespace lowcomm {
 namespace cpu {
@@ -23,25 +24,25 @@ constexpr int64_t kParallelMin = 1 << 18;
 // the result does not depend on how blocks are spread over threads.
 constexpr int64_t kReduceBlock = 8192;
 
-// Calls f(T{}) for a data dtype (f32 / f64). Returns LC_EBADTYPE for anything else.
+// Calls f(T{}) for a data dtype (f32 / f64). Anything else: LC_EBADTYPE, with op's message.
 template <class F>
-int dispatch_data(int dtype, F&& f) {
+int dispatch_data(const char* op, int dtype, F&& f) {
   switch (dtype) {
     case LC_F32: f(float{}); return LC_OK;
     case LC_F64: f(double{}); return LC_OK;
-    default: return LC_EBADTYPE;
+    default: return bad_dtype(op, dtype);
   }
 }
 
 // Calls f(T{}, S{}) for a data dtype T and a storage dtype S that is T itself or bf16 (the wire /
-// averaged-delta dtypes the ops accept).
+// averaged-delta dtypes the ops accept); `storage_name` names S's argument in the message.
 template <class F>
-int dispatch_data_storage(int dtype, int storage, F&& f) {
+int dispatch_data_storage(const char* op, int dtype, const char* storage_name, int storage, F&& f) {
   if (dtype == LC_F32 && storage == LC_F32) { f(float{}, float{}); return LC_OK; }
   if (dtype == LC_F32 && storage == LC_BF16) { f(float{}, bf16{}); return LC_OK; }
   if (dtype == LC_F64 && storage == LC_F64) { f(double{}, double{}); return LC_OK; }
   if (dtype == LC_F64 && storage == LC_BF16) { f(double{}, bf16{}); return LC_OK; }
-  return LC_EBADTYPE;
+  return bad_dtypes(op, dtype, storage_name, storage);
 }
 
 // The [lo, hi) share of thread `tid` of `nthreads` over n elements, split on multiples of `grain`

@@ -85,10 +85,19 @@ using namespace lowcomm::cpu;
 
 LOWCOMM_EXPORT int lc_fragment_norms(int dtype, const void* buf, const int64_t* offsets, int64_t nseg, int ord,
                                      double* out) {
-  if (nseg < 0 || (ord != 1 && ord != 2) || (nseg > 0 && (!offsets || !out))) return LC_EARG;
+  static const char* const op = "lc_fragment_norms";
+  if (nseg < 0) return fail(LC_EARG, op, "nseg = %lld is negative", static_cast<long long>(nseg));
+  if (ord != 1 && ord != 2) return fail(LC_EARG, op, "ord = %d is not 1 or 2", ord);
+  if (nseg > 0 && (!offsets || !out)) return fail(LC_EARG, op, "%s is NULL", !offsets ? "offsets" : "out");
+  if (nseg > 0 && offsets[0] < 0)
+    return fail(LC_EARG, op, "offsets[0] = %lld is negative", static_cast<long long>(offsets[0]));
   for (int64_t s = 0; s < nseg; ++s)
-    if (offsets[s] < 0 || offsets[s + 1] < offsets[s]) return LC_EARG;
-  return dispatch_data(dtype, [&](auto t) {
+    if (offsets[s + 1] < offsets[s])
+      return fail(LC_EARG, op, "offsets[%lld] = %lld < offsets[%lld] = %lld (offsets must be non-decreasing)",
+                  static_cast<long long>(s + 1), static_cast<long long>(offsets[s + 1]),
+                  static_cast<long long>(s), static_cast<long long>(offsets[s]));
+  if (nseg > 0 && offsets[nseg] > offsets[0] && !buf) return fail(LC_EARG, op, "buf is NULL");
+  return dispatch_data(op, dtype, [&](auto t) {
     using T = decltype(t);
     norms<T>(static_cast<const T*>(buf), offsets, nseg, ord, out);
   });

@@ -7,10 +7,7 @@ using namespace lowcomm::cpu;
 
 LOWCOMM_EXPORT int lc_mask_perm(int64_t n, int64_t k, const int64_t* adds, const int64_t* muls, int shift,
                                 int64_t bitmask, int64_t* out) {
-  if (n < 0 || k < 0 || k > n || shift < 0 || shift > 63 || bitmask < 0 || (k > 0 && (!adds || !muls || !out)))
-    return LC_EARG;
-  // Cycle walking terminates only if [0, n) fits in the permuted domain [0, bitmask + 1).
-  if (k > 0 && static_cast<uint64_t>(n - 1) > static_cast<uint64_t>(bitmask)) return LC_EARG;
+  if (int rc = check_mask_args("lc_mask_perm", n, k, adds, muls, shift, bitmask, out)) return rc;
   MaskKeys keys;
   for (int r = 0; r < 4; ++r) {
     keys.add[r] = static_cast<uint64_t>(adds[r]);

@@ -6,8 +6,10 @@ using namespace lowcomm;
 using namespace lowcomm::cpu;
 
 LOWCOMM_EXPORT int lc_sparse_gather(int dtype, const void* x, const int64_t* idx, int64_t k, void* out) {
-  if (k < 0 || (k > 0 && (!x || !idx || !out))) return LC_EARG;
-  return dispatch_data(dtype, [&](auto t) {
+  static const char* const op = "lc_sparse_gather";
+  if (k < 0) return fail(LC_EARG, op, "k = %lld is negative", static_cast<long long>(k));
+  if (k > 0 && (!x || !idx || !out)) return fail(LC_EARG, op, "%s is NULL", !x ? "x" : !idx ? "idx" : "out");
+  return dispatch_data(op, dtype, [&](auto t) {
     using T = decltype(t);
     const T* __restrict xp = static_cast<const T*>(x);
     T* __restrict op = static_cast<T*>(out);
@@ -18,8 +20,11 @@ LOWCOMM_EXPORT int lc_sparse_gather(int dtype, const void* x, const int64_t* idx
 
 LOWCOMM_EXPORT int lc_sparse_scatter_merge(int dtype, int avg_dtype, void* x, const int64_t* idx, int64_t k,
                                            const void* avg, const void* sent, double beta) {
-  if (k < 0 || (k > 0 && (!x || !idx || !avg || !sent))) return LC_EARG;
-  return dispatch_data_storage(dtype, avg_dtype, [&](auto t, auto a) {
+  static const char* const op = "lc_sparse_scatter_merge";
+  if (k < 0) return fail(LC_EARG, op, "k = %lld is negative", static_cast<long long>(k));
+  if (k > 0 && (!x || !idx || !avg || !sent))
+    return fail(LC_EARG, op, "%s is NULL", !x ? "x" : !idx ? "idx" : !avg ? "avg" : "sent");
+  return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto t, auto a) {
     using T = decltype(t);
     using A = decltype(a);
     T* xp = static_cast<T*>(x);

@@ -1,5 +1,6 @@
-// CUDA-only plumbing shared by csrc/cuda/*.cu: dtype dispatch, launch geometry, aligned vector
-// access, and block reductions. The per-element maths comes from lowcomm/kernels.h.
+// CUDA-only plumbing shared by csrc/cuda/*.cu: dtype dispatch, launch geometry, error messages,
+// aligned vector access, and block reductions.
+// The per-element maths comes from lowcomm/kernels.h.
 #ifndef LOWCOMM_CUDA_COMMON_CUH_
 #define LOWCOMM_CUDA_COMMON_CUH_
 
@@ -8,6 +9,7 @@
 
 #include "lowcomm/abi.h"
 #include "lowcomm/kernels.h"
+#include "lowcomm/status.h"
 
 namespace lowcomm {
 namespace cuda {
@@ -57,24 +59,37 @@ class DeviceGuard {
   bool switched_ = false;
 };
 
-inline int launch_status() { return cudaGetLastError() == cudaSuccess ? LC_OK : LC_ECUDA; }
+// LC_ECUDA with "<op>: <what>: <error name>: <error string>" as the last error. The runtime's
+// per-thread error state is cleared, so a non-sticky error is reported once, here, and not again
+// by the next unrelated launch check (torch's).
+inline int cuda_fail(const char* op, const char* what, cudaError_t e) {
+  cudaGetLastError();
+  return fail(LC_ECUDA, op, "%s: %s: %s", what, cudaGetErrorName(e), cudaGetErrorString(e));
+}
+
+// LC_OK, or LC_ECUDA naming the CUDA error of the launch just made (cudaGetLastError also reports
+// a sticky error of an earlier kernel on this context, which then surfaces here).
+inline int launch_status(const char* op) {
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? LC_OK : cuda_fail(op, "kernel launch", e);
+}
 
 template <class F>
-int dispatch_data(int dtype, F&& f) {
+int dispatch_data(const char* op, int dtype, F&& f) {
   switch (dtype) {
     case LC_F32: return f(float{});
     case LC_F64: return f(double{});
-    default: return LC_EBADTYPE;
+    default: return bad_dtype(op, dtype);
   }
 }
 
 template <class F>
-int dispatch_data_storage(int dtype, int storage, F&& f) {
+int dispatch_data_storage(const char* op, int dtype, const char* storage_name, int storage, F&& f) {
   if (dtype == LC_F32 && storage == LC_F32) return f(float{}, float{});
   if (dtype == LC_F32 && storage == LC_BF16) return f(float{}, bf16{});
   if (dtype == LC_F64 && storage == LC_F64) return f(double{}, double{});
   if (dtype == LC_F64 && storage == LC_BF16) return f(double{}, bf16{});
-  return LC_EBADTYPE;
+  return bad_dtypes(op, dtype, storage_name, storage);
 }
 
 // V consecutive elements moved as one aligned access (16 bytes for V*sizeof(T) == 16).

@@ -42,13 +42,17 @@ using namespace lowcomm::cuda;
 
 LOWCOMM_EXPORT int lc_cuda_fragment_norms(int dtype, const void* buf, const int64_t* offsets, int64_t nseg, int ord,
                                           double* out, void* stream) {
-  if (nseg < 0 || nseg > 0x7FFFFFFF || (ord != 1 && ord != 2) || (nseg > 0 && (!offsets || !out))) return LC_EARG;
+  static const char* const op = "lc_cuda_fragment_norms";
+  if (nseg < 0) return fail(LC_EARG, op, "nseg = %lld is negative", static_cast<long long>(nseg));
+  if (nseg > 0x7FFFFFFF) return fail(LC_EARG, op, "nseg = %lld exceeds 2^31 - 1", static_cast<long long>(nseg));
+  if (ord != 1 && ord != 2) return fail(LC_EARG, op, "ord = %d is not 1 or 2", ord);
+  if (nseg > 0 && (!offsets || !out)) return fail(LC_EARG, op, "%s is NULL", !offsets ? "offsets" : "out");
   DeviceGuard guard(out);
-  return dispatch_data(dtype, [&](auto t) {
+  return dispatch_data(op, dtype, [&](auto t) {
     using T = decltype(t);
     if (nseg == 0) return LC_OK;
     norms_kernel<T><<<static_cast<unsigned>(nseg), kNormThreads, 0, as_stream(stream)>>>(
         static_cast<const T*>(buf), offsets, ord, out);
-    return launch_status();
+    return launch_status(op);
   });
 }

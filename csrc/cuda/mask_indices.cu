@@ -30,12 +30,11 @@ using namespace lowcomm::cuda;
 
 LOWCOMM_EXPORT int lc_cuda_mask_perm(int64_t n, int64_t k, const int64_t* adds, const int64_t* muls, int shift,
                                      int64_t bitmask, int64_t* out, void* stream) {
-  if (n < 0 || k < 0 || k > n || shift < 0 || shift > 63 || bitmask < 0 || (k > 0 && (!adds || !muls || !out)))
-    return LC_EARG;
-  if (k > 0 && static_cast<uint64_t>(n - 1) > static_cast<uint64_t>(bitmask)) return LC_EARG;
+  static const char* const op = "lc_cuda_mask_perm";
+  if (int rc = check_mask_args(op, n, k, adds, muls, shift, bitmask, out)) return rc;
   if (k == 0) return LC_OK;
   DeviceGuard guard(out);
   mask_kernel<<<grid_for(k), kThreads, 0, as_stream(stream)>>>(static_cast<uint64_t>(n), k, adds, muls, shift,
                                                                 static_cast<uint64_t>(bitmask), out);
-  return launch_status();
+  return launch_status(op);
 }

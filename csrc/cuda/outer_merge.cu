@@ -20,6 +20,7 @@ __device__ __forceinline__ T merge_elem(T gn, T x, T xs, const MergeCoef<T>& c) 
                 : merge_x<T, false>(gn, x, xs, c.beta, c.lam, c.alpha, c.one_minus_alpha);
 }
 
+// Vector path when every pointer is aligned for it (V elements per access), scalar otherwise.
 template <class T, class A, int V>
 __global__ void merge_kernel(T* __restrict__ g, T* __restrict__ u, const A* __restrict__ d, T* __restrict__ x,
                              const T* __restrict__ xs, int64_t n, const MergeCoef<T> c) {
@@ -75,6 +76,19 @@ __global__ void taylor_kernel(const T* __restrict__ g, const T* __restrict__ u, 
   }
 }
 
+// The argument checks shared by both entry points.
+int check_merge_args(const char* op, const void* g, const void* u, const void* delta_avg, const void* x,
+                     const void* x_sent, int64_t n, double momentum, bool needs_sent) {
+  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
+  if (n == 0) return LC_OK;
+  if (!g) return fail(LC_EARG, op, "g is NULL");
+  if (!delta_avg) return fail(LC_EARG, op, "delta_avg is NULL");
+  if (!x) return fail(LC_EARG, op, "x is NULL");
+  if (!u && momentum != 0.0) return fail(LC_EARG, op, "u is NULL while momentum = %g is non-zero", momentum);
+  if (!x_sent && needs_sent) return fail(LC_EARG, op, "x_sent is NULL while it is read (beta or lam non-zero)");
+  return LC_OK;
+}
+
 }  // namespace
 }  // namespace cuda
 }  // namespace lowcomm
@@ -85,10 +99,11 @@ using namespace lowcomm::cuda;
 LOWCOMM_EXPORT int lc_cuda_outer_merge(int dtype, int avg_dtype, void* g, void* u, const void* delta_avg, void* x,
                                        const void* x_sent, int64_t n, double lr, double momentum, int nesterov,
                                        double alpha, double beta, double lam, void* stream) {
-  if (n < 0 || ((beta != 0.0 || lam != 0.0) && x_sent == nullptr && n > 0)) return LC_EARG;
+  static const char* const op = "lc_cuda_outer_merge";
+  if (int rc = check_merge_args(op, g, u, delta_avg, x, x_sent, n, momentum, beta != 0.0 || lam != 0.0)) return rc;
   if (n == 0) return LC_OK;
   DeviceGuard guard(g);
-  return dispatch_data_storage(dtype, avg_dtype, [&](auto t, auto a) {
+  return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto t, auto a) {
     using T = decltype(t);
     using A = decltype(a);
     const MergeCoef<T> c = make_merge_coef<T>(lr, momentum, nesterov, alpha, beta, lam);
@@ -100,29 +115,33 @@ LOWCOMM_EXPORT int lc_cuda_outer_merge(int dtype, int avg_dtype, void* g, void* 
     constexpr int V = 16 / sizeof(T);
     const bool vec = aligned(gp, 16) && aligned(up, 16) && aligned(xp, 16) && aligned(sp, 16) &&
                      aligned(dp, V * sizeof(A));
+    cudaStream_t s = as_stream(stream);
     if (vec)
-      merge_kernel<T, A, V><<<grid_for(n / V + 1), kThreads, 0, as_stream(stream)>>>(gp, up, dp, xp, sp, n, c);
+      merge_kernel<T, A, V><<<grid_for(n / V + 1), kThreads, 0, s>>>(gp, up, dp, xp, sp, n, c);
     else
-      merge_kernel<T, A, 1><<<grid_for(n), kThreads, 0, as_stream(stream)>>>(gp, up, dp, xp, sp, n, c);
-    return launch_status();
+      merge_kernel<T, A, 1><<<grid_for(n), kThreads, 0, s>>>(gp, up, dp, xp, sp, n, c);
+    return launch_status(op);
   });
 }
 
 LOWCOMM_EXPORT int lc_cuda_taylor_norms(int dtype, int avg_dtype, const void* g, const void* u,
                                         const void* delta_avg, const void* x, const void* x_sent, int64_t n,
                                         double lr, double momentum, int nesterov, double* out2, void* stream) {
-  if (n < 0 || out2 == nullptr || (n > 0 && x_sent == nullptr)) return LC_EARG;
+  static const char* const op = "lc_cuda_taylor_norms";
+  if (!out2) return fail(LC_EARG, op, "out2 is NULL");
+  if (int rc = check_merge_args(op, g, u, delta_avg, x, x_sent, n, momentum, true)) return rc;
   DeviceGuard guard(out2);
-  return dispatch_data_storage(dtype, avg_dtype, [&](auto t, auto a) {
+  return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto t, auto a) {
     using T = decltype(t);
     using A = decltype(a);
     cudaStream_t s = as_stream(stream);
-    if (cudaMemsetAsync(out2, 0, 2 * sizeof(double), s) != cudaSuccess) return LC_ECUDA;
+    const cudaError_t e = cudaMemsetAsync(out2, 0, 2 * sizeof(double), s);
+    if (e != cudaSuccess) return cuda_fail(op, "cudaMemsetAsync(out2)", e);
     if (n == 0) return LC_OK;
     const MergeCoef<T> c = make_merge_coef<T>(lr, momentum, nesterov, 0.0, 0.0, 0.0);
     taylor_kernel<T, A><<<grid_for(n), kThreads, 0, s>>>(
         static_cast<const T*>(g), static_cast<const T*>(u), static_cast<const A*>(delta_avg),
         static_cast<const T*>(x), static_cast<const T*>(x_sent), n, c, out2);
-    return launch_status();
+    return launch_status(op);
   });
 }

@@ -36,8 +36,10 @@ __global__ void pack_kernel(const T* __restrict__ g, const T* __restrict__ x, W*
 }
 
 template <class T, class W>
-int launch(const T* g, const T* x, W* delta, T* snap, int64_t n, int64_t* nonfinite, cudaStream_t s) {
-  if (cudaMemsetAsync(nonfinite, 0, sizeof(int64_t), s) != cudaSuccess) return LC_ECUDA;
+int launch(const char* op, const T* g, const T* x, W* delta, T* snap, int64_t n, int64_t* nonfinite,
+           cudaStream_t s) {
+  const cudaError_t e = cudaMemsetAsync(nonfinite, 0, sizeof(int64_t), s);
+  if (e != cudaSuccess) return cuda_fail(op, "cudaMemsetAsync(nonfinite)", e);
   if (n == 0) return LC_OK;
   auto* nf = reinterpret_cast<unsigned long long*>(nonfinite);
   constexpr int V = 16 / sizeof(T);
@@ -45,7 +47,7 @@ int launch(const T* g, const T* x, W* delta, T* snap, int64_t n, int64_t* nonfin
     pack_kernel<T, W, V><<<grid_for(n / V + 1), kThreads, 0, s>>>(g, x, delta, snap, n, nf);
   else
     pack_kernel<T, W, 1><<<grid_for(n), kThreads, 0, s>>>(g, x, delta, snap, n, nf);
-  return launch_status();
+  return launch_status(op);
 }
 
 }  // namespace
@@ -57,25 +59,32 @@ using namespace lowcomm::cuda;
 
 LOWCOMM_EXPORT int lc_cuda_pack(int dtype, int wire_dtype, const void* g, const void* x, void* delta,
                                 void* snapshot, int64_t n, int64_t* nonfinite, void* stream) {
-  if (n < 0 || nonfinite == nullptr) return LC_EARG;
+  static const char* const op = "lc_cuda_pack";
+  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
+  if (!nonfinite) return fail(LC_EARG, op, "nonfinite is NULL");
+  if (n > 0 && (!g || !x || !delta))
+    return fail(LC_EARG, op, "%s is NULL", !g ? "g" : !x ? "x" : "delta");
   DeviceGuard guard(nonfinite);
-  return dispatch_data_storage(dtype, wire_dtype, [&](auto t, auto w) {
+  return dispatch_data_storage(op, dtype, "wire_dtype", wire_dtype, [&](auto t, auto w) {
     using T = decltype(t);
     using W = decltype(w);
-    return launch<T, W>(static_cast<const T*>(g), static_cast<const T*>(x), static_cast<W*>(delta),
+    return launch<T, W>(op, static_cast<const T*>(g), static_cast<const T*>(x), static_cast<W*>(delta),
                         static_cast<T*>(snapshot), n, nonfinite, as_stream(stream));
   });
 }
 
 LOWCOMM_EXPORT int lc_cuda_copy_nt(void* dst, const void* src, int64_t nbytes, void* stream) {
   // On a GPU the copy engine / cudaMemcpy kernel is the roofline row already.
-  if (nbytes < 0) return LC_EARG;
+  static const char* const op = "lc_cuda_copy_nt";
+  if (nbytes < 0) return fail(LC_EARG, op, "nbytes = %lld is negative", static_cast<long long>(nbytes));
   if (nbytes == 0) return LC_OK;
+  if (!dst || !src) return fail(LC_EARG, op, "%s is NULL", !dst ? "dst" : "src");
   DeviceGuard guard(dst);
-  return cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyDeviceToDevice, as_stream(stream)) ==
-                 cudaSuccess
-             ? LC_OK
-             : LC_ECUDA;
+  const cudaError_t e =
+      cudaMemcpyAsync(dst, src, static_cast<size_t>(nbytes), cudaMemcpyDeviceToDevice, as_stream(stream));
+  return e == cudaSuccess ? LC_OK : cuda_fail(op, "cudaMemcpyAsync", e);
 }
 
 LOWCOMM_EXPORT const char* lc_cuda_version(void) { return "lowcomm_cuda 0.1.0"; }
+
+LOWCOMM_EXPORT const char* lc_cuda_last_error(void) { return lowcomm::last_error_buffer(); }

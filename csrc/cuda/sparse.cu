@@ -32,27 +32,32 @@ using namespace lowcomm::cuda;
 
 LOWCOMM_EXPORT int lc_cuda_sparse_gather(int dtype, const void* x, const int64_t* idx, int64_t k, void* out,
                                          void* stream) {
-  if (k < 0 || (k > 0 && (!x || !idx || !out))) return LC_EARG;
+  static const char* const op = "lc_cuda_sparse_gather";
+  if (k < 0) return fail(LC_EARG, op, "k = %lld is negative", static_cast<long long>(k));
+  if (k > 0 && (!x || !idx || !out)) return fail(LC_EARG, op, "%s is NULL", !x ? "x" : !idx ? "idx" : "out");
   DeviceGuard guard(out);
-  return dispatch_data(dtype, [&](auto t) {
+  return dispatch_data(op, dtype, [&](auto t) {
     using T = decltype(t);
     if (k == 0) return LC_OK;
     gather_kernel<T><<<grid_for(k), kThreads, 0, as_stream(stream)>>>(static_cast<const T*>(x), idx, k,
                                                                        static_cast<T*>(out));
-    return launch_status();
+    return launch_status(op);
   });
 }
 
 LOWCOMM_EXPORT int lc_cuda_sparse_scatter_merge(int dtype, int avg_dtype, void* x, const int64_t* idx, int64_t k,
                                                 const void* avg, const void* sent, double beta, void* stream) {
-  if (k < 0 || (k > 0 && (!x || !idx || !avg || !sent))) return LC_EARG;
+  static const char* const op = "lc_cuda_sparse_scatter_merge";
+  if (k < 0) return fail(LC_EARG, op, "k = %lld is negative", static_cast<long long>(k));
+  if (k > 0 && (!x || !idx || !avg || !sent))
+    return fail(LC_EARG, op, "%s is NULL", !x ? "x" : !idx ? "idx" : !avg ? "avg" : "sent");
   DeviceGuard guard(x);
-  return dispatch_data_storage(dtype, avg_dtype, [&](auto t, auto a) {
+  return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto t, auto a) {
     using T = decltype(t);
     using A = decltype(a);
     if (k == 0) return LC_OK;
     scatter_merge_kernel<T, A><<<grid_for(k), kThreads, 0, as_stream(stream)>>>(
         static_cast<T*>(x), idx, k, static_cast<const A*>(avg), static_cast<const T*>(sent), static_cast<T>(beta));
-    return launch_status();
+    return launch_status(op);
   });
 }

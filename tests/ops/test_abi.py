@@ -1,6 +1,7 @@
 """_native's ctypes declarations against the C header they restate (csrc/include/lowcomm/abi.h):
 the same entry points, argument for argument, the same return type, and the loaded library bound
-with them. A mismatch there would pass garbage through ctypes without any error."""
+with them. A mismatch there would pass garbage through ctypes without any error. Also: a failed
+call's error names the entry point and the argument at fault."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from lowcomm_kernels import _native
 
 HEADER = Path(__file__).resolve().parents[2] / "csrc" / "include" / "lowcomm" / "abi.h"
 C_SCALARS = {"int": ctypes.c_int, "int64_t": ctypes.c_int64, "double": ctypes.c_double}
-VERSION = ("lc_version", "lc_cuda_version")  # identity strings, not kernels: no ctypes binding
+# C-string entry points (identity, last error): declared in _native.STRINGS, not SIGNATURES
+STRING_ENTRIES = {n.replace("lc_", p, 1) for n in _native.STRINGS for p in ("lc_", "lc_cuda_")}
 
 
 def _ctype(decl: str):
@@ -25,13 +27,14 @@ def _ctype(decl: str):
     return C_SCALARS[decl.split()[0]]
 
 
-def header_declarations() -> dict[str, tuple[object, list]]:
-    """name -> (return ctype, [parameter ctypes]) of every LOWCOMM_EXPORT function in abi.h."""
+def header_declarations(strings: bool = False) -> dict[str, tuple[object, list]]:
+    """name -> (return ctype, [parameter ctypes]) of every LOWCOMM_EXPORT kernel entry point in
+    abi.h (strings=True: of the C-string entry points instead)."""
     text = re.sub(r"//[^\n]*", "", HEADER.read_text())
     out = {}
     declaration = r"LOWCOMM_EXPORT\s+([\w\s\*]+?)\s*\b(lc_\w+)\s*\(([^)]*)\)\s*;"
     for ret, name, params in re.findall(declaration, text):
-        if name in VERSION:
+        if (name in STRING_ENTRIES) != strings:
             continue
         out[name] = (_ctype(ret), [_ctype(p) for p in params.split(",") if p.strip() not in ("", "void")])
     return out
@@ -63,6 +66,13 @@ def test_dtype_codes_match_the_header():
     assert int(defines["LC_OK"]) == 0
 
 
+def test_string_entries_match_the_header():
+    decls = header_declarations(strings=True)
+    assert sorted(decls) == sorted(STRING_ENTRIES)
+    for name, (restype, argtypes) in decls.items():
+        assert (restype, argtypes) == (ctypes.c_void_p, []), f"{name}: expected const char* {name}(void)"
+
+
 def test_the_loaded_library_is_bound_with_them():
     lib = _native.cpu_lib()
     if lib is None:
@@ -70,3 +80,54 @@ def test_the_loaded_library_is_bound_with_them():
     for name, argtypes in _native.SIGNATURES.items():
         fn = getattr(lib, name)
         assert list(fn.argtypes) == argtypes and fn.restype is _native.RESTYPE, name
+    for name in _native.STRINGS:
+        assert getattr(lib, name).restype is ctypes.c_char_p, name
+    assert lib.lc_version().startswith(b"lowcomm_cpu ")
+
+
+def _cpu_lib():
+    lib = _native.cpu_lib()
+    if lib is None:
+        pytest.skip("the native CPU library is not built")
+    return lib
+
+
+# (entry point, C arguments, the code, what the message must contain after "<entry point>: ")
+_buf = ctypes.create_string_buffer(64)
+_P = ctypes.addressof(_buf)
+_OFFSETS = (ctypes.c_int64 * 3)(0, 8, 4)
+FAILURES = [
+    ("lc_pack", (0, 0, _P, _P, _P, None, -3, _P), 2, "n = -3 is negative"),
+    ("lc_pack", (0, 0, _P, _P, _P, None, 4, None), 2, "nonfinite is NULL"),
+    ("lc_pack", (0, 0, None, _P, _P, None, 4, _P), 2, "g is NULL"),
+    ("lc_pack", (0, 1, _P, _P, _P, None, 4, _P), 1, "dtype = 0 (f32) with wire_dtype = 1 (f64)"),
+    ("lc_pack", (7, 7, _P, _P, _P, None, 4, _P), 1, "dtype = 7 (unknown) with wire_dtype = 7"),
+    ("lc_outer_merge", (1, 1, _P, _P, _P, _P, None, 2, 0.5, 0.9, 1, 0.0, 1.0, 0.0), 2,
+     "x_sent is NULL"),
+    ("lc_outer_merge", (1, 1, _P, None, _P, _P, None, 2, 0.5, 0.9, 1, 0.0, 0.0, 0.0), 2,
+     "u is NULL while momentum = 0.9"),
+    ("lc_outer_merge", (1, 0, _P, _P, _P, _P, None, 2, 0.5, 0.0, 1, 0.0, 0.0, 0.0), 1,
+     "with avg_dtype = 0 (f32)"),
+    ("lc_taylor_norms", (0, 0, _P, _P, _P, _P, _P, 2, 0.5, 0.0, 1, None), 2, "out2 is NULL"),
+    ("lc_fragment_norms", (0, _P, _OFFSETS, 2, 2, _P), 2, "offsets[2] = 4 < offsets[1] = 8"),
+    ("lc_fragment_norms", (0, _P, _OFFSETS, 1, 3, _P), 2, "ord = 3 is not 1 or 2"),
+    ("lc_fragment_norms", (2, _P, _OFFSETS, 1, 2, _P), 1, "dtype = 2 (bf16) is not supported"),
+    ("lc_sparse_gather", (0, _P, None, 3, _P), 2, "idx is NULL"),
+    ("lc_sparse_scatter_merge", (0, 0, _P, _P, -1, _P, _P, 1.0), 2, "k = -1 is negative"),
+    ("lc_mask_perm", (10, 11, _P, _P, 3, 15, _P), 2, "k = 11 is not in [0, n = 10]"),
+    ("lc_mask_perm", (100, 5, _P, _P, 3, 15, _P), 2, "n - 1 = 99 exceeds bitmask = 15"),
+    ("lc_copy_nt", (None, _P, 8), 2, "dst is NULL"),
+]
+
+
+@pytest.mark.parametrize(("name", "args", "code", "text"), FAILURES,
+                         ids=[f"{f[0]}-{f[3][:24]}" for f in FAILURES])
+def test_a_failed_call_names_the_entry_point_and_the_argument(name, args, code, text):
+    lib = _cpu_lib()
+    assert getattr(lib, name)(*args) == code
+    message = _native.last_error(name)
+    assert message.startswith(f"{name}: ") and text in message, message
+    with pytest.raises(RuntimeError) as info:
+        _native.check(code, name)
+    assert str(info.value).startswith(f"{name}: ") and text in str(info.value)
+    assert f"code {code}: {_native.ERRORS[code]}" in str(info.value)

@@ -7,7 +7,10 @@
 //   * Buffers are flat, contiguous, and hold `n` (or `k`) elements; no alignment is required.
 //   * Every entry point returns LC_OK (0) on success and LC_EBADTYPE for an unsupported dtype
 //     combination, LC_EARG for a bad argument (negative length, NULL where one is required),
-//     LC_ECUDA for a CUDA launch error.
+//     LC_ECUDA for a failed CUDA call (a kernel launch, a stream-ordered allocation or memset).
+//     After a non-zero return, lc_last_error() (lc_cuda_last_error() for the CUDA library) gives
+//     one line naming the entry point and the argument at fault, or the CUDA call and its error
+//     (csrc/include/lowcomm/status.h).
 //   * CUDA variants are named lc_cuda_<name>, take the same arguments plus a trailing cudaStream_t
 //     (as void*), read and write device memory only (scalar outputs are device pointers), and are
 //     asynchronous on that stream.
@@ -69,6 +72,9 @@ LOWCOMM_EXPORT int lc_copy_nt(void* dst, const void* src, int64_t nbytes);
 // Library identity string.
 LOWCOMM_EXPORT const char* lc_version(void);
 
+// The calling thread's message of its last failed call (see Conventions).
+LOWCOMM_EXPORT const char* lc_last_error(void);
+
 // ---- liblowcomm_cuda: the same operations on device memory, asynchronous on `stream` ----------
 // Scalar outputs (nonfinite, out2, out) are device pointers; they are zeroed on the stream first
 // where the kernel accumulates into them. adds/muls of lc_cuda_mask_perm are device int64[4].
@@ -93,5 +99,6 @@ LOWCOMM_EXPORT int lc_cuda_fragment_norms(int dtype, const void* buf, const int6
                                           int ord, double* out, void* stream);
 LOWCOMM_EXPORT int lc_cuda_copy_nt(void* dst, const void* src, int64_t nbytes, void* stream);
 LOWCOMM_EXPORT const char* lc_cuda_version(void);
+LOWCOMM_EXPORT const char* lc_cuda_last_error(void);
 
 #endif  // LOWCOMM_ABI_H_

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "lowcomm/abi.h"
+#include "lowcomm/status.h"
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
@@ -225,6 +226,24 @@ LC_HD uint64_t mask_index(uint64_t i, uint64_t n, const MaskKeys& k) {
   uint64_t x = mask_permute_once(i, k);
   while (x >= n) x = mask_permute_once(x, k);
   return x;
+}
+
+// The arguments of lc_mask_perm / lc_cuda_mask_perm (op names the entry point in the message).
+// Cycle walking terminates only if [0, n) fits in the permuted domain [0, bitmask + 1).
+inline int check_mask_args(const char* op, int64_t n, int64_t k, const int64_t* adds, const int64_t* muls,
+                           int shift, int64_t bitmask, const int64_t* out) {
+  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
+  if (k < 0 || k > n)
+    return fail(LC_EARG, op, "k = %lld is not in [0, n = %lld]", static_cast<long long>(k),
+                static_cast<long long>(n));
+  if (shift < 0 || shift > 63) return fail(LC_EARG, op, "shift = %d is not in [0, 63]", shift);
+  if (bitmask < 0) return fail(LC_EARG, op, "bitmask = %lld is negative", static_cast<long long>(bitmask));
+  if (k > 0 && (!adds || !muls || !out))
+    return fail(LC_EARG, op, "%s is NULL", !adds ? "adds" : !muls ? "muls" : "out");
+  if (k > 0 && static_cast<uint64_t>(n - 1) > static_cast<uint64_t>(bitmask))
+    return fail(LC_EARG, op, "n - 1 = %lld exceeds bitmask = %lld (the domain must cover [0, n))",
+                static_cast<long long>(n - 1), static_cast<long long>(bitmask));
+  return LC_OK;
 }
 
 // ---- fragment_norms --------------------------------------------------------------------------
