@@ -37,7 +37,8 @@ CUDA_EXTRA = [_vp]  # cudaStream_t
 SIGNATURES: dict[str, list] = {
     # dtype, wire_dtype, g, x, delta, snapshot|NULL, n, nonfinite*
     "lc_pack": [_c_int, _c_int, _vp, _vp, _vp, _vp, _c_i64, _vp],
-    # dtype, avg_dtype, g, u, delta_avg, x, x_sent|NULL, n, lr, momentum, nesterov, alpha, beta, lam
+    # dtype, avg_dtype, g, u, delta_avg, x, x_sent|NULL, n, lr, momentum, nesterov, alpha, beta, lam,
+    # lam_sums|NULL (double[2] of lc_taylor_norms: lam is then normalized by the kernel)
     "lc_outer_merge": [
         _c_int,
         _c_int,
@@ -53,6 +54,7 @@ SIGNATURES: dict[str, list] = {
         _c_dbl,
         _c_dbl,
         _c_dbl,
+        _vp,
     ],
     # dtype, avg_dtype, g, u, delta_avg, x, x_sent, n, lr, momentum, nesterov, out(double[2])
     "lc_taylor_norms": [_c_int, _c_int, _vp, _vp, _vp, _vp, _vp, _c_i64, _c_dbl, _c_dbl, _c_int, _vp],

@@ -109,13 +109,15 @@ int check_merge_args(const char* op, const void* g, const void* u, const void* d
 
 LOWCOMM_EXPORT int lc_outer_merge(int dtype, int avg_dtype, void* g, void* u, const void* delta_avg, void* x,
                                   const void* x_sent, int64_t n, double lr, double momentum, int nesterov,
-                                  double alpha, double beta, double lam) {
+                                  double alpha, double beta, double lam, const double* lam_sums) {
   static const char* const op = "lc_outer_merge";
   if (int rc = check_merge_args(op, g, u, delta_avg, x, x_sent, n, momentum, beta != 0.0 || lam != 0.0)) return rc;
+  // The normalized lambda, from the sums in host memory, before anything else reads it.
+  const double lam_eff = lam_sums ? lam_effective(lam, lam_sums[0], lam_sums[1]) : lam;
   return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto t, auto a) {
     using T = decltype(t);
     using A = decltype(a);
-    const MergeCoef<T> c = make_merge_coef<T>(lr, momentum, nesterov, alpha, beta, lam);
+    const MergeCoef<T> c = make_merge_coef<T>(lr, momentum, nesterov, alpha, beta, lam_eff);
     T* gp = static_cast<T*>(g);
     T* up = static_cast<T*>(u);
     const A* dp = static_cast<const A*>(delta_avg);

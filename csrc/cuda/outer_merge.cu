@@ -1,7 +1,9 @@
 // lc_cuda_outer_merge (fused SGD/Nesterov outer step + delay-compensated merge, in place, one
 // pass) and lc_cuda_taylor_norms (the read-only reduction behind lam_mode="normalized").
 // The momentum / nesterov / merge-kind switches are uniform across the grid, so they stay runtime
-// branches (no divergence) instead of multiplying the template instantiations.
+// branches (no divergence) instead of multiplying the template instantiations. With lam_sums the
+// merge kernel forms lambda_eff from the two sums on the device (kernels.h lam_effective): every
+// thread reads the same two doubles, so the normalized mode needs no host read.
 #include "cuda_common.cuh"
 
 namespace lowcomm {
@@ -21,9 +23,12 @@ __device__ __forceinline__ T merge_elem(T gn, T x, T xs, const MergeCoef<T>& c) 
 }
 
 // Vector path when every pointer is aligned for it (V elements per access), scalar otherwise.
+// lam_sums (device, may be NULL): the normalized lambda's two sums.
 template <class T, class A, int V>
 __global__ void merge_kernel(T* __restrict__ g, T* __restrict__ u, const A* __restrict__ d, T* __restrict__ x,
-                             const T* __restrict__ xs, int64_t n, const MergeCoef<T> c) {
+                             const T* __restrict__ xs, int64_t n, MergeCoef<T> c, const double* __restrict__ lam_sums,
+                             double lam) {
+  if (lam_sums != nullptr) c = with_lam(c, lam_effective(lam, lam_sums[0], lam_sums[1]));
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t nv = n / V;
@@ -98,7 +103,8 @@ using namespace lowcomm::cuda;
 
 LOWCOMM_EXPORT int lc_cuda_outer_merge(int dtype, int avg_dtype, void* g, void* u, const void* delta_avg, void* x,
                                        const void* x_sent, int64_t n, double lr, double momentum, int nesterov,
-                                       double alpha, double beta, double lam, void* stream) {
+                                       double alpha, double beta, double lam, const double* lam_sums,
+                                       void* stream) {
   static const char* const op = "lc_cuda_outer_merge";
   if (int rc = check_merge_args(op, g, u, delta_avg, x, x_sent, n, momentum, beta != 0.0 || lam != 0.0)) return rc;
   if (n == 0) return LC_OK;
@@ -106,6 +112,7 @@ LOWCOMM_EXPORT int lc_cuda_outer_merge(int dtype, int avg_dtype, void* g, void* 
   return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto t, auto a) {
     using T = decltype(t);
     using A = decltype(a);
+    // With lam_sums the kernel replaces lam (and the merge kind) by the normalized lambda.
     const MergeCoef<T> c = make_merge_coef<T>(lr, momentum, nesterov, alpha, beta, lam);
     T* gp = static_cast<T*>(g);
     T* up = static_cast<T*>(u);
@@ -117,9 +124,9 @@ LOWCOMM_EXPORT int lc_cuda_outer_merge(int dtype, int avg_dtype, void* g, void* 
                      aligned(dp, V * sizeof(A));
     cudaStream_t s = as_stream(stream);
     if (vec)
-      merge_kernel<T, A, V><<<grid_for(n / V + 1), kThreads, 0, s>>>(gp, up, dp, xp, sp, n, c);
+      merge_kernel<T, A, V><<<grid_for(n / V + 1), kThreads, 0, s>>>(gp, up, dp, xp, sp, n, c, lam_sums, lam);
     else
-      merge_kernel<T, A, 1><<<grid_for(n), kThreads, 0, s>>>(gp, up, dp, xp, sp, n, c);
+      merge_kernel<T, A, 1><<<grid_for(n), kThreads, 0, s>>>(gp, up, dp, xp, sp, n, c, lam_sums, lam);
     return launch_status(op);
   });
 }

@@ -16,7 +16,9 @@ progress v made while the average was in flight (+β·v) and subtracts the first
 
 Modes: overwrite (α=β=λ=0), Streaming DiLoCo mix (α), delay-corrected (β=1), Taylor (β=1, λ>0).
 ``lam_mode="normalized"`` uses λ_eff = λ·‖v‖₂ / ‖v⊙v⊙D‖₂ per call (0 when the denominator is 0):
-one extra read-only reduction pass (``taylor_norms``) before the fused pass.
+one extra read-only reduction pass (``taylor_norms``) into a float64 (2,) tensor on the data's
+device, which the merge kernel reads to form λ_eff itself (no host read, so no host sync on a GPU;
+only the ``ref`` backend reads the two sums on the host, as the specification does).
 
 Reads g, u, Δ̄, x, x_sent; writes g, u, x. Bytes: n*(5*s [+ s_avg − s]) read + 3*s written.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
@@ -45,6 +48,22 @@ def outer_step_ref(
     g.add_(d, alpha=-lr)
 
 
+_SUM_BLOCK, _SUM_LANES = 8192, 8  # the fixed summation order of taylor_norms (see _fixed_order_sum)
+
+
+def _fixed_order_sum(t: torch.Tensor) -> torch.Tensor:
+    """Σ t (flat float64) in one fixed order: blocks of 8192 elements; in a block, lane l (of 8)
+    adds elements 8q + l for q = 0, 1, ... in turn, then the lanes are added in order; then the
+    block sums in order (cumsum adds strictly in sequence). The order depends only on len(t),
+    never on threads, and is the CPU kernel's (csrc/cpu/outer_merge.cpp), bit for bit."""
+    nb = -(-t.numel() // _SUM_BLOCK)
+    if nb == 0:
+        return t.new_zeros(())
+    blocks = F.pad(t, (0, nb * _SUM_BLOCK - t.numel())).view(nb, _SUM_BLOCK // _SUM_LANES, _SUM_LANES)
+    lanes = blocks.cumsum(1)[:, -1, :]
+    return lanes.cumsum(1)[:, -1].cumsum(0)[-1]
+
+
 def taylor_norms_ref(
     g: torch.Tensor,
     u: torch.Tensor,
@@ -56,17 +75,20 @@ def taylor_norms_ref(
     momentum: float,
     nesterov: bool,
 ) -> torch.Tensor:
-    """[Σ v², Σ (v⊙v⊙D)²] in float64 for the g_new the outer step would produce (nothing mutated)."""
+    """[Σ v², Σ (v⊙v⊙D)²] in float64 for the g_new the outer step would produce (nothing mutated),
+    each summed in the fixed order of ``_fixed_order_sum``."""
     g_new, u_new = g.reshape(-1).clone(), u.reshape(-1).clone()
     outer_step_ref(g_new, u_new, delta_avg, lr=lr, momentum=momentum, nesterov=nesterov)
     x, x_sent = x.reshape(-1), x_sent.reshape(-1)
     v = (x - x_sent).double()
     corr = v * v * (g_new - x_sent).double()
-    return torch.stack([(v * v).sum(), (corr * corr).sum()])
+    return torch.stack([_fixed_order_sum(v * v), _fixed_order_sum(corr * corr)])
 
 
 def lam_effective(lam: float, sums: torch.Tensor) -> float:
-    """λ_eff = λ·‖v‖/‖v⊙v⊙D‖ from the two sums of squares; 0 when the correction vanishes."""
+    """λ_eff = λ·‖v‖/‖v⊙v⊙D‖ from the two sums of squares; 0 when the correction vanishes.
+    Python floats, left to right: the kernels (csrc kernels.h ``lam_effective``, the Triton
+    merge) form it from the same sums on the device with the same roundings."""
     sv, sc = (float(s) for s in sums.tolist())
     return 0.0 if sc == 0.0 or lam == 0.0 else lam * math.sqrt(sv) / math.sqrt(sc)
 
@@ -103,7 +125,9 @@ def outer_merge_ref(
 
 # ---- launchers (n >= 1, checked arguments) ------------------------------------------------------
 # taylor_norms: the two float64 sums into `out` (2,), zeroed, read-only otherwise. outer_merge: in
-# place on g, u, x with an absolute λ (a normalized one is scaled first, by the caller).
+# place on g, u, x; `lam_sums` None: λ is absolute; else the float64 (2,) tensor of taylor_norms on
+# the data's device, and the launcher merges with λ_eff = lam_effective(λ, lam_sums), formed by the
+# kernel on the device (only the ref reads the sums on the host).
 
 
 @launcher("taylor_norms", "ref")
@@ -112,7 +136,9 @@ def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, out):
 
 
 @launcher("outer_merge", "ref")
-def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam):
+def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_sums):
+    if lam_sums is not None:
+        lam = lam_effective(lam, lam_sums)
     outer_merge_ref(
         g,
         u,
@@ -149,7 +175,7 @@ native(
 native(
     "outer_merge",
     "lc_outer_merge",
-    lambda g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam: (
+    lambda g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_sums: (
         code(g),
         code(delta_avg),
         g,
@@ -164,6 +190,7 @@ native(
         alpha,
         beta,
         lam,
+        lam_sums,
     ),
 )
 triton("taylor_norms", "outer_merge", "launch_taylor_norms")
@@ -210,13 +237,15 @@ def _outer_merge_impl(
     if g.numel() == 0:
         return
     with nvtx_range("outer_merge"):
+        lam_sums = None
         if lam_mode == "normalized" and lam != 0.0:
-            # The scale is a global reduction over the fragment, so it needs its own pass (and, on
-            # a GPU, one host sync to read the two sums).
-            sums = torch.zeros(2, dtype=torch.float64, device=g.device)
-            launch("taylor_norms", b, g, u, delta_avg, x, x_sent, lr, momentum, nesterov, sums)
-            lam = lam_effective(lam, sums)
-        launch("outer_merge", b, g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam)
+            # The scale is a global reduction over the fragment, so it needs its own pass; its two
+            # sums stay on the device, where the merge kernel forms λ_eff (no host sync).
+            lam_sums = torch.zeros(2, dtype=torch.float64, device=g.device)
+            launch("taylor_norms", b, g, u, delta_avg, x, x_sent, lr, momentum, nesterov, lam_sums)
+        launch(
+            "outer_merge", b, g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_sums
+        )
 
 
 @torch.library.custom_op("lowcomm::outer_merge_", mutates_args=("g", "u", "x"))

@@ -211,6 +211,109 @@ def test_normalized_lambda_zero_denominator(backend, zero, rng):
     torch.testing.assert_close(x, g + v, rtol=1e-15, atol=1e-15)
 
 
+# ---- normalized λ: formed by the kernel from the device sums ---------------------------------
+
+NORMALIZED = {
+    "nesterov": dict(lr=0.7, momentum=0.9, nesterov=True, alpha=0.25, beta=1.0, lam=0.3),
+    "heavyball": dict(lr=0.5, momentum=0.8, nesterov=False, alpha=0.0, beta=0.5, lam=2.0),
+    "no-momentum": dict(lr=0.5, momentum=0.0, alpha=0.3, beta=0.0, lam=0.5),
+}
+
+
+def _normalized_cases(rng: torch.Generator, n: int, dtype: torch.dtype, avg_dtype: torch.dtype,
+                      device: str = "cpu"):
+    """(name, state) pairs: random, and the three ways the correction vanishes (λ_eff = 0)."""
+    yield "random", _state(n, dtype, rng, avg_dtype, device)
+    g, u, avg, x, xs = _state(n, dtype, rng, avg_dtype, device)
+    yield "v=0", (g, u, avg, xs.clone(), xs)  # Σv² = Σ(v⊙v⊙D)² = 0
+    g, u, avg, x, xs = _state(n, dtype, rng, avg_dtype, device)
+    yield "D=0", (xs.clone(), torch.zeros_like(u), torch.zeros_like(avg), x, xs)  # g_new = x_sent: Σv² > 0
+
+
+def _cpu_or_skip() -> None:
+    from lowcomm_kernels import _dispatch
+
+    if not _dispatch.available("cpu", torch.device("cpu"), "lc_outer_merge"):
+        pytest.skip("the native CPU library is not built")
+
+
+@pytest.mark.parametrize("config", list(NORMALIZED), ids=list(NORMALIZED))
+@pytest.mark.parametrize("avg", ["same", "bf16"])
+@F64_F32
+@pytest.mark.parametrize("n", [1, 7, 8193, 100003])
+def test_normalized_cpu_is_bit_identical_to_ref(n, dtype, avg, config, rng):
+    """lam_mode='normalized' on the cpu backend: the sums (fixed order), λ_eff (formed by the
+    kernel from them) and the merge are the ref's bit for bit, the vanishing cases included."""
+    _cpu_or_skip()
+    kw = dict(NORMALIZED[config], lam_mode="normalized")
+    avg_dtype = torch.bfloat16 if avg == "bf16" else dtype
+    for case, state in _normalized_cases(rng, n, dtype, avg_dtype):
+        cpu = [t.clone() for t in state]
+        ref = [t.clone() for t in state]
+        outer_merge_(*cpu, backend="cpu", **kw)
+        outer_merge_ref(*ref, **kw)
+        for name, i in (("g", 0), ("u", 1), ("x", 3)):
+            assert torch.equal(cpu[i].view(-1).view(torch.uint8), ref[i].view(-1).view(torch.uint8)), (
+                f"{case}: {name} differs from the ref")
+
+
+@F64_F32
+@pytest.mark.parametrize("n", [1, 8, 8192, 8193, 70001])
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, True), (0.9, True), (0.8, False)])
+def test_taylor_norms_cpu_is_bit_identical_to_ref(n, dtype, momentum, nesterov, rng):
+    """The two sums behind λ_eff: the CPU kernel sums in the ref's fixed order."""
+    _cpu_or_skip()
+    from lowcomm_kernels.ops._common import launch
+    from lowcomm_kernels.ops.outer_merge import taylor_norms_ref
+
+    g, u, avg, x, xs = _state(n, dtype, rng)
+    out = torch.zeros(2, dtype=torch.float64)
+    launch("taylor_norms", "cpu", g, u, avg, x, xs, 0.7, momentum, nesterov, out)
+    ref = taylor_norms_ref(g, u, avg, x, xs, lr=0.7, momentum=momentum, nesterov=nesterov)
+    assert torch.equal(out, ref), (out.tolist(), ref.tolist())
+
+
+@pytest.mark.op("outer_merge_", exclude=("ref",))
+@pytest.mark.parametrize("config", list(NORMALIZED), ids=list(NORMALIZED))
+@F64_F32
+def test_device_lambda_is_the_host_formula(device, backend, dtype, config, rng):
+    """A native/Triton merge given the sums forms λ_eff on the device exactly as lam_effective does
+    on the host: the same merge with that λ passed as absolute gives the same bits."""
+    from lowcomm_kernels.ops._common import launch
+    from lowcomm_kernels.ops.outer_merge import lam_effective
+
+    kw = NORMALIZED[config]
+    args = (kw["lr"], kw["momentum"], kw.get("nesterov", True), kw["alpha"], kw["beta"], kw["lam"])
+    sums_cases = [[3.0, 7.0], [0.0, 0.0], [5.0, 0.0], [1e-300, 3e-310], [2.5e10, 1e-3]]
+    for case, state in _normalized_cases(rng, 4099, dtype, dtype, device):
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        launch("taylor_norms", backend, *state, *args[:3], sums)
+        for s in [sums] + [torch.tensor(v, dtype=torch.float64, device=device) for v in sums_cases]:
+            on_device = [t.clone() for t in state]
+            on_host = [t.clone() for t in state]
+            launch("outer_merge", backend, *on_device, *args, s)
+            lam_eff = lam_effective(kw["lam"], s)
+            launch("outer_merge", backend, *on_host, *args[:5], lam_eff, None)
+            for name, i in (("g", 0), ("u", 1), ("x", 3)):
+                assert torch.equal(on_device[i].view(torch.uint8), on_host[i].view(torch.uint8)), (
+                    f"{case}, sums {s.tolist()}: {name}")
+
+
+def test_normalized_reads_no_sum_on_the_host(monkeypatch, rng):
+    """Only the ref backend turns the sums into a Python float; the others pass the tensor on."""
+    from lowcomm_kernels.ops import outer_merge as mod
+
+    _cpu_or_skip()
+    calls = []
+    real = mod.lam_effective
+    monkeypatch.setattr(mod, "lam_effective", lambda lam, sums: calls.append(sums) or real(lam, sums))
+    kw = dict(NORMALIZED["nesterov"], lam_mode="normalized")
+    outer_merge_(*_state(1000, torch.float64, rng), backend="cpu", **kw)
+    assert calls == []
+    outer_merge_(*_state(1000, torch.float64, rng), backend="ref", **kw)
+    assert len(calls) == 1
+
+
 # ---- the Taylor sign test --------------------------------------------------------------------
 
 

@@ -36,12 +36,17 @@ LOWCOMM_EXPORT int lc_pack(int dtype, int wire_dtype, const void* g, const void*
                            void* snapshot, int64_t n, int64_t* nonfinite);
 
 // torch.optim.SGD(lr, momentum, nesterov, dampening=0) on g with gradient delta_avg (dtype or bf16)
-// and momentum buffer u, then x = (1-alpha)*(g + beta*v - lam*v*v*D) + alpha*x with
-// v = x - x_sent, D = g - x_sent (g after the step). x_sent may be NULL iff beta == lam == 0.
-// In place on g, u (untouched when momentum == 0) and x.
+// and momentum buffer u, then x = (1-alpha)*(g + beta*v - lam_eff*v*v*D) + alpha*x with
+// v = x - x_sent, D = g - x_sent (g after the step). lam_sums NULL: lam_eff = lam (absolute).
+// Otherwise lam_sums points to the two float64 sums of lc_taylor_norms (device memory for the CUDA
+// variant) and lam_eff = lam * sqrt(lam_sums[0]) / sqrt(lam_sums[1]), 0 when lam_sums[1] == 0 or
+// lam == 0, computed in double by the kernel (kernels.h lam_effective): the normalized mode
+// without a host read. x_sent may be NULL iff beta == lam == 0. In place on g, u (untouched when
+// momentum == 0) and x.
 LOWCOMM_EXPORT int lc_outer_merge(int dtype, int avg_dtype, void* g, void* u, const void* delta_avg,
                                   void* x, const void* x_sent, int64_t n, double lr, double momentum,
-                                  int nesterov, double alpha, double beta, double lam);
+                                  int nesterov, double alpha, double beta, double lam,
+                                  const double* lam_sums);
 
 // out2[0] = sum v^2, out2[1] = sum (v*v*D)^2 (float64 accumulation, fixed order) for the g that
 // lc_outer_merge's step would produce. Read-only.
@@ -76,15 +81,16 @@ LOWCOMM_EXPORT const char* lc_version(void);
 LOWCOMM_EXPORT const char* lc_last_error(void);
 
 // ---- liblowcomm_cuda: the same operations on device memory, asynchronous on `stream` ----------
-// Scalar outputs (nonfinite, out2, out) are device pointers; they are zeroed on the stream first
-// where the kernel accumulates into them. adds/muls of lc_cuda_mask_perm are device int64[4].
+// Scalar inputs and outputs (lam_sums, nonfinite, out2, out) are device pointers; they are zeroed
+// on the stream first where the kernel accumulates into them. adds/muls of lc_cuda_mask_perm are device int64[4].
 // lc_cuda_taylor_norms accumulates with atomics (not bit-reproducible); lc_cuda_fragment_norms is
 // (one block per segment, fixed-order tree: see csrc/cuda/fragment_norms.cu).
 LOWCOMM_EXPORT int lc_cuda_pack(int dtype, int wire_dtype, const void* g, const void* x, void* delta,
                                 void* snapshot, int64_t n, int64_t* nonfinite, void* stream);
 LOWCOMM_EXPORT int lc_cuda_outer_merge(int dtype, int avg_dtype, void* g, void* u, const void* delta_avg,
                                        void* x, const void* x_sent, int64_t n, double lr, double momentum,
-                                       int nesterov, double alpha, double beta, double lam, void* stream);
+                                       int nesterov, double alpha, double beta, double lam,
+                                       const double* lam_sums, void* stream);
 LOWCOMM_EXPORT int lc_cuda_taylor_norms(int dtype, int avg_dtype, const void* g, const void* u,
                                         const void* delta_avg, const void* x, const void* x_sent, int64_t n,
                                         double lr, double momentum, int nesterov, double* out2, void* stream);

@@ -137,7 +137,26 @@ template <class T>
 struct MergeCoef {
   T lr, mu, alpha, one_minus_alpha, beta, lam;
   bool momentum, nesterov, full;  // full: the beta/lam terms are present (x_sent is read)
+  bool beta_nonzero;
 };
+
+// lam_mode="normalized": lambda_eff = lam * sqrt(sv) / sqrt(sc) from the two sums of
+// lc_taylor_norms (sv = sum v^2, sc = sum (v*v*D)^2), 0 when sc == 0 or lam == 0. Evaluated in
+// double left to right, each step rounded once (correctly rounded sqrt and division, no
+// contraction), exactly as lam_effective in ops/outer_merge.py evaluates it on Python floats.
+LC_HD double lam_effective(double lam, double sv, double sc) {
+  return (sc == 0.0 || lam == 0.0) ? 0.0 : lam * sqrt(sv) / sqrt(sc);
+}
+
+// The coefficients with lambda set to `lam` (double), rounded to T once as torch rounds a
+// Python-float multiplier; the merge is "full" when beta or this lambda is non-zero, as the ref
+// decides it on the lambda it multiplies with.
+template <class T>
+LC_HD MergeCoef<T> with_lam(MergeCoef<T> c, double lam) {
+  c.lam = static_cast<T>(lam);
+  c.full = c.beta_nonzero || lam != 0.0;
+  return c;
+}
 
 template <class T>
 inline MergeCoef<T> make_merge_coef(double lr, double mu, int nesterov, double alpha, double beta,
@@ -148,11 +167,10 @@ inline MergeCoef<T> make_merge_coef(double lr, double mu, int nesterov, double a
   c.alpha = static_cast<T>(alpha);
   c.one_minus_alpha = static_cast<T>(1.0 - alpha);  // formed in double, like the ref's (1.0 - alpha)
   c.beta = static_cast<T>(beta);
-  c.lam = static_cast<T>(lam);
   c.momentum = mu != 0.0;
   c.nesterov = nesterov != 0;
-  c.full = beta != 0.0 || lam != 0.0;
-  return c;
+  c.beta_nonzero = beta != 0.0;
+  return with_lam(c, lam);
 }
 
 // Fused multiply-add a*b + c, rounded once. Used exactly where torch rounds once: its
