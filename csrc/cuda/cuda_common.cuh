@@ -1,11 +1,13 @@
 // CUDA-only plumbing shared by csrc/cuda/*.cu: dtype dispatch, launch geometry, error messages,
-// aligned vector access, and block reductions.
+// stream-ordered scratch memory, aligned vector access, and block reductions.
 // The per-element maths comes from lowcomm/kernels.h.
 #ifndef LOWCOMM_CUDA_COMMON_CUH_
 #define LOWCOMM_CUDA_COMMON_CUH_
 
 #include <cuda_runtime.h>
 #include <stdint.h>
+
+#include <mutex>
 
 #include "lowcomm/abi.h"
 #include "lowcomm/kernels.h"
@@ -91,6 +93,83 @@ int dispatch_data_storage(const char* op, int dtype, const char* storage_name, i
   if (dtype == LC_F64 && storage == LC_BF16) return f(double{}, bf16{});
   return bad_dtypes(op, dtype, storage_name, storage);
 }
+
+// Stream-ordered scratch memory for the two-pass reductions: allocated on `stream` from a memory
+// pool this library owns on the current device (created on first use; it keeps up to
+// kScratchKeep bytes between calls, so steady-state calls map no memory) and freed on the same
+// stream after the kernels that use it, so nothing waits on the host. Devices without memory
+// pools fall back to cudaMalloc, and the free then synchronizes the stream.
+constexpr uint64_t kScratchKeep = uint64_t(64) << 20;
+
+class Scratch {
+ public:
+  Scratch(const char* op, size_t bytes, cudaStream_t s) : stream_(s) {
+    int dev = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    cudaMemPool_t pool = e == cudaSuccess ? pool_of(dev) : nullptr;
+    if (pool != nullptr) {
+      e = cudaMallocFromPoolAsync(&p_, bytes, pool, s);
+    } else if (e == cudaSuccess) {
+      e = cudaMalloc(&p_, bytes);
+      synchronous_ = true;
+    }
+    if (e != cudaSuccess) {
+      p_ = nullptr;
+      status_ = cuda_fail(op, "scratch allocation", e);
+    }
+  }
+  ~Scratch() {
+    if (p_ == nullptr) return;
+    if (synchronous_) {
+      cudaStreamSynchronize(stream_);
+      cudaFree(p_);
+    } else {
+      cudaFreeAsync(p_, stream_);
+    }
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+
+  int status() const { return status_; }  // LC_OK, or LC_ECUDA with the message set
+  template <class T>
+  T* get() const {
+    return static_cast<T*>(p_);
+  }
+
+ private:
+  // The library's pool of `dev`, or nullptr where the device has no memory pools.
+  static cudaMemPool_t pool_of(int dev) {
+    constexpr int kMaxDevices = 64;
+    static std::mutex mu;
+    static cudaMemPool_t pools[kMaxDevices] = {};
+    static bool tried[kMaxDevices] = {};
+    if (dev < 0 || dev >= kMaxDevices) return nullptr;
+    std::lock_guard<std::mutex> lock(mu);
+    if (!tried[dev]) {
+      tried[dev] = true;
+      int supported = 0;
+      if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, dev) == cudaSuccess && supported) {
+        cudaMemPoolProps props = {};
+        props.allocType = cudaMemAllocationTypePinned;
+        props.location.type = cudaMemLocationTypeDevice;
+        props.location.id = dev;
+        cudaMemPool_t pool = nullptr;
+        if (cudaMemPoolCreate(&pool, &props) == cudaSuccess) {
+          uint64_t keep = kScratchKeep;
+          cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep);
+          pools[dev] = pool;
+        }
+      }
+      cudaGetLastError();  // a failed probe leaves no error for launch_status() to report
+    }
+    return pools[dev];
+  }
+
+  cudaStream_t stream_;
+  void* p_ = nullptr;
+  bool synchronous_ = false;
+  int status_ = LC_OK;
+};
 
 // V consecutive elements moved as one aligned access (16 bytes for V*sizeof(T) == 16).
 template <class T, int V>

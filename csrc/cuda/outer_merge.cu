@@ -57,27 +57,72 @@ __global__ void merge_kernel(T* __restrict__ g, T* __restrict__ u, const A* __re
   }
 }
 
-// Not bit-reproducible: block partials meet in atomicAdd (the op's contract asks determinism only
-// of fragment_norms; this sum only scales lambda).
+// taylor_norms in a fixed order, in two passes (no float atomics):
+//   pass 1: the n elements are cut into chunks of kTaylorChunk from element 0; chunk q belongs to
+//     slot q % P, P = min(kTaylorSlots, #chunks) (a function of n alone). One block computes one
+//     slot: thread t adds, chunk by chunk in increasing q, the elements at t, t + kThreads, ...
+//     of the chunk into its two float64 accumulators; then block_sum (a fixed shuffle tree) gives
+//     the slot's two partials, written to scratch[2p], scratch[2p + 1]. Blocks take slots in a
+//     grid-stride loop, but a slot is always summed whole by one block in this order, so neither
+//     the grid size nor the scheduling changes a bit.
+//   pass 2: one warp; lane l adds the partials of slots l, l + 32, ... in order, then a fixed
+//     shuffle tree; out2 = the two sums.
+// Bit-identical from call to call and on any device; not the CPU kernel's order.
+constexpr int kTaylorChunk = kThreads * 8;
+constexpr int64_t kTaylorSlots = 1024;
+
 template <class T, class A>
-__global__ void taylor_kernel(const T* __restrict__ g, const T* __restrict__ u, const A* __restrict__ d,
-                              const T* __restrict__ x, const T* __restrict__ xs, int64_t n, const MergeCoef<T> c,
-                              double* out2) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  double sv = 0, sc = 0;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-    T ui = c.momentum ? u[i] : T(0);
-    const T gn = step_elem<T>(g[i], ui, cast<T>(d[i]), c);
-    double v2, c2;
-    taylor_terms<T>(gn, x[i], xs[i], v2, c2);
-    sv += v2;
-    sc += c2;
+__device__ __forceinline__ void taylor_one(const T* __restrict__ g, const T* __restrict__ u,
+                                           const A* __restrict__ d, const T* __restrict__ x,
+                                           const T* __restrict__ xs, int64_t i, const MergeCoef<T>& c, double& sv,
+                                           double& sc) {
+  T ui = c.momentum ? u[i] : T(0);
+  const T gn = step_elem<T>(g[i], ui, cast<T>(d[i]), c);
+  double v2, c2;
+  taylor_terms<T>(gn, x[i], xs[i], v2, c2);
+  sv += v2;
+  sc += c2;
+}
+
+template <class T, class A>
+__global__ void __launch_bounds__(kThreads)
+    taylor_partial_kernel(const T* __restrict__ g, const T* __restrict__ u, const A* __restrict__ d,
+                          const T* __restrict__ x, const T* __restrict__ xs, int64_t n, int64_t slots,
+                          const MergeCoef<T> c, double* __restrict__ partial) {
+  for (int64_t p = blockIdx.x; p < slots; p += gridDim.x) {
+    double sv = 0, sc = 0;
+    for (int64_t c0 = p * kTaylorChunk; c0 < n; c0 += slots * kTaylorChunk) {
+      if (c0 + kTaylorChunk <= n) {
+#pragma unroll
+        for (int k = 0; k < kTaylorChunk / kThreads; ++k)
+          taylor_one<T, A>(g, u, d, x, xs, c0 + k * kThreads + threadIdx.x, c, sv, sc);
+      } else {
+        for (int64_t i = c0 + threadIdx.x; i < n; i += kThreads) taylor_one<T, A>(g, u, d, x, xs, i, c, sv, sc);
+      }
+    }
+    sv = block_sum<double>(sv);
+    sc = block_sum<double>(sc);
+    if (threadIdx.x == 0) {
+      partial[2 * p] = sv;
+      partial[2 * p + 1] = sc;
+    }
   }
-  sv = block_sum<double>(sv);
-  sc = block_sum<double>(sc);
+}
+
+__global__ void taylor_finish_kernel(const double* __restrict__ partial, int64_t slots, double* __restrict__ out2) {
+  double sv = 0, sc = 0;
+  for (int64_t p = threadIdx.x; p < slots; p += 32) {
+    sv += partial[2 * p];
+    sc += partial[2 * p + 1];
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    sv += __shfl_down_sync(0xffffffffu, sv, o);
+    sc += __shfl_down_sync(0xffffffffu, sc, o);
+  }
   if (threadIdx.x == 0) {
-    atomicAdd(out2, sv);
-    atomicAdd(out2 + 1, sc);
+    out2[0] = sv;
+    out2[1] = sc;
   }
 }
 
@@ -142,13 +187,21 @@ LOWCOMM_EXPORT int lc_cuda_taylor_norms(int dtype, int avg_dtype, const void* g,
     using T = decltype(t);
     using A = decltype(a);
     cudaStream_t s = as_stream(stream);
-    const cudaError_t e = cudaMemsetAsync(out2, 0, 2 * sizeof(double), s);
-    if (e != cudaSuccess) return cuda_fail(op, "cudaMemsetAsync(out2)", e);
-    if (n == 0) return LC_OK;
+    if (n == 0) {
+      const cudaError_t e = cudaMemsetAsync(out2, 0, 2 * sizeof(double), s);
+      return e == cudaSuccess ? LC_OK : cuda_fail(op, "cudaMemsetAsync(out2)", e);
+    }
     const MergeCoef<T> c = make_merge_coef<T>(lr, momentum, nesterov, 0.0, 0.0, 0.0);
-    taylor_kernel<T, A><<<grid_for(n), kThreads, 0, s>>>(
-        static_cast<const T*>(g), static_cast<const T*>(u), static_cast<const A*>(delta_avg),
-        static_cast<const T*>(x), static_cast<const T*>(x_sent), n, c, out2);
+    const int64_t chunks = (n + kTaylorChunk - 1) / kTaylorChunk;
+    const int64_t slots = chunks < kTaylorSlots ? chunks : kTaylorSlots;
+    Scratch partial(op, static_cast<size_t>(2 * slots) * sizeof(double), s);
+    if (partial.status() != LC_OK) return partial.status();
+    taylor_partial_kernel<T, A><<<grid_for(slots * kThreads), kThreads, 0, s>>>(
+        static_cast<const T*>(g), c.momentum ? static_cast<const T*>(u) : nullptr,
+        static_cast<const A*>(delta_avg), static_cast<const T*>(x), static_cast<const T*>(x_sent), n, slots, c,
+        partial.get<double>());
+    if (int rc = launch_status(op)) return rc;
+    taylor_finish_kernel<<<1, 32, 0, s>>>(partial.get<double>(), slots, out2);
     return launch_status(op);
   });
 }

@@ -48,8 +48,8 @@ LOWCOMM_EXPORT int lc_outer_merge(int dtype, int avg_dtype, void* g, void* u, co
                                   int nesterov, double alpha, double beta, double lam,
                                   const double* lam_sums);
 
-// out2[0] = sum v^2, out2[1] = sum (v*v*D)^2 (float64 accumulation, fixed order) for the g that
-// lc_outer_merge's step would produce. Read-only.
+// out2[0] = sum v^2, out2[1] = sum (v*v*D)^2 (float64 accumulation, fixed order: bit-identical
+// from call to call) for the g that lc_outer_merge's step would produce. Writes out2 only.
 LOWCOMM_EXPORT int lc_taylor_norms(int dtype, int avg_dtype, const void* g, const void* u,
                                    const void* delta_avg, const void* x, const void* x_sent, int64_t n,
                                    double lr, double momentum, int nesterov, double* out2);
@@ -81,10 +81,12 @@ LOWCOMM_EXPORT const char* lc_version(void);
 LOWCOMM_EXPORT const char* lc_last_error(void);
 
 // ---- liblowcomm_cuda: the same operations on device memory, asynchronous on `stream` ----------
-// Scalar inputs and outputs (lam_sums, nonfinite, out2, out) are device pointers; they are zeroed
-// on the stream first where the kernel accumulates into them. adds/muls of lc_cuda_mask_perm are device int64[4].
-// lc_cuda_taylor_norms accumulates with atomics (not bit-reproducible); lc_cuda_fragment_norms is
-// (one block per segment, fixed-order tree: see csrc/cuda/fragment_norms.cu).
+// Scalar inputs and outputs (lam_sums, nonfinite, out2, out) are device pointers; nonfinite is
+// zeroed on the stream first (the kernel adds into it). adds/muls of lc_cuda_mask_perm are device
+// int64[4]. lc_cuda_taylor_norms and lc_cuda_fragment_norms reduce in a fixed order (per-block
+// partials in a stream-ordered scratch buffer, then a second pass over them in order), so their
+// bits repeat from call to call and do not depend on the grid or the device (the order is in
+// csrc/cuda/fragment_norms.cu and outer_merge.cu); they are not the CPU's order.
 LOWCOMM_EXPORT int lc_cuda_pack(int dtype, int wire_dtype, const void* g, const void* x, void* delta,
                                 void* snapshot, int64_t n, int64_t* nonfinite, void* stream);
 LOWCOMM_EXPORT int lc_cuda_outer_merge(int dtype, int avg_dtype, void* g, void* u, const void* delta_avg,
