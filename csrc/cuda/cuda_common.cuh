@@ -1,5 +1,5 @@
 // CUDA-only plumbing shared by csrc/cuda/*.cu: dtype dispatch, launch geometry, error messages,
-// stream-ordered scratch memory, aligned vector access, and block reductions.
+// stream-ordered scratch memory, aligned vector access with a peeled head, and block reductions.
 // The per-element maths comes from lowcomm/kernels.h.
 #ifndef LOWCOMM_CUDA_COMMON_CUH_
 #define LOWCOMM_CUDA_COMMON_CUH_
@@ -186,8 +186,40 @@ __device__ __forceinline__ void store_vec(T* p, int64_t j, const Vec<T, V>& v) {
   reinterpret_cast<Vec<T, V>*>(p)[j] = v;
 }
 
-inline bool aligned(const void* p, size_t bytes) {
-  return p == nullptr || reinterpret_cast<uintptr_t>(p) % bytes == 0;
+// The vector path of an elementwise kernel moves V consecutive elements of every operand as one
+// aligned access (16 bytes for the data dtype). Operands of a launch usually share one
+// misalignment: fragments of the runtime's flat buffers start at the same element offset in
+// buffers laid out alike. AlignedHead finds the head h < V after which every operand is aligned
+// for its vector access: elements [0, h) then run scalar, [h, h + V*floor((n-h)/V)) vectorised,
+// and the rest scalar. head() is -1 when no such h exists (operands misaligned differently, or a
+// pointer not aligned to its own element), and the launch runs the scalar kernel.
+template <int V>
+class AlignedHead {
+ public:
+  template <class E>
+  AlignedHead& operator()(const E* p) {
+    if (p == nullptr || !ok_) return *this;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+    if (a % sizeof(E) != 0) {
+      ok_ = false;
+      return *this;
+    }
+    const int k = static_cast<int>((a / sizeof(E)) % V);  // elements past the last vector boundary
+    if (k_ < 0) k_ = k;
+    else if (k_ != k) ok_ = false;
+    return *this;
+  }
+  int64_t head() const { return !ok_ ? -1 : (k_ <= 0 ? 0 : V - k_); }
+
+ private:
+  int k_ = -1;
+  bool ok_ = true;
+};
+
+// p + off, keeping NULL as NULL (optional operands).
+template <class E>
+__device__ __forceinline__ E* offset(E* p, int64_t off) {
+  return p == nullptr ? nullptr : p + off;
 }
 
 // Sum over the block in a fixed tree (warp shuffles, then warp 0 over the warp partials): the

@@ -22,21 +22,38 @@ __device__ __forceinline__ T merge_elem(T gn, T x, T xs, const MergeCoef<T>& c) 
                 : merge_x<T, false>(gn, x, xs, c.beta, c.lam, c.alpha, c.one_minus_alpha);
 }
 
-// Vector path when every pointer is aligned for it (V elements per access), scalar otherwise.
-// lam_sums (device, may be NULL): the normalized lambda's two sums.
+template <class T, class A>
+__device__ __forceinline__ void merge_one(T* __restrict__ g, T* __restrict__ u, const A* __restrict__ d,
+                                          T* __restrict__ x, const T* __restrict__ xs, int64_t i,
+                                          const MergeCoef<T>& c) {
+  T ui = c.momentum ? u[i] : T(0);
+  const T gn = step_elem<T>(g[i], ui, cast<T>(d[i]), c);
+  g[i] = gn;
+  if (c.momentum) u[i] = ui;
+  x[i] = merge_elem<T>(gn, x[i], c.full ? xs[i] : T(0), c);
+}
+
+// Elements [0, head) and the tail scalar, the body between them in aligned V-vectors (V = 1: all
+// scalar, head = 0). lam_sums (device, may be NULL): the normalized lambda's two sums.
 template <class T, class A, int V>
 __global__ void merge_kernel(T* __restrict__ g, T* __restrict__ u, const A* __restrict__ d, T* __restrict__ x,
-                             const T* __restrict__ xs, int64_t n, MergeCoef<T> c, const double* __restrict__ lam_sums,
-                             double lam) {
+                             const T* __restrict__ xs, int64_t n, int64_t head, MergeCoef<T> c,
+                             const double* __restrict__ lam_sums, double lam) {
   if (lam_sums != nullptr) c = with_lam(c, lam_effective(lam, lam_sums[0], lam_sums[1]));
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t nv = n / V;
+  for (int64_t i = tid; i < head; i += stride) merge_one<T, A>(g, u, d, x, xs, i, c);
+  T* gb = g + head;
+  T* ub = offset(u, head);
+  const A* db = d + head;
+  T* xb = x + head;
+  const T* sb = offset(xs, head);
+  const int64_t nv = (n - head) / V;
   for (int64_t j = tid; j < nv; j += stride) {
-    Vec<T, V> gv = load_vec<T, V>(g, j), xv = load_vec<T, V>(x, j), uv, sv;
-    const Vec<A, V> dv = load_vec<A, V>(d, j);
-    if (c.momentum) uv = load_vec<T, V>(u, j);
-    if (c.full) sv = load_vec<T, V>(xs, j);
+    Vec<T, V> gv = load_vec<T, V>(gb, j), xv = load_vec<T, V>(xb, j), uv, sv;
+    const Vec<A, V> dv = load_vec<A, V>(db, j);
+    if (c.momentum) uv = load_vec<T, V>(ub, j);
+    if (c.full) sv = load_vec<T, V>(sb, j);
 #pragma unroll
     for (int l = 0; l < V; ++l) {
       T ul = c.momentum ? uv.v[l] : T(0);
@@ -44,17 +61,11 @@ __global__ void merge_kernel(T* __restrict__ g, T* __restrict__ u, const A* __re
       uv.v[l] = ul;
       xv.v[l] = merge_elem<T>(gv.v[l], xv.v[l], c.full ? sv.v[l] : T(0), c);
     }
-    store_vec<T, V>(g, j, gv);
-    if (c.momentum) store_vec<T, V>(u, j, uv);
-    store_vec<T, V>(x, j, xv);
+    store_vec<T, V>(gb, j, gv);
+    if (c.momentum) store_vec<T, V>(ub, j, uv);
+    store_vec<T, V>(xb, j, xv);
   }
-  for (int64_t i = nv * V + tid; i < n; i += stride) {
-    T ui = c.momentum ? u[i] : T(0);
-    const T gn = step_elem<T>(g[i], ui, cast<T>(d[i]), c);
-    g[i] = gn;
-    if (c.momentum) u[i] = ui;
-    x[i] = merge_elem<T>(gn, x[i], c.full ? xs[i] : T(0), c);
-  }
+  for (int64_t i = head + nv * V + tid; i < n; i += stride) merge_one<T, A>(g, u, d, x, xs, i, c);
 }
 
 // taylor_norms in a fixed order, in two passes (no float atomics):
@@ -160,18 +171,17 @@ LOWCOMM_EXPORT int lc_cuda_outer_merge(int dtype, int avg_dtype, void* g, void* 
     // With lam_sums the kernel replaces lam (and the merge kind) by the normalized lambda.
     const MergeCoef<T> c = make_merge_coef<T>(lr, momentum, nesterov, alpha, beta, lam);
     T* gp = static_cast<T*>(g);
-    T* up = static_cast<T*>(u);
+    T* up = c.momentum ? static_cast<T*>(u) : nullptr;
     const A* dp = static_cast<const A*>(delta_avg);
     T* xp = static_cast<T*>(x);
-    const T* sp = static_cast<const T*>(x_sent);
+    const T* sp = (beta != 0.0 || lam != 0.0) ? static_cast<const T*>(x_sent) : nullptr;
     constexpr int V = 16 / sizeof(T);
-    const bool vec = aligned(gp, 16) && aligned(up, 16) && aligned(xp, 16) && aligned(sp, 16) &&
-                     aligned(dp, V * sizeof(A));
+    const int64_t head = AlignedHead<V>()(gp)(up)(dp)(xp)(sp).head();
     cudaStream_t s = as_stream(stream);
-    if (vec)
-      merge_kernel<T, A, V><<<grid_for(n / V + 1), kThreads, 0, s>>>(gp, up, dp, xp, sp, n, c, lam_sums, lam);
+    if (head >= 0 && head < n)
+      merge_kernel<T, A, V><<<grid_for(n / V + 1), kThreads, 0, s>>>(gp, up, dp, xp, sp, n, head, c, lam_sums, lam);
     else
-      merge_kernel<T, A, 1><<<grid_for(n), kThreads, 0, s>>>(gp, up, dp, xp, sp, n, c, lam_sums, lam);
+      merge_kernel<T, A, 1><<<grid_for(n), kThreads, 0, s>>>(gp, up, dp, xp, sp, n, 0, c, lam_sums, lam);
     return launch_status(op);
   });
 }

@@ -1,36 +1,48 @@
 // lc_cuda_pack: delta = g - x in the wire dtype, snapshot = x, non-finite count; one pass.
-// Vector path (16-byte loads of g and x) when every pointer is aligned for it, scalar otherwise;
-// the count is reduced per block and added with one atomicAdd per block.
+// Vector path (16-byte loads of g and x) after a scalar head when every pointer shares one
+// misalignment (AlignedHead), scalar otherwise; the count is reduced per block and added with one
+// integer atomicAdd per block (exact, so the count does not depend on the order).
 #include "cuda_common.cuh"
 
 namespace lowcomm {
 namespace cuda {
 namespace {
 
+template <class T, class W>
+__device__ __forceinline__ unsigned long long pack_one(const T* __restrict__ g, const T* __restrict__ x,
+                                                       W* __restrict__ delta, T* __restrict__ snap, int64_t i) {
+  const W d = pack_delta<T, W>(g[i], x[i]);
+  delta[i] = d;
+  if (snap) snap[i] = x[i];
+  return is_finite(d) ? 0 : 1;
+}
+
+// Elements [0, head) and the tail scalar, the body between them in aligned V-vectors (V = 1: all
+// scalar, head = 0).
 template <class T, class W, int V>
 __global__ void pack_kernel(const T* __restrict__ g, const T* __restrict__ x, W* __restrict__ delta,
-                            T* __restrict__ snap, int64_t n, unsigned long long* nonfinite) {
+                            T* __restrict__ snap, int64_t n, int64_t head, unsigned long long* nonfinite) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t nv = n / V;
   unsigned long long bad = 0;
+  for (int64_t i = tid; i < head; i += stride) bad += pack_one<T, W>(g, x, delta, snap, i);
+  const T* gb = g + head;
+  const T* xb = x + head;
+  W* db = delta + head;
+  T* sb = offset(snap, head);
+  const int64_t nv = (n - head) / V;
   for (int64_t j = tid; j < nv; j += stride) {
-    const Vec<T, V> gv = load_vec<T, V>(g, j), xv = load_vec<T, V>(x, j);
+    const Vec<T, V> gv = load_vec<T, V>(gb, j), xv = load_vec<T, V>(xb, j);
     Vec<W, V> dv;
 #pragma unroll
     for (int l = 0; l < V; ++l) {
       dv.v[l] = pack_delta<T, W>(gv.v[l], xv.v[l]);
       bad += is_finite(dv.v[l]) ? 0 : 1;
     }
-    store_vec<W, V>(delta, j, dv);
-    if (snap) store_vec<T, V>(snap, j, xv);
+    store_vec<W, V>(db, j, dv);
+    if (sb) store_vec<T, V>(sb, j, xv);
   }
-  for (int64_t i = nv * V + tid; i < n; i += stride) {  // the < V leftover elements
-    const W d = pack_delta<T, W>(g[i], x[i]);
-    delta[i] = d;
-    if (snap) snap[i] = x[i];
-    bad += is_finite(d) ? 0 : 1;
-  }
+  for (int64_t i = head + nv * V + tid; i < n; i += stride) bad += pack_one<T, W>(g, x, delta, snap, i);
   bad = block_sum<unsigned long long>(bad);
   if (threadIdx.x == 0 && bad) atomicAdd(nonfinite, bad);
 }
@@ -43,10 +55,11 @@ int launch(const char* op, const T* g, const T* x, W* delta, T* snap, int64_t n,
   if (n == 0) return LC_OK;
   auto* nf = reinterpret_cast<unsigned long long*>(nonfinite);
   constexpr int V = 16 / sizeof(T);
-  if (aligned(g, 16) && aligned(x, 16) && aligned(snap, 16) && aligned(delta, V * sizeof(W)))
-    pack_kernel<T, W, V><<<grid_for(n / V + 1), kThreads, 0, s>>>(g, x, delta, snap, n, nf);
+  const int64_t head = AlignedHead<V>()(g)(x)(snap)(delta).head();
+  if (head >= 0 && head < n)
+    pack_kernel<T, W, V><<<grid_for(n / V + 1), kThreads, 0, s>>>(g, x, delta, snap, n, head, nf);
   else
-    pack_kernel<T, W, 1><<<grid_for(n), kThreads, 0, s>>>(g, x, delta, snap, n, nf);
+    pack_kernel<T, W, 1><<<grid_for(n), kThreads, 0, s>>>(g, x, delta, snap, n, 0, nf);
   return launch_status(op);
 }
 

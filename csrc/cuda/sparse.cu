@@ -1,5 +1,7 @@
 // lc_cuda_sparse_gather / lc_cuda_sparse_scatter_merge: grid-stride over the k selected coordinates.
-// Accesses to x are scattered by nature; idx, avg, sent and out are read/written coalesced.
+// Accesses to x are scattered by nature; idx, avg, sent and out are read/written coalesced, one
+// element per thread (no vector path: the scattered x accesses dominate, and a 16-byte load of
+// idx would buy nothing for them).
 #include "cuda_common.cuh"
 
 namespace lowcomm {
