@@ -1,0 +1,205 @@
+"""liblowcomm_cuda on a GPU (skipped without one, or without the library built by
+bench/build_cuda.sh --install): the properties the CPU suite cannot see.
+
+* reductions (fragment_norms, taylor_norms) repeat bit for bit and agree with the ref;
+* the vector path with a peeled head: operands sharing a misalignment give the same bits as
+  aligned ones and write nothing outside;
+* the normalized merge reads nothing on the host (torch's sync debug mode raises on a sync);
+* bf16 NaN is the CUDA intrinsic's 0x7FFF, byte-identical to torch's CUDA conversion;
+* a failed call names the entry point and the argument or the CUDA error.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from lowcomm_kernels import _native
+from lowcomm_kernels.ops import fragment_norms, fragment_norms_ref, outer_merge_, outer_merge_ref, pack
+from lowcomm_kernels.ops._common import launch
+from lowcomm_kernels.ops.outer_merge import taylor_norms_ref
+
+pytestmark = pytest.mark.gpu
+
+F64_F32 = pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+
+
+@pytest.fixture(autouse=True)
+def _cuda_lib():
+    if not torch.cuda.is_available() or _native.cuda_lib() is None:
+        pytest.skip("needs a GPU and liblowcomm_cuda")
+
+
+def _randn(n: int, dtype: torch.dtype, rng: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (scale * torch.randn(n, generator=rng, dtype=torch.float64)).to("cuda", dtype)
+
+
+def _state(n, dtype, rng, avg_dtype=None):
+    xs = _randn(n, dtype, rng)
+    return xs + _randn(n, dtype, rng, 0.1), _randn(n, dtype, rng, 0.1), _randn(n, dtype, rng, 0.1).to(
+        avg_dtype or dtype), xs + _randn(n, dtype, rng, 0.1), xs
+
+
+# ---- fixed-order reductions ------------------------------------------------------------------
+
+@F64_F32
+@pytest.mark.parametrize("bounds", [[0, 3_000_007], [0, 5, 5, 70_000, 1_000_003], [0] + list(range(1, 3000))],
+                         ids=["one-segment", "mixed", "many-small"])
+@pytest.mark.parametrize("ord", [1, 2])
+def test_fragment_norms_repeat_and_match_ref(bounds, ord, dtype, rng, close):
+    buf = _randn(bounds[-1] + 3, dtype, rng)[3:]  # misaligned start: scalar loads, same order
+    offsets = torch.tensor(bounds, dtype=torch.int64, device="cuda")
+    first = fragment_norms(buf, offsets, ord=ord, backend="cuda")
+    for _ in range(3):
+        assert torch.equal(fragment_norms(buf, offsets, ord=ord, backend="cuda"), first)
+    ref = fragment_norms_ref(buf.cpu(), offsets.cpu(), ord=ord)
+    longest = max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    close.assert_close(first.cpu(), ref, kind="reduction", n=longest)
+
+
+@pytest.mark.parametrize("n", [1, 2047, 2048, 2049, 3_000_017])
+@pytest.mark.parametrize("avg", ["same", "bf16"])
+@F64_F32
+def test_taylor_norms_repeat_and_match_ref(n, avg, dtype, rng, close):
+    state = _state(n, dtype, rng, torch.bfloat16 if avg == "bf16" else None)
+    outs = []
+    for _ in range(3):
+        out = torch.full((2,), float("nan"), dtype=torch.float64, device="cuda")  # overwritten, not added to
+        launch("taylor_norms", "cuda", *state, 0.7, 0.9, True, out)
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    ref = taylor_norms_ref(*(t.cpu() for t in state), lr=0.7, momentum=0.9, nesterov=True)
+    rtol = close.tolerance("elementwise", dtype)[0] + close.tolerance("reduction", torch.float64, n)[0]
+    torch.testing.assert_close(outs[0].cpu(), ref, rtol=rtol, atol=0)
+
+
+# ---- vector path with a peeled head -------------------------------------------------------------
+
+FULL = dict(lr=0.7, momentum=0.9, nesterov=True, alpha=0.25, beta=1.0, lam=0.3)
+
+
+def _views(tensors, offsets):
+    """Copies of `tensors` at element `offsets` inside fresh buffers filled with 7 (for overrun)."""
+    bufs, views = [], []
+    for t, off in zip(tensors, offsets, strict=True):
+        buf = torch.full((t.numel() + 16,), 7.0, dtype=t.dtype, device=t.device)
+        buf[off: off + t.numel()] = t
+        bufs.append((buf, off, t.numel()))
+        views.append(buf[off: off + t.numel()])
+    return bufs, views
+
+
+@F64_F32
+@pytest.mark.parametrize("n", [1, 3, 5, 33, 4099, 1_000_003])
+@pytest.mark.parametrize("offsets", [(0,) * 5, (1,) * 5, (2,) * 5, (3,) * 5, (1, 2, 3, 5, 7)],
+                         ids=["aligned", "all+1", "all+2", "all+3", "mixed"])
+def test_merge_misaligned_same_bits(n, offsets, dtype, rng):
+    state = _state(n, dtype, rng)
+    aligned = [t.clone() for t in state]
+    outer_merge_(*aligned, backend="cuda", **FULL)
+    bufs, views = _views(state, offsets)
+    outer_merge_(*views, backend="cuda", **FULL)
+    for i in (0, 1, 3):
+        assert torch.equal(views[i].view(torch.uint8), aligned[i].view(torch.uint8))
+    for buf, off, m in bufs:
+        assert bool((buf[:off] == 7).all()) and bool((buf[off + m:] == 7).all()), "wrote outside"
+
+
+@F64_F32
+@pytest.mark.parametrize("wire", ["same", "bf16"])
+@pytest.mark.parametrize("n", [1, 3, 5, 33, 4099, 1_000_003])
+@pytest.mark.parametrize("off", [0, 1, 3])
+def test_pack_misaligned_same_bits(n, off, wire, dtype, rng):
+    g, x = _randn(n, dtype, rng), _randn(n, dtype, rng)
+    wire_dtype = torch.bfloat16 if wire == "bf16" else dtype
+    d0, s0, nf0 = pack(g, x, wire_dtype=wire_dtype, backend="cuda")
+    bufs, (gv, xv) = _views([g, x], [off, off])
+    dbuf = torch.full((n + 16,), 7.0, dtype=wire_dtype, device="cuda")
+    sbuf = torch.full((n + 16,), 7.0, dtype=dtype, device="cuda")
+    d1, s1, nf1 = pack(gv, xv, wire_dtype=wire_dtype, delta_out=dbuf[off: off + n],
+                       snapshot_out=sbuf[off: off + n], backend="cuda")
+    assert torch.equal(d1.view(torch.uint8), d0.view(torch.uint8)) and torch.equal(s1, s0)
+    assert int(nf1) == int(nf0)
+    for buf in (dbuf, sbuf):
+        assert bool((buf[:off] == 7).all()) and bool((buf[off + n:] == 7).all()), "wrote outside"
+
+
+# ---- the normalized merge stays on the device ------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@F64_F32
+def test_normalized_merge_without_host_sync(backend, dtype, rng, close):
+    from lowcomm_kernels import _dispatch
+
+    if not _dispatch.available(backend, torch.device("cuda"), "lc_outer_merge"):
+        pytest.skip(f"{backend} is not available")
+    n = 100_003
+    kw = dict(FULL, lam_mode="normalized")
+    state = _state(n, dtype, rng)
+    ref = [t.cpu() for t in state]
+    outer_merge_(*[t.clone() for t in state], backend=backend, **kw)  # warm up (compile, allocate)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outer_merge_(*state, backend=backend, **kw)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    outer_merge_ref(*ref, **kw)
+    rtol = close.tolerance("elementwise", dtype)[0] + close.tolerance("reduction", dtype, n)[0]
+    for i in (0, 1, 3):
+        torch.testing.assert_close(state[i].cpu(), ref[i], rtol=rtol, atol=8 * rtol)
+
+
+# ---- bf16 bits ---------------------------------------------------------------------------------
+
+@F64_F32
+def test_bf16_wire_is_torch_cuda_bits(dtype, rng):
+    """Every float32 class (random bit patterns: NaN payloads, ±inf, subnormals, overflow): the
+    bytes torch's CUDA conversion writes (__float2bfloat16_rn: NaN -> 0x7FFF on sm_80+)."""
+    n = 1 << 20
+    raw = torch.randint(-(2**31), 2**31, (n,), generator=rng, dtype=torch.int64).to(torch.int32)
+    g = raw.view(torch.float32).to(dtype).cuda()
+    g[:4] = torch.tensor([float("nan"), -float("nan"), float("inf"), 3.4e38], dtype=dtype)
+    x = torch.zeros_like(g)
+    delta, _, nonfinite = pack(g, x, wire_dtype=torch.bfloat16, backend="cuda")
+    expected = (g - x).to(torch.bfloat16)
+    assert torch.equal(delta.view(torch.int16), expected.view(torch.int16))
+    nan = torch.isnan(expected)
+    assert bool(((delta.view(torch.int16)[nan].int() & 0xFFFF) == 0x7FFF).all())
+    assert int(nonfinite) == int((~torch.isfinite(expected)).sum())
+
+
+# ---- error messages ----------------------------------------------------------------------------
+
+def test_cuda_errors_name_the_entry_point_and_the_cause():
+    lib = _native.cuda_lib()
+    stream = _native.stream_ptr(torch.device("cuda"))
+    t = torch.zeros(8, device="cuda")
+    rc = lib.lc_cuda_pack(0, 1, t.data_ptr(), t.data_ptr(), t.data_ptr(), None, 8, t.data_ptr(), stream)
+    assert rc == 1
+    msg = _native.last_error("lc_cuda_pack")
+    assert msg.startswith("lc_cuda_pack: dtype = 0 (f32) with wire_dtype = 1 (f64)"), msg
+
+
+def test_a_cuda_api_error_is_named():
+    """A CUDA call that fails (a memset of an address that is no allocation), in a child process
+    so that a driver that faults instead of refusing cannot poison this process's context."""
+    child = textwrap.dedent("""
+        import ctypes, torch
+        from lowcomm_kernels import _native
+        lib = _native.cuda_lib()
+        t = torch.zeros(8, device="cuda")
+        stream = _native.stream_ptr(t.device)
+        p = t.data_ptr()
+        rc = lib.lc_cuda_pack(0, 0, p, p, p, None, 8, ctypes.c_void_p(16), stream)
+        print(rc)
+        print(_native.last_error("lc_cuda_pack"))
+    """)
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    rc, msg = out.stdout.strip().split("\n", 1)
+    assert rc == "3", out
+    assert msg.startswith("lc_cuda_pack: cudaMemsetAsync(nonfinite): cuda"), msg
