@@ -161,7 +161,9 @@ class CoCoDC(DenseStrategy):
         if self.score == "l1_local":  # stays on the device, reduced beside the sync
             x_all = self.to_outer(self.frags.flat)
             diff, _, _ = ops.pack(self.g, x_all, snapshot_out=False)  # g − x for every fragment, one pass
-            norms = ops.fragment_norms(diff, self._offsets_all, ord=1).to(self.device, torch.float64)
+            norms = ops.fragment_norms(diff, self._offsets_all, ord=1, check_values=False).to(
+                self.device, torch.float64
+            )
         return [tc, self._ts_last], norms
 
     def _num_extras(self) -> int:
@@ -190,7 +192,7 @@ class CoCoDC(DenseStrategy):
         if self.score == "l2_global":
             # R_p = ‖Δ̄_p‖₂ / I_p, computed on the device now and read on the host at the next choice
             d = delta_avg if delta_avg.dtype != torch.bfloat16 else delta_avg.to(self.g.dtype)
-            norm = ops.fragment_norms(d, self._whole[p], ord=2).double()
+            norm = ops.fragment_norms(d, self._whole[p], ord=2, check_values=False).double()
             covered = max(1, pd.send_step - self._covered_from(pd))
             self._norms_due[p] = (DeviceToHost(norm), covered)
         else:
