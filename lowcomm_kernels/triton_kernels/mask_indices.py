@@ -40,7 +40,15 @@ def _permute_once(x, a0, a1, a2, a3, c0, c1, c2, c3, shift, bitmask):
     return x
 
 
-@triton.jit
+#: The round keys change every round (they come from (seed, round)). Triton specialises an int
+#: argument on "divisible by 16" (and on "== 1"), so a kernel that took them specialised would be
+#: compiled again whenever a new pattern turned up, a JIT stall of a second or so in the middle of
+#: a training sync, up to 2^4 · 2 patterns per (n, k). Not specialised, one compilation serves
+#: every round.
+PER_ROUND = ("a0", "a1", "a2", "a3", "c0", "c1", "c2", "c3")
+
+
+@triton.jit(do_not_specialize=PER_ROUND)
 def _mask_perm_kernel(
     out_ptr,
     n: tl.int64,

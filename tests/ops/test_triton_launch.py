@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import importlib
 import pathlib
 import types
 
@@ -136,3 +137,35 @@ def test_hardware_bf16_from_sm_80(monkeypatch, cap, hw):
     stand_in = types.SimpleNamespace(device=torch.device("cuda", 2))
     assert _launch.hardware_bf16(stand_in) is hw
     assert asked == [2]
+
+
+# ---- what a launch compiles: mask_perm's per-round keys do not start a new compilation ------
+
+
+def test_mask_perm_compiles_once_for_every_round():
+    """The kernel's compile key (Triton's specialisation of the arguments) is the same for the
+    keys of any round: divisibility by 16 or a key equal to 1 would otherwise pick a new variant,
+    compiled in the middle of a sync."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    from lowcomm_kernels.ops import mask_keys
+
+    # From sys.modules, not the package attribute: the interpreter tests leave an interpreted
+    # module there and drop it from sys.modules, so this imports the kernels afresh.
+    kernel = importlib.import_module("lowcomm_kernels.triton_kernels.mask_indices")._mask_perm_kernel
+    if not hasattr(kernel, "params"):
+        pytest.skip("TRITON_INTERPRET is set: the kernels are interpreted, nothing is compiled")
+    bind = create_function_from_signature(
+        kernel.signature, kernel.params, make_backend(GPUTarget("cuda", 90, 32))
+    )
+    out = torch.empty(8, dtype=torch.int64)
+    n, k = 1 << 20, 8
+    keys = [mask_keys(7, r, n) for r in range(200)]
+    assert any(a % 16 == 0 for adds, *_ in keys for a in adds), "no key divisible by 16 drawn"
+    specs = set()
+    for adds, muls, shift, bitmask in [*keys, ([16, 32, 1, 0], [1, 17, 33, 1], keys[0][2], keys[0][3])]:
+        _, spec, _ = bind(out, n, k, *adds, *muls, shift, bitmask, BLOCK=_launch.GPU_BLOCK)
+        specs.add(repr(spec))
+    assert len(specs) == 1, f"{len(specs)} compile variants over the rounds"
