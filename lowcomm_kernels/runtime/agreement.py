@@ -35,9 +35,7 @@ class ConfigMismatchError(ValueError):
 
 def _digest(fields: dict[str, Any]) -> int:
     return (
-        int.from_bytes(
-            hashlib.blake2b(repr(sorted(fields.items())).encode(), digest_size=8).digest(), "little"
-        )
+        int.from_bytes(hashlib.blake2b(repr(list(fields.items())).encode(), digest_size=8).digest(), "little")
         >> 1
     )
 
@@ -126,6 +124,25 @@ def broadcast_module_state(
             for t in ts:
                 t.copy_(packed[off : off + t.numel()].view_as(t))
                 off += t.numel()
+
+
+def broadcast_buffers(transport: Transport, model: nn.Module, src: int, take: bool) -> None:
+    """Group-rank ``src``'s floating buffers to every rank; only ranks with ``take`` keep them (the
+    others receive into scratch). Collective: every rank calls it at the same point."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for b in model.buffers():
+        if b.is_floating_point() and b.numel() > 0:
+            by_dtype.setdefault(b.dtype, []).append(b)
+    root = dist.get_global_rank(transport.group, src)
+    for dtype, ts in by_dtype.items():
+        packed = torch.cat([t.detach().reshape(-1).to(transport.device) for t in ts])
+        _broadcast(transport, packed, root, f"the buffers ({dtype}) of rank {src}")
+        if take:
+            off = 0
+            with torch.no_grad():
+                for t in ts:
+                    t.copy_(packed[off : off + t.numel()].view_as(t))
+                    off += t.numel()
 
 
 def _broadcast(transport: Transport, t: torch.Tensor, src: int, what: str) -> None:

@@ -45,7 +45,7 @@ from torch import nn
 
 from .._checks import integer
 from ..profiling import nvtx_range
-from .agreement import agree, broadcast_module_state, module_fields
+from .agreement import agree, broadcast_buffers, broadcast_module_state, module_fields
 from .checkpoint import CheckpointError, expect_tensor, read_checkpoint, write_checkpoint
 from .fragments import FlatFragments, FragmentSpec
 from .log import rank_logger
@@ -127,6 +127,7 @@ class Strategy(abc.ABC):
         self.inner_optimizer = inner_optimizer
         _refuse_second_wrap(model)
         self.frags = FlatFragments(model, num_fragments, fragments)
+        _check_optimizer_covers(inner_optimizer, model, self.frags)
         for grp in self.frags.params:
             for p in grp:
                 setattr(p, _OWNER, weakref.ref(self))
@@ -176,6 +177,9 @@ class Strategy(abc.ABC):
         fields.update({k: _plain(v) for k, v in self._config_fields().items()})
         fields.update(module_fields(self.model, self.frags.names))
         fields["fragment sizes"] = self.frags.sizes()
+        # the layout of the flat buffer: same names and shapes in another order would average
+        # one parameter with another
+        fields["parameter order in the flat buffer"] = [n for grp in self.frags.names for n in grp]
         agree(self.transport, fields, self.method)
         trainable = {id(p) for grp in self.frags.params for p in grp}
         broadcast_module_state(self.transport, self.frags.flat, self.model, trainable)
@@ -196,40 +200,57 @@ class Strategy(abc.ABC):
                     delattr(p, _OWNER)
 
     # ----- control vector: per-rank facts all-reduced beside every sync ----------------------------
+    FACTS = 3  # per-rank slots of the control vector: non-finite count, broken views, schedule point
+
     def _control(
-        self, nonfinite: torch.Tensor, extras: list[float], device_extras: torch.Tensor | None = None
+        self,
+        nonfinite: torch.Tensor,
+        point: int,
+        extras: list[float],
+        device_extras: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """fp64 [non-finite count by rank (world), broken views by rank (world), extras...,
-        device_extras...]; this rank fills its own slots, the SUM all-reduce gives everyone
-        everyone's. Built on the host (pinned) and copied without blocking; ``nonfinite`` and
+        """fp64 [non-finite count by rank (world), broken views by rank (world), schedule point by
+        rank (world), extras..., device_extras...]; this rank fills its own slots, the SUM all-reduce
+        gives everyone everyone's. ``point`` is where this sync sits in the schedule (the send step
+        of a dense sync, the round of a LOSCAR round): equal on every rank unless their schedules
+        drifted. Built on the host (pinned) and copied without blocking; ``nonfinite`` and
         ``device_extras`` stay on the device: no host synchronisation."""
-        w = self.world
+        w, head = self.world, self.FACTS * self.world
         self._view_problem = self.frags.broken_view(self.model)
         n_dev = 0 if device_extras is None else device_extras.numel()
         host = torch.zeros(
-            2 * w + len(extras) + n_dev, dtype=torch.float64, pin_memory=self.device.type == "cuda"
+            head + len(extras) + n_dev, dtype=torch.float64, pin_memory=self.device.type == "cuda"
         )
         if self._restarted_this_step:
             host[self.rank] = -1.0  # no evidence yet (see _sync_outcome)
         if self._view_problem is not None:
             host[w + self.rank] = 1.0
+        host[2 * w + self.rank] = float(point)
         if extras:
-            host[2 * w : 2 * w + len(extras)] = torch.tensor(extras, dtype=torch.float64)
+            host[head : head + len(extras)] = torch.tensor(extras, dtype=torch.float64)
         control = host.to(self.device, non_blocking=True)
         if not self._restarted_this_step:
             control[self.rank] = nonfinite
         if device_extras is not None:
-            control[2 * w + len(extras) :] = device_extras.reshape(-1)
+            control[head + len(extras) :] = device_extras.reshape(-1)
         return control
 
     def _extras(self, control: list[float]) -> list[float]:
-        return control[2 * self.world :]
+        return control[self.FACTS * self.world :]
 
     def _sync_outcome(self, control: list[float], what: str) -> bool:
         """Act on the per-rank facts of one sync (identical on every rank): raise on every rank if
         a rank's parameter views broke or a rank stayed non-finite too long; warn and return True
         (skip) if any rank sent non-finite values; False when the sync is good."""
         w = self.world
+        points = [int(v) for v in control[2 * w : 3 * w]]
+        if any(v != points[0] for v in points):
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(points))
+            raise ConsistencyError(
+                f"{what}: the ranks sent this sync at different points of their schedules ({shown}); "
+                "every rank stops. Did a rank skip optimizer.step() (e.g. a GradScaler that found "
+                "inf gradients), call strategy.step() twice, or resume from a checkpoint of another step?"
+            )
         broken = [r for r in range(w) if control[w + r] > 0]
         if broken:
             mine = f" On this rank: {self._view_problem.rstrip('.')}." if self._view_problem else ""
@@ -266,17 +287,40 @@ class Strategy(abc.ABC):
         self.log.warning(msg)
         return True
 
+    def _hidden_state(self, params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+        """Floating tensors a sync does not carry but training reads: the inner optimizer's state of
+        ``params`` and the model's buffers (e.g. BatchNorm running statistics)."""
+        out = [b for b in self.model.buffers() if b.is_floating_point()]
+        for p in params:
+            st = self.inner_optimizer.state.get(p)
+            if isinstance(st, dict):
+                out += [v for v in st.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        return out
+
+    def _hidden_nonfinite(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
+        """Non-finite entries in ``_hidden_state(params)``, as a 0-d float64 tensor on the model's
+        device (no host read)."""
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for v in self._hidden_state(params):
+            total += (~torch.isfinite(v)).sum().to(self.device, torch.float64)
+        return total
+
+    def _heal_buffers(self, bad: list[int]) -> None:
+        """After a skipped sync, on every rank (collective): ranks that sent non-finite values take
+        the floating buffers of the lowest rank that did not (buffers are not in g, so the last good
+        global cannot restore them). Nothing to do without floating buffers or a healthy rank."""
+        healthy = [r for r in range(self.world) if r not in bad]
+        if self.world == 1 or not healthy or not any(b.is_floating_point() for b in self.model.buffers()):
+            return
+        broadcast_buffers(self.transport, self.model, healthy[0], take=self.rank in bad)
+
     def _poisoned(self) -> bool:
-        """Does this rank hold non-finite parameters or inner-optimizer state? (Checked only after a
-        skipped sync, so its cost does not matter.)"""
+        """Does this rank hold non-finite parameters, inner-optimizer state or buffers? (Checked only
+        after a skipped sync, so its cost does not matter.)"""
         if not bool(torch.isfinite(self.frags.flat).all()):
             return True
-        for st in self.inner_optimizer.state.values():
-            for v in st.values() if isinstance(st, dict) else ():
-                if isinstance(v, torch.Tensor) and v.is_floating_point():
-                    if not bool(torch.isfinite(v).all()):
-                        return True
-        return False
+        every = (p for grp in self.frags.params for p in grp)
+        return any(not bool(torch.isfinite(v).all()) for v in self._hidden_state(every))
 
     def _restarted(self, source: str) -> None:
         """This rank's parameters were just replaced by good ones from ``source``: clear all of its
@@ -618,6 +662,24 @@ def _plain(v: object) -> object:
     if isinstance(v, (torch.dtype, torch.device)):
         return str(v)
     return v
+
+
+def _check_optimizer_covers(opt: torch.optim.Optimizer, model: nn.Module, frags: FlatFragments) -> None:
+    """The inner optimizer must step exactly the model's trainable parameters: one it does not hold
+    would be synchronised but never trained, one outside the model trained but never synchronised."""
+    held = {id(p) for group in opt.param_groups for p in group["params"]}
+    for grp, names in zip(frags.params, frags.names, strict=True):
+        for p, n in zip(grp, names, strict=True):
+            if id(p) not in held:
+                raise ValueError(
+                    f"inner_optimizer does not hold the model's trainable parameter {n!r}; build the "
+                    "optimizer over model.parameters() (freeze a parameter with requires_grad_(False))"
+                )
+    in_model = {id(p) for p in model.parameters()}
+    if any(id(p) not in in_model for group in opt.param_groups for p in group["params"]):
+        raise ValueError(
+            "inner_optimizer holds parameters that are not the model's; build it over model.parameters()"
+        )
 
 
 def _refuse_second_wrap(model: nn.Module) -> None:

@@ -162,7 +162,12 @@ class DenseStrategy(Strategy):
             delta, snap, nonfinite = ops.pack(
                 g_p, x_src, wire_dtype=self.wire_dtype, snapshot_out=None if self.needs_snapshot else False
             )
-            control = self._control(nonfinite, *self._control_extras(p, t))
+            # the fragment's inner-optimizer state and the model's buffers count too: a finite x
+            # beside an inf Adam moment or a NaN running mean is a poisoned rank all the same
+            nonfinite = nonfinite.to(self.device, torch.float64) + self._hidden_nonfinite(
+                self.frags.params[p]
+            )
+            control = self._control(nonfinite, t, *self._control_extras(p, t))
             delta = self.to_model(delta)
         pack_s = time.perf_counter() - t0
         name = f"{self.method} sync of fragment {p} sent at step {t}"
@@ -201,6 +206,7 @@ class DenseStrategy(Strategy):
             g_p, u_p, x_p = self.frags.slice(self.g, p), self.frags.slice(self.u, p), self.frags.x(p)
             if skipped:
                 x_p.copy_(self.to_model(g_p))
+                self._heal_buffers([r for r in range(self.world) if control[r] > 0])
                 if self._poisoned():
                     self._restart_poisoned()
             else:
@@ -264,7 +270,7 @@ class DenseStrategy(Strategy):
             raise CheckpointError(
                 f"checkpoint entry pending should be a list of at most {self.frags.num_fragments} syncs"
             )
-        width = 2 * self.world + self._num_extras()
+        width = self.FACTS * self.world + self._num_extras()
         for i, q in enumerate(pending):
             if not isinstance(q, dict):
                 raise CheckpointError(f"checkpoint entry pending[{i}] should be a dict")

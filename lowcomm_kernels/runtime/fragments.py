@@ -163,6 +163,7 @@ class FlatFragments:
         self.offsets = torch.tensor(bounds, dtype=torch.int64, device=self.device)
         qual = {id(p): n for n, p in model.named_parameters()}
         self.names = [[qual[id(p)] for p in grp] for grp in groups]
+        self.shapes = [[p.shape for p in grp] for grp in groups]  # as wrapped: a view keeps these
 
     @property
     def num_fragments(self) -> int:
@@ -206,7 +207,8 @@ class FlatFragments:
                     d.data_ptr() != base + off * size
                     or d.dtype != self.flat.dtype
                     or d.device != self.flat.device
-                    or d.shape != p.shape
+                    or d.shape != self.shapes[f][i]
+                    or not d.is_contiguous()
                 ):
                     return (
                         f"parameter {name!r} (fragment {f}) no longer views the strategy's flat buffer "

@@ -129,7 +129,8 @@ class LOSCAR(Strategy):
             # poisoned anywhere in x: its L1 norm is not finite (one read of x, no d-sized temporary)
             whole = ops.fragment_norms(x, self.frags.offsets, ord=1, check_values=False)
             bad = (~torch.isfinite(sent)).sum() + (~torch.isfinite(whole)).sum()
-            control = self._control(bad.to(torch.float64), [])
+            bad = bad.to(torch.float64) + self._hidden_nonfinite(x for grp in self.frags.params for x in grp)
+            control = self._control(bad.to(torch.float64), self.round, [])
         pack_s = time.perf_counter() - t0
         name = f"LOSCAR sync of round {self.round} sent at step {t}"
         handle = self.transport.all_reduce(
@@ -206,6 +207,7 @@ class LOSCAR(Strategy):
                 f"complete within {self.transport.timeout_s} s"
             )
         self.metrics.recovery_bytes += x.numel() * x.element_size()
+        self._heal_buffers(poisoned)
         if self.rank in poisoned:
             self._restarted(f"from rank {src}'s parameters (LOSCAR round {rnd})")
 
@@ -278,7 +280,7 @@ class LOSCAR(Strategy):
             expect_int("inflight.send_step", q.get("send_step"), 0)
             expect_tensor("inflight.sent", q.get("sent"), (self.k,), self.frags.dtype)
             expect_tensor("inflight.wire", q.get("wire"), (self.k,), self.wire_dtype)
-            expect_tensor("inflight.control", q.get("control"), (2 * self.world,), torch.float64)
+            expect_tensor("inflight.control", q.get("control"), (self.FACTS * self.world,), torch.float64)
 
     def _load_state(self, sd: dict[str, Any]) -> None:
         if int(sd["seed"]) != self.seed or int(sd["k"]) != self.k:

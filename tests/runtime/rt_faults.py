@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
 import lowcomm_kernels.runtime as rt
 from lowcomm_kernels.runtime.base import tensor_hash
@@ -60,8 +61,9 @@ def train(rank: int, sc: dict) -> dict:
     optimizer state and parameters all become NaN), ``nan_from`` (rank, step) does it at every step
     from then on, ``break_views`` (rank, step, how) reassigns the parameters after wrapping."""
     dtype = sc.get("dtype", torch.float64)
-    model = make_model(dtype, **sc.get("model_kw", {}).get(rank, {}))
-    opt = make_optimizer(sc.get("opt", "sgd_momentum"), model)
+    model = MODELS[sc.get("model", "tiny")](dtype, rank, **sc.get("model_kw", {}).get(rank, {}))
+    other = make_model(dtype) if sc.get("opt_of_other") else None
+    opt = make_optimizer(sc.get("opt", "sgd_momentum"), other if other is not None else model)
     kw = {**sc["kw"], **sc.get("kw_by_rank", {}).get(rank, {})}
     cls = sc.get("cls_by_rank", {}).get(rank, sc["cls"])
     records, g_hashes = [], []
@@ -82,7 +84,11 @@ def train(rank: int, sc: dict) -> dict:
     try:
         for t in range(1, sc["T"] + 1):
             x, y = batch(rank, t, dtype)
+            if (rank, t) == tuple(sc.get("nan_input", (-1, -1))):
+                x[0, 0] = float("nan")  # reaches the BatchNorm running statistics
             loss = loss_fn(model, x, y)
+            if (rank, t) == tuple(sc.get("spike", (-1, -1))):
+                loss = loss * 1e22  # finite gradients whose squares overflow Adam's second moment
             nf = sc.get("nan_from")
             if (rank, t) in nan_at or (nf is not None and rank == nf[0] and t >= nf[1]):
                 loss = loss * float("nan")
@@ -98,9 +104,48 @@ def train(rank: int, sc: dict) -> dict:
         err = _err(e)
     return {"error": err, "stage": "train", "records": records, "g_hashes": g_hashes,
             "finite": _finite(model),
+            "state_finite": all(bool(torch.isfinite(v).all()) for s in opt.state.values()
+                                for v in s.values() if isinstance(v, torch.Tensor) and v.is_floating_point()),
+            "buffers_finite": all(bool(torch.isfinite(b).all()) for b in model.buffers()
+                                  if b.is_floating_point()),
             "num_skipped": st.metrics.num_skipped, "num_syncs": st.metrics.num_syncs,
             "recovery_bytes": st.metrics.recovery_bytes,
             "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
+
+
+class AB(nn.Module):
+    """Two same-shaped layers registered in an order that depends on ``swap``."""
+
+    def __init__(self, swap: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        a, b = nn.Linear(4, 4), nn.Linear(4, 1)
+        if swap:
+            self.b, self.a = b, a
+        else:
+            self.a, self.b = a, b
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+class BNNet(nn.Module):
+    """A model with floating buffers (BatchNorm running statistics)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.bn, self.out = nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.bn(self.inp(x))))
+
+
+MODELS = {
+    "tiny": lambda dtype, rank, **kw: make_model(dtype, **kw),
+    "ab_swapped_on_1": lambda dtype, rank: AB(swap=rank == 1).to(dtype),
+    "bn": lambda dtype, rank: BNNet().to(dtype),
+}
 
 
 def _break(model, how: str) -> None:
@@ -110,6 +155,8 @@ def _break(model, how: str) -> None:
         model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     elif how == "data":
         model.out.weight.data = model.out.weight.data.clone()
+    elif how == "transpose":  # same pointer, same (square) shape, other strides
+        model.blocks[0].weight.data = model.blocks[0].weight.data.t()
     else:
         raise ValueError(how)
 
@@ -260,3 +307,34 @@ def corrupted_checkpoints(rank: int, world: int, tmp: str) -> dict:
     out["good_unchanged_after_failed_save"] = open(good, "rb").read() == raw
     out["leftover_tmp"] = sorted(f for f in os.listdir(tmp) if ".tmp." in f)
     return out
+
+
+def resume_at_different_steps(rank: int, world: int, tmp: str) -> dict:
+    """Checkpoints at steps 4 and 8; then rank 0 resumes from its step-4 file, rank 1 from its
+    step-8 file, and both train on: their next syncs pair up but sit at different steps."""
+    model = make_model()
+    opt = make_optimizer("sgd_momentum", model)
+    st = CLASSES["diloco"](model, opt, sync_every=4)
+    for t in range(1, 9):
+        x, y = batch(rank, t)
+        loss_fn(model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        st.step()
+        if t in (4, 8):
+            st.save_checkpoint(os.path.join(tmp, f"s{t}_r{rank}.pt"))
+    st.close()
+    model = make_model()
+    opt = make_optimizer("sgd_momentum", model)
+    st = CLASSES["diloco"](model, opt, sync_every=4)
+    st.load_checkpoint(os.path.join(tmp, f"s{4 if rank == 0 else 8}_r{rank}.pt"))
+    try:
+        for t in range(st.step_count + 1, st.step_count + 9):
+            x, y = batch(rank, t)
+            loss_fn(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+            st.step()
+    except Exception as e:
+        return {"error": _err(e)}
+    return {"error": None}

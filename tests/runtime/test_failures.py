@@ -51,6 +51,14 @@ SCENARIOS = (
         {"name": "mismatch_wire", **DILOCO, "T": 12, "dtype": torch.float32,
          "kw_by_rank": {1: {"wire_dtype": torch.bfloat16}}},
         {"name": "mismatch_loscar_steps", **LOSCAR, "T": 12, "kw_by_rank": {0: {"local_steps": 2}}},
+        # found by a red-team pass: same names and shapes in another order; a transposed view
+        # (same pointer and shape); an optimizer over another model; a finite loss spike that
+        # overflows Adam's second moment; NaN reaching BatchNorm's statistics
+        {"name": "order", **DILOCO, "T": 4, "model": "ab_swapped_on_1"},
+        {"name": "views_transpose", **DILOCO, "T": 12, "break_views": (1, 2, "transpose")},
+        {"name": "opt_of_other", **DILOCO, "T": 4, "opt_of_other": True},
+        {"name": "adam_overflow", **DILOCO, "T": 24, "opt": "adamw", "dtype": torch.float32, "spike": (1, 3)},
+        {"name": "bn_nan", **DILOCO, "T": 24, "opt": "adamw", "model": "bn", "nan_input": (1, 3)},
         # and after all those refusals the same group still trains (the agreement collectives paired up)
         {"name": "after_mismatches", **DILOCO, "T": 12},
     ]
@@ -94,6 +102,7 @@ def test_a_rank_that_stays_nonfinite_stops_every_rank(runs, name, rank):
 
 
 @pytest.mark.parametrize("name,param", [("views_double_float", "inp.weight"),
+                                        ("views_transpose", "blocks.0.weight"),
                                         ("views_assign", "blocks.0.weight"),
                                         ("views_data", "out.weight")])
 def test_reassigned_parameters_stop_every_rank_naming_the_parameter(runs, name, param):
@@ -189,3 +198,35 @@ def test_good_checkpoint_loads_and_a_failed_save_keeps_the_previous_file(ckpt):
     assert ckpt["full_disk"].startswith("OSError"), ckpt["full_disk"]
     assert ckpt["good_unchanged_after_failed_save"]
     assert ckpt["leftover_tmp"] == []
+
+
+def test_same_parameters_in_another_order_is_a_mismatch(runs):
+    for res in _both(runs, "order"):
+        assert res["stage"] == "construct" and res["error"].startswith("ConfigMismatchError"), res
+        assert "parameter order in the flat buffer" in res["error"], res["error"]
+
+
+def test_an_optimizer_that_does_not_hold_the_model_parameters_is_refused(runs):
+    for res in _both(runs, "opt_of_other"):
+        assert res["stage"] == "construct" and res["error"].startswith("ValueError"), res
+        assert "does not hold the model's trainable parameter" in res["error"], res["error"]
+
+
+def test_ranks_resumed_from_checkpoints_of_different_steps_stop_at_the_next_sync(tmp_path):
+    """Every sync carries each rank's send step: ranks whose schedules drifted apart (here resumed
+    from checkpoints of steps 4 and 8) raise on every rank naming each rank's step, instead of
+    averaging pseudo-gradients of different steps."""
+    for res in spawn_local(f"{FAULTS}:resume_at_different_steps", M, (str(tmp_path),), timeout_s=120):
+        err = res["error"]
+        assert err is not None and err.startswith("ConsistencyError"), err
+        assert "different points of their schedules" in err and "rank 0: 8, rank 1: 12" in err, err
+
+
+@pytest.mark.parametrize("name,what", [("adam_overflow", "state_finite"), ("bn_nan", "buffers_finite")])
+def test_nonfinite_optimizer_state_or_buffers_are_a_skip_and_heal(runs, name, what):
+    """Parameters stay finite, but the inner optimizer's state or a buffer does not: the rank's next
+    sync counts it, every rank skips it, and the rank restarts (buffers from a healthy peer)."""
+    for res in _both(runs, name):
+        assert res["error"] is None, res["error"]
+        assert res["num_skipped"] == 1, res["records"]
+        assert res[what] and res["finite"]
