@@ -4,7 +4,8 @@
 
 Run by bench/gpu_check.sh. The runtime's tests run on the CPU with gloo; this checks what only a GPU
 can show, with the model, data and inner step of tests/runtime/rt_common.py and the independent
-float64 simulation of tests/runtime/rt_sim.py (imported from the checkout as tests.runtime.*), so that a match means the
+float64 simulation of tests/runtime/rt_sim.py (imported from the checkout as
+tests.runtime.*), so that a match means the
 same thing it means in tests/runtime:
 
 (a) one rank, an NCCL group of size 1 (``init_process_group("nccl", world_size=1)``, TCP on
