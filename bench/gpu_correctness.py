@@ -23,6 +23,12 @@ shaped like the runtime's use of the ops, so that what passes here is what the r
   non-finite counts exact (a NaN, an inf and inf - inf are planted); outer_merge_ (five merge modes),
   the scatter-merge and the norms against the float64 ref with the tolerances of tests/conftest.py
   (elementwise 8 eps; reductions eps + 8 sqrt(n) eps64); gather and mask_indices exact;
+* edge checks, first, one row per op and backend (skipped with the reason where they cannot run):
+  pack (fp32/bf16 wire) and outer_merge_ on 2^31 + 7 elements (int64 indexing; ~44 GB of device
+  memory; checked on ~370 sampled positions, the last 64 and the non-finite count); every op once
+  with its tensors on cuda:1 while cuda:0 is current (results, current device, memory and kernels
+  on cuda:0 untouched); pack to bf16 where g - x overflows bf16 only, or is ±inf/NaN: the bits of
+  torch's conversion on the device, and the non-finite count of the values *written* (as documented);
 * then the registered ops on the device: opcheck, and (``--registration full``) one fullgraph
   compile against eager (bench/gpu_registration.py; the CPU suite runs both on the CPU only).
 
@@ -315,6 +321,162 @@ def check_mask(ctx: Ctx, n: int, _dt, _wire, backends, _gen) -> dict[str, str | 
     return per_backend(backends, one)
 
 
+# ------------------------------------------------------------------- edge checks (one row each)
+# Reported beside the sweep, each as pass / FAIL / skip with its reason, never absent.
+EDGE_OPS = ("pack n=2^31+7", "outer_merge_ n=2^31+7", "second device", "pack bf16 overflow")
+BIG_N = 2**31 + 7  # int64 indexing: offsets past 2^31 overflow an int32 index
+
+
+def check_big(dev: torch.device, backends, gen, op: str) -> dict[str, str | None]:
+    """pack (fp32 data; fp32 and bf16 wire) or outer_merge_ (taylor) on 2^31 + 7 elements, checked on
+    sampled positions, the 64 last, and the non-finite count (NaN, +inf, -inf planted past 2^31)."""
+    n = BIG_N
+    pos = torch.cat([torch.randint(0, n, (300,), generator=gen), torch.arange(n - 64, n),
+                     torch.tensor([2**31 - 1, 2**31])]).unique().to(dev)
+    plant = torch.tensor([5, 2**31 + 1, n - 1], device=dev)
+    dgen = torch.Generator(dev).manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
+
+    def one(b: str) -> None:
+        bufs = {k: torch.empty(n, dtype=F32, device=dev).uniform_(-1, 1, generator=dgen) for k in "gx"}
+        try:
+            g, x = bufs["g"], bufs["x"]
+            if op == "pack":
+                g[plant[0]], g[plant[1]], x[plant[2]] = float("nan"), float("inf"), float("inf")
+                gs, xs = g[pos].cpu(), x[pos].cpu()
+                for wire in (F32, BF16):
+                    d, snap, nf = lk.pack(g, x, wire_dtype=wire, snapshot_out=wire is F32, backend=b)
+                    want = lk.pack_ref(gs, xs, wire_dtype=wire)[0]
+                    identical(f"{wire} delta (sampled)", d[pos].cpu(), want)
+                    identical(f"{wire} nonfinite", nf.cpu(), torch.tensor(3))
+                    if snap is not None:
+                        identical("snapshot (sampled)", snap[pos].cpu(), xs)
+                    del d, snap
+            else:
+                kw = MERGES["taylor"]
+                u = torch.empty_like(g).uniform_(-0.1, 0.1, generator=dgen)
+                d = torch.empty_like(g).uniform_(-0.1, 0.1, generator=dgen)
+                x_sent = torch.empty_like(g).uniform_(-0.05, 0.05, generator=dgen).add_(g)
+                x.uniform_(-0.05, 0.05, generator=dgen).add_(x_sent)
+                ref = [t[pos].double().cpu() for t in (g, u, d, x, x_sent)]
+                lk.outer_merge_ref(*ref, **kw)  # elementwise: the ref of a sample is the sample of the ref
+                lk.outer_merge_(g, u, d, x, x_sent, backend=b, **kw)
+                for name, t, want in (("g", g, ref[0]), ("u", u, ref[1]), ("x", x, ref[3])):
+                    elementwise_close(f"{name} (sampled)", t[pos], want)
+                del u, d, x_sent
+        finally:
+            del bufs
+            torch.cuda.empty_cache()
+
+    return per_backend(backends, one)
+
+
+def check_second_device(backends, gen, notes) -> dict[str, str | None]:
+    """Every op once (n = 4097, fp32, offset 1) with its tensors on cuda:1 while cuda:0 is current:
+    right results, cuda:0 still current, no memory taken on cuda:0, every kernel on device 1."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ctx = Ctx(torch.device("cuda", 1), 1, notes)
+    ctx.side = None  # torch.cuda.stream(s) would make s's device current: on cuda:1's current stream
+    checks = (check_pack, check_outer_merge, check_sparse, check_norms, check_mask)
+    out: dict[str, str | None] = {}
+    for b in backends:
+        torch.cuda.set_device(0)
+        before = torch.cuda.memory_allocated(0)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fails = [f"{c.__name__}: {f}" for c in checks if (f := c(ctx, 4097, F32, F32, [b], gen)[b])]
+            torch.cuda.synchronize(1)
+        if torch.cuda.current_device() != 0:
+            fails.append(f"the current device became {torch.cuda.current_device()}")
+        if torch.cuda.memory_allocated(0) != before:
+            fails.append(f"{torch.cuda.memory_allocated(0) - before} bytes allocated on cuda:0")
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        wrong = sorted({f"{e.name[:40]}@{e.device_index}" for e in kernels if e.device_index != 1})
+        if wrong:
+            fails.append(f"kernels not on cuda:1: {', '.join(wrong[:5])}")
+        note(ctx, f"{b} second device", f"{len(kernels)} CUDA kernels profiled, all on device 1"
+             if kernels and not wrong else "the profiler saw no kernel" if not kernels else "see failure")
+        out[b] = "; ".join(fails) or None
+    return out
+
+
+def check_bf16_overflow(dev: torch.device, backends, notes) -> dict[str, str | None]:
+    """pack to a bf16 wire where g - x is finite in the data's dtype but not in bf16, ±inf and NaN:
+    bits as torch's own conversion on the device, and the count of non-finite values written."""
+    half = (2 - 2**-8) * 2.0**127  # halfway between bf16's largest finite and 2^128: ties to inf
+    below = (2 - 2**-8 - 2**-23) * 2.0**127  # the fp32 just below it: bf16's largest finite
+    inf, nan = float("inf"), float("nan")
+    pairs = [(1.7e38, -1.7e38), (-1.7e38, 1.7e38), (half, 0.0), (0.0, half), (below, 0.0), (-below, 0.0),
+             (inf, 0.0), (0.0, inf), (inf, inf), (nan, 0.0), (1.0, 0.5), (3.0e38, 0.0)]
+    pairs64 = pairs + [(1e39, 0.0), (-1e39, 0.0), (5e38, -5e38), (1e300, -1e300), (half * (1 - 2**-40), 0.0)]
+    out: dict[str, str | None] = {b: None for b in backends}
+    for dt, ps in ((F32, pairs), (F64, pairs64)):
+        # the interpreter's own bf16 cast is wrong, but pack's interpreter path rounds on the bits
+        bs = [b for b in backends if not (dev.type == "cpu" and b == "triton" and dt is F64)]
+        for b in set(backends) - set(bs):
+            notes.setdefault(f"{b} pack bf16 overflow", []).append("float64 data: not run (interpreter)")
+        for b, fail in _bf16_overflow(Ctx(dev, 1, notes), dt, ps, bs).items():
+            out[b] = out[b] or fail
+    return out
+
+
+def _bf16_overflow(ctx: Ctx, dt: torch.dtype, ps: list, backends) -> dict[str, str | None]:
+    dev, name = ctx.dev, str(dt)[6:]
+    g, x = (torch.tensor([p[i] for p in ps] * 3, dtype=dt) for i in (0, 1))
+    want = (g.to(dev) - x.to(dev)).to(BF16).cpu()  # torch's conversion on the device
+    written_nf = int((~want.isfinite()).sum())
+    data_nf = int((~(g - x).isfinite()).sum())
+
+    def one(b: str) -> None:
+        st = Staged(ctx, g=g, x=x, delta=torch.zeros(g.numel(), dtype=BF16))
+        got = st.run(lambda v: dict(zip(("delta", "nf"), lk.pack(
+            v["g"], v["x"], delta_out=v["delta"], snapshot_out=False, backend=b)[::2], strict=True)))
+        st.guards()
+        bits, want_bits = (t.view(torch.int16).tolist() for t in (got["delta"], want))
+        # the interpreter emulates a GPU's conversion (NaN -> 0x7FC0), not the CPU's: NaN-ness only there
+        both_nan = (want.isnan() & got["delta"].isnan()).tolist()
+        interp = (dev.type, b) == ("cpu", "triton")
+        bad = [i for i, (a, e) in enumerate(zip(bits, want_bits, strict=True))
+               if a != e and not (interp and both_nan[i])]
+        if bad:
+            i = bad[0]
+            raise CheckFailed(f"{name} data: {len(bad)} bf16 bit patterns differ from torch's, first "
+                              f"g={g[i].item()!r} x={x[i].item()!r}: {bits[i] & 0xFFFF:#06x} != "
+                              f"{want_bits[i] & 0xFFFF:#06x}")
+        identical(f"{name} data: nonfinite (non-finite values written)", got["nf"], torch.tensor(written_nf))
+        note(ctx, f"{b} pack bf16 overflow", f"{name} data: counts {written_nf} non-finite written, "
+             f"of which {written_nf - data_nf} finite before the bf16 rounding; NaN bits written "
+             f"{nan_bits(got['delta'])}, torch {nan_bits(want)}")
+
+    return per_backend(backends, one)
+
+
+def edge_checks(dev: torch.device, backends, seed: int, deadline: float, notes) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    gb = 5 * 4 * BIG_N / 1e9 + 1  # outer_merge_'s five fp32 buffers (pack: four) and a margin
+    free = torch.cuda.mem_get_info(dev)[0] / 1e9 if dev.type == "cuda" else 0.0
+    big_skip = ("needs a CUDA device" if dev.type != "cuda" else
+                f"{free:.0f} GB free on the device, {gb:.0f} GB needed" if free < gb else None)
+    two_skip = ("needs CUDA devices" if dev.type != "cuda" else
+                "one GPU" if torch.cuda.device_count() < 2 else None)
+    plan = [("pack n=2^31+7", big_skip, lambda: check_big(dev, backends, gen, "pack")),
+            ("outer_merge_ n=2^31+7", big_skip, lambda: check_big(dev, backends, gen, "outer_merge_")),
+            ("second device", two_skip, lambda: check_second_device(backends, gen, notes)),
+            ("pack bf16 overflow", None, lambda: check_bf16_overflow(dev, backends, notes))]
+    results = []
+    for op, skip, check in plan:
+        t0 = time.perf_counter()
+        out = {} if skip else {b: "time budget" for b in backends} if t0 > deadline else check()
+        for b in backends:
+            fail = out.get(b, "")
+            status = "skip" if skip or fail == "time budget" else "pass" if fail is None else "FAIL"
+            detail = skip or fail or ""
+            results.append(dict(backend=b, op=op, case="edge", status=status, detail=detail[:600],
+                                seconds=round(time.perf_counter() - t0, 3)))
+            said = "skipped" if status == "skip" else status
+            print(f"{op} ({b}): {said}{': ' + detail[:300] if detail else ''}", flush=True)
+    return results
+
+
 # ------------------------------------------------------------------------------------- driver
 def run(dev: torch.device, backends: list[str], sizes: tuple[int, ...], seed: int, deadline: float,
         notes: dict[str, list[str]]) -> list[dict]:
@@ -359,6 +521,9 @@ def summary_md(results: list[dict], dev_name: str, notes: dict[str, list[str]], 
     if notes:
         lines += ["", "Notes (not failures):", ""]
         lines += [f"- {k}: {'; '.join(v)}" for k, v in sorted(notes.items())]
+    lines += ["", "Edge checks:", ""] + [
+        f"- {r['backend']} {r['op']}: {'skipped: ' + r['detail'] if r['status'] == 'skip' else r['status']}"
+        for r in results if r["op"] in EDGE_OPS]
     fails = [r for r in results if r["status"] == "FAIL"]
     if fails:
         lines += ["", "Failures:", ""] + [f"- {r['backend']} {r['op']} {r['case']}: {r['detail'][:300]}"
@@ -394,7 +559,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_correctness: {dev_name}, backends {backends}, sizes {sizes}", flush=True)
     reserve = {"full": 35.0, "opcheck": 15.0, "off": 0.0}[args.registration]
     notes: dict[str, list[str]] = {}
-    results = run(dev, backends, sizes, args.seed, t0 + args.budget_s - reserve, notes)
+    results = edge_checks(dev, backends, args.seed, t0 + args.budget_s - reserve, notes)
+    results += run(dev, backends, sizes, args.seed, t0 + args.budget_s - reserve, notes)
     if args.registration != "off":  # Triton in the interpreter breaks opcheck (docs/design.md)
         reg_backends = [b for b in backends if dev.type == "cuda" or b != "triton"]
         results += registration(dev, reg_backends, args.registration, t0 + args.budget_s)
