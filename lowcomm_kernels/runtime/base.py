@@ -295,14 +295,17 @@ class Strategy(abc.ABC):
             st = self.inner_optimizer.state.get(p)
             if isinstance(st, dict):
                 out += [v for v in st.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        return out
+        return [v for v in out if v.numel() > 0]
 
     def _hidden_nonfinite(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
-        """Non-finite entries in ``_hidden_state(params)``, as a 0-d float64 tensor on the model's
-        device (no host read)."""
+        """How many tensors of ``_hidden_state(params)`` hold a non-finite value, as a 0-d float64
+        tensor on the model's device (no host read)."""
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         for v in self._hidden_state(params):
-            total += (~torch.isfinite(v)).sum().to(self.device, torch.float64)
+            # max |v| is inf or NaN exactly when v holds a non-finite value; a reduction, so no
+            # temporary the size of v (LOSCAR promises k-sized buffers only)
+            peak = torch.linalg.vector_norm(v, ord=float("inf"))
+            total += (~torch.isfinite(peak)).to(self.device, torch.float64)
         return total
 
     def _heal_buffers(self, bad: list[int]) -> None:
