@@ -14,7 +14,9 @@ see ``block_sum`` for why.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -26,10 +28,35 @@ INTERPRET_BLOCK = 65536
 _MIN_BLOCK = 16  # tl.arange needs a power of two; tiny blocks would only add programs
 
 
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+    """The GPU a launch is made for when ``compiling_for`` records it without one (aot_check)."""
+
+    sms: int
+    capability: tuple[int, int]
+
+
+_COMPILING_FOR: GpuTarget | None = None
+
+
+@contextlib.contextmanager
+def compiling_for(target: GpuTarget) -> Iterator[None]:
+    """For ``aot_check`` only: inside, a launch on CPU tensors takes the geometry and options it
+    would take on a GPU like `target` (block, warps, programs per SM, bf16 rounding), so that
+    the launches the launchers make can be recorded, with stand-in tensors, and compiled for a
+    GPU that is not there. (Recorded, not run: the kernels are replaced for that.)"""
+    global _COMPILING_FOR
+    saved, _COMPILING_FOR = _COMPILING_FOR, target
+    try:
+        yield
+    finally:
+        _COMPILING_FOR = saved
+
+
 def interpreted(t: torch.Tensor) -> bool:
     """True when a launch on `t` runs in Triton's interpreter (dispatch allows CPU tensors only
     under TRITON_INTERPRET=1, so the device decides without reading the environment here)."""
-    return t.device.type != "cuda"
+    return t.device.type != "cuda" and _COMPILING_FOR is None
 
 
 def on_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
@@ -81,6 +108,8 @@ def device_index(t: torch.Tensor) -> int:
 
 def gpu_programs(t: torch.Tensor) -> int:
     """Programs of a fixed-order reduction over data on `t`'s GPU: PROGRAMS_PER_SM per SM."""
+    if _COMPILING_FOR is not None:
+        return PROGRAMS_PER_SM * _COMPILING_FOR.sms
     return PROGRAMS_PER_SM * sm_count(device_index(t))
 
 
@@ -96,7 +125,10 @@ def hardware_bf16(t: torch.Tensor) -> bool:
     compute capability >= 8.0, and its own ``round_to_nearest_even`` everywhere else (the host, and
     older GPUs); the two differ only in the NaN they write (0x7FFF vs 0x7FC0). A bf16 store that
     must match torch bit for bit picks the same way (see pack's ``_to_bf16``)."""
-    return not interpreted(t) and capability(device_index(t)) >= (8, 0)
+    if interpreted(t):
+        return False
+    cap = _COMPILING_FOR.capability if _COMPILING_FOR is not None else capability(device_index(t))
+    return cap >= (8, 0)
 
 
 def finite_max(dtype: torch.dtype) -> float:

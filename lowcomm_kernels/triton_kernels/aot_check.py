@@ -1,170 +1,428 @@
-"""Compile every Triton kernel variant for real GPU targets, without a GPU.
+"""Compile the Triton kernels for real GPU targets, without a GPU, exactly as the launchers launch them.
 
-    python -m lowcomm_kernels.triton_kernels.aot_check [--arch 80 90] [--quick]
+    python -m lowcomm_kernels.triton_kernels.aot_check [--arch 80 90] [--quick] [--jobs N] [-k TEXT]
 
 The interpreter tests run the kernels' Python semantics; they cannot see what only the compiler
 checks (types of loop bounds, scalar annotations, bitcasts, 64-bit atomics, ``while`` on a
 reduction). ``triton.compile`` with an explicit ``GPUTarget`` runs the whole pipeline (TTIR ->
 TTGIR -> LLVM -> PTX -> cubin with the ptxas Triton ships) on a CPU-only machine, so this catches
-those errors before a GPU ever sees the code. For each variant it prints the number of 128-bit
-global loads/stores in the PTX (the elementwise kernels should be fully vectorised).
+those errors before a GPU ever sees the code.
 
-Must run without TRITON_INTERPRET (it is removed here before the kernel modules are imported).
+What is compiled is not written out by hand: each case calls a real ``launch_*`` function on
+stand-in CPU tensors (``_launch.compiling_for`` gives them a GPU's geometry), with the kernels
+replaced by recorders, and each recorded launch is specialised by Triton's own argument binder,
+as ``JITFunction.run`` would specialise it on a GPU: the pointer alignments (16-byte or not), the
+integer kinds (int32 or int64, divisible by 16 or not, == 1), the constexprs, warps and options.
+Identical specialisations are compiled once.
+
+The full mode covers every variant the launchers can launch on the targets: each op's flags and
+dtype pairings, sizes n ∈ {1, int32, int32 divisible by 16, int64, int64 divisible by 16}, and
+three alignment patterns -- all 16-byte aligned; the runtime's (parameter fragments are views at
+any element offset, the buffers the ops allocate are aligned); all unaligned (a user's views).
+(Alignment is decided per pointer, so these three are what the runtime and its users produce,
+not every combination; each pointer's aligned and unaligned code is compiled.) The reductions'
+programs per segment and their finishing kernels run over every power-of-two block they can
+take. ``--quick`` (CI) compiles one variant per kernel and dtype pairing, spread so that every
+alignment pattern, size kind and DiLoCo's default merge (momentum, Nesterov, α = β = λ = 0) is
+among them: about 70 compilations, ~15 s on two cores. The full mode is about 3100 (~20 min on
+two cores; ``--jobs``, ``-k`` to pick cases).
+
+For each compiled variant it prints the registers per thread (from the cubin) and the number of
+128-bit global loads/stores in the PTX (the elementwise kernels vectorise fully on aligned data),
+and it checks what the PTX must contain (``_ptx_violations``). Must run without TRITON_INTERPRET (it
+is removed here before the kernel modules are imported).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import importlib
 import itertools
+import multiprocessing
 import os
 import re
 import struct
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-F32, F64, BF16 = "fp32", "fp64", "bf16"
+MODULES = ("pack", "outer_merge", "mask_indices", "sparse", "fragment_norms")
+SMS = {80: 108, 90: 132}  # A100, H100/H200: the programs per SM of the reductions scale with it
+#: n (or k) of each size kind: how Triton specialises an integer argument
+SIZES = {"n=1": 1, "i32": 4099, "i32/16": 65536, "i64": 2**31 + 3, "i64/16": 2**31 + 16}
+ALIGNS = ("aligned", "runtime", "unaligned")
+#: programs of a two-stage reduction: every next_power_of_2 block of its finishing kernel, with a
+#: count that is and one that is not divisible by 16 where the block allows it
+PROGRAM_COUNTS = (2, 3, 5, 9, 16, 17, 32, 33, 48, 65, 80, 129, 144, 257, 272, 513, 528)
 
 
-def _variants(quick: bool) -> Iterator[tuple[str, Any, dict[str, str], dict[str, object]]]:
-    """(label, kernel, signature, constexprs) for every specialisation the launchers can produce
-    (`quick`: one per kernel and dtype pairing, enough to catch type errors)."""
-    from . import _launch, fragment_norms, mask_indices, outer_merge, pack, sparse
+# ---- stand-in tensors and recorded launches --------------------------------------------------
 
-    block = _launch.GPU_BLOCK
-    dtypes = [F32, F64]
-    for dt, wire, snap in itertools.product(dtypes, ["same", BF16], [True, False]):
-        if quick and not snap:
-            continue
-        w = dt if wire == "same" else BF16
-        wmax = {F32: 3.4028234663852886e38, F64: 1.7976931348623157e308, BF16: 3.3895313892515355e38}[w]
-        yield (
-            f"pack {dt}->{w} snapshot={snap}",
-            pack._pack_kernel,
-            {
-                "g_ptr": f"*{dt}",
-                "x_ptr": f"*{dt}",
-                "delta_ptr": f"*{w}",
-                "snapshot_ptr": f"*{dt}",
-                "nonfinite_ptr": "*i64",
-                "n": "i64",
-            },
-            # every target here is sm_80+: a bf16 wire is rounded by the hardware's cvt (see pack)
-            {"HAS_SNAPSHOT": snap, "WIRE_MAX": wmax, "HW_BF16": w == BF16, "BLOCK": block},
-        )
-    flags = list(itertools.product([True, False], repeat=4))
-    for dt, avg in itertools.product(dtypes, ["same", BF16]):
-        a = dt if avg == "same" else BF16
-        ptrs = {
-            "g_ptr": f"*{dt}",
-            "u_ptr": f"*{dt}",
-            "avg_ptr": f"*{a}",
-            "x_ptr": f"*{dt}",
-            "sent_ptr": f"*{dt}",
-        }
-        merge_flags = [(*f, lam_dev) for f in flags for lam_dev in (False, True) if f[2] or not lam_dev]
-        for mom, nest, sent, alpha, lam_dev in merge_flags[:2] if quick else merge_flags:
-            if not mom and not nest:
-                continue  # nesterov is irrelevant without momentum: the launcher passes it as given
-            yield (
-                f"outer_merge {dt} avg={a} momentum={mom} nesterov={nest} sent={sent} alpha={alpha} "
-                f"lam_on_device={lam_dev}",
-                outer_merge._outer_merge_kernel,
-                {
-                    **ptrs,
-                    "lam_sums_ptr": "*fp64" if lam_dev else f"*{dt}",
-                    "n": "i64",
-                    "lr": "fp64",
-                    "momentum": "fp64",
-                    "alpha": "fp64",
-                    "one_minus_alpha": "fp64",
-                    "beta": "fp64",
-                    "lam": "fp64",
-                },
-                {
-                    "HAS_MOMENTUM": mom,
-                    "NESTEROV": nest,
-                    "HAS_SENT": sent,
-                    "HAS_ALPHA": alpha,
-                    "LAM_ON_DEVICE": lam_dev,
-                    "BLOCK": block,
-                },
+
+def _tensor(n: int, dtype: Any, role: str, align: str) -> Any:
+    """n elements of `dtype` on the CPU, without n elements of memory (stride 0 beyond one).
+
+    role: "view" (the caller's data, a fragment view at any offset), "out" (a buffer the caller
+    may pass, an op-allocated one in the runtime) or "fresh" (always allocated by an op or
+    launcher). Unaligned (off a 16-byte boundary by one element) in the `align` patterns where
+    that role can be."""
+    import torch
+
+    unaligned = (role == "view" and align != "aligned") or (role == "out" and align == "unaligned")
+    base = torch.empty(2, dtype=dtype)
+    one = base[1:2] if unaligned else base[0:1]
+    assert (one.data_ptr() % 16 == 0) != unaligned
+    return one.expand(n) if n != 1 else one
+
+
+@dataclasses.dataclass
+class Launch:
+    label: str
+    kernel: Any  # the JITFunction
+    args: tuple
+    kwargs: dict
+
+
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, kernel: Any, name: str, sink: list[tuple[Any, str, tuple, dict]]):
+        self.kernel, self.name, self.sink = kernel, name, sink
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return lambda *args, **kwargs: self.sink.append((self.kernel, self.name, args, kwargs))
+
+
+@contextlib.contextmanager
+def _recording(sink: list, arch: int) -> Iterator[None]:
+    from triton.runtime.jit import JITFunction
+
+    _launch = importlib.import_module(f"{__package__}._launch")
+    mods = [importlib.import_module(f"{__package__}.{m}") for m in MODULES]
+    saved = []
+    for mod in mods:
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, JITFunction) and name.endswith("_kernel"):
+                saved.append((mod, name, obj))
+                setattr(mod, name, _Recorder(obj, name, sink))
+    try:
+        with _launch.compiling_for(_launch.GpuTarget(SMS.get(arch, 132), (arch // 10, arch % 10))):
+            yield
+    finally:
+        for mod, name, obj in saved:
+            setattr(mod, name, obj)
+
+
+# ---- the cases: launcher calls ---------------------------------------------------------------
+
+
+def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
+    """(label, call) for every launcher call to record (see the module docstring)."""
+    import torch
+
+    # From sys.modules (as _recording patches them), not the package's attributes, which may still
+    # point at modules imported earlier under the interpreter.
+    pack, outer_merge, mask_indices, sparse, fragment_norms = (
+        importlib.import_module(f"{__package__}.{m}") for m in MODULES
+    )
+    from ..ops.mask_indices import mask_keys
+
+    f32, f64, bf16 = torch.float32, torch.float64, torch.bfloat16
+    name = {f32: "fp32", f64: "fp64", bf16: "bf16"}
+    pairs = [(f32, f32), (f32, bf16), (f64, f64), (f64, bf16)]  # (data, wire/avg)
+
+    def full_or(quick_list: list, *axes: Any) -> list:
+        return quick_list if quick else list(itertools.product(*axes))
+
+    # pack(g, x, delta, snapshot, nonfinite)
+    for (dt, wire), snap, size, align in full_or(
+        [
+            ((f32, f32), True, "i32", "aligned"),
+            ((f32, bf16), False, "i32", "runtime"),
+            ((f64, f64), True, "i64/16", "unaligned"),
+            ((f64, bf16), True, "n=1", "aligned"),
+        ],
+        pairs,
+        [True, False],
+        SIZES,
+        ALIGNS,
+    ):
+        n = SIZES[size]
+
+        def call(dt=dt, wire=wire, snap=snap, n=n, align=align):
+            pack.launch_pack(
+                _tensor(n, dt, "view", align),
+                _tensor(n, dt, "view", align),
+                _tensor(n, wire, "out", align),
+                _tensor(n, dt, "out", align) if snap else None,
+                _tensor(1, torch.int64, "fresh", align)[0],
             )
-        for (mom, nest), final in itertools.product(
-            [(True, True)] if quick else [(True, True), (True, False), (False, True)], [True, False]
+
+        yield f"pack {name[dt]}->{name[wire]} snapshot={snap} {size} {align}", call
+
+    # outer_merge(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_sums)
+    diloco = (0.9, True, 0.0, 0.0, 0.0, False)  # momentum, nesterov, alpha, beta, lam, lam on device
+    merge_modes = [
+        (mom, nest, alpha, beta, lam, lam_dev)
+        for mom, nest in [(0.9, True), (0.9, False), (0.0, False)]
+        for alpha in (0.0, 0.5)
+        for beta, lam, lam_dev in [(0.0, 0.0, False), (1.0, 0.0, False), (1.0, 0.3, True)]
+    ]
+    for (dt, avg), mode, size, align in full_or(
+        [
+            ((f32, f32), diloco, "i32", "runtime"),
+            ((f32, bf16), diloco, "i32", "aligned"),
+            ((f64, f64), diloco, "i64", "runtime"),
+            ((f64, bf16), diloco, "n=1", "aligned"),
+            ((f32, f32), (0.9, True, 0.25, 1.0, 0.3, True), "i32/16", "unaligned"),
+            ((f64, bf16), (0.9, True, 0.5, 1.0, 0.0, False), "i32", "aligned"),
+            ((f32, bf16), (0.9, False, 0.0, 1.0, 0.3, True), "i64/16", "runtime"),
+            ((f64, f64), (0.0, False, 0.5, 0.0, 0.0, False), "i32", "aligned"),
+        ],
+        pairs,
+        merge_modes,
+        SIZES,
+        ALIGNS,
+    ):
+        mom, nest, alpha, beta, lam, lam_dev = mode
+        n = SIZES[size]
+
+        def call(
+            dt=dt,
+            avg=avg,
+            mom=mom,
+            nest=nest,
+            alpha=alpha,
+            beta=beta,
+            lam=lam,
+            lam_dev=lam_dev,
+            n=n,
+            align=align,
         ):
-            yield (
-                f"taylor_norms {dt} avg={a} momentum={mom} nesterov={nest} final={final}",
-                outer_merge._taylor_norms_kernel,
-                {**ptrs, "dst_ptr": "*fp64", "n": "i64", "lr": "fp64", "momentum": "fp64", "NPROG": "i32"},
-                {
-                    "HAS_MOMENTUM": mom,
-                    "NESTEROV": nest,
-                    "FINAL": final,
-                    "BLOCK": outer_merge.TAYLOR_GPU_BLOCK,
-                },
+            g, u, x = (_tensor(n, dt, "view", align) for _ in range(3))
+            wire, sent = _tensor(n, avg, "out", align), _tensor(n, dt, "out", align)
+            sums = _tensor(2, f64, "fresh", align).contiguous() if lam_dev else None
+            outer_merge.launch_outer_merge(g, u, wire, x, sent, 0.7, mom, nest, alpha, beta, lam, sums)
+
+        flags = f"momentum={mom} nesterov={nest and mom != 0} alpha={alpha} beta={beta} lam={lam}"
+        yield f"outer_merge {name[dt]} avg={name[avg]} {flags} lam_sums={lam_dev} {size} {align}", call
+
+    # taylor_norms(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, out, programs=)
+    for (dt, avg), (mom, nest), size, align in full_or(
+        [
+            ((f32, f32), (0.9, True), "i32", "runtime"),
+            ((f32, bf16), (0.9, True), "n=1", "aligned"),
+            ((f64, f64), (0.9, False), "i64/16", "unaligned"),
+            ((f64, bf16), (0.0, False), "i32/16", "aligned"),
+        ],
+        pairs,
+        [(0.9, True), (0.9, False), (0.0, False)],
+        SIZES,
+        ALIGNS,
+    ):
+        n = SIZES[size]
+
+        def call(dt=dt, avg=avg, mom=mom, nest=nest, n=n, align=align, programs=None):
+            g, u, x = (_tensor(n, dt, "view", align) for _ in range(3))
+            wire, sent = _tensor(n, avg, "out", align), _tensor(n, dt, "out", align)
+            sums = _tensor(2, f64, "fresh", align).contiguous()
+            outer_merge.launch_taylor_norms(g, u, wire, x, sent, 0.7, mom, nest, sums, programs=programs)
+
+        yield f"taylor_norms {name[dt]} avg={name[avg]} momentum={mom} nesterov={nest} {size} {align}", call
+    if not quick:
+        for p in PROGRAM_COUNTS:
+
+            def call(p=p):
+                t = [_tensor(SIZES["i64/16"], f32, "fresh", "aligned") for _ in range(5)]
+                outer_merge.launch_taylor_norms(
+                    *t, 0.7, 0.9, True, _tensor(2, f64, "fresh", "aligned").contiguous(), programs=p
+                )
+
+            yield f"taylor_norms programs={p}", call
+
+    # sparse_gather(x, idx, out), sparse_scatter_merge(x, idx, avg, sent, beta)
+    for dt, size, align in full_or(
+        [(f32, "i32", "runtime"), (f64, "i64", "aligned")], [f32, f64], SIZES, ALIGNS
+    ):
+        k = SIZES[size]
+
+        def call(dt=dt, k=k, align=align):
+            sparse.launch_sparse_gather(
+                _tensor(k, dt, "view", align),
+                _tensor(k, torch.int64, "out", align),
+                _tensor(k, dt, "out", align),
             )
-    keys = ("n", "k", "a0", "a1", "a2", "a3", "c0", "c1", "c2", "c3", "shift", "bitmask")
-    yield (
-        "mask_perm",
-        mask_indices._mask_perm_kernel,
-        {"out_ptr": "*i64", **{k: "i64" for k in keys}},
-        {"BLOCK": block},
+
+        yield f"sparse_gather {name[dt]} k={size} {align}", call
+    for (dt, avg), size, align in full_or(
+        [
+            ((f32, f32), "i32", "runtime"),
+            ((f32, bf16), "i32/16", "aligned"),
+            ((f64, f64), "n=1", "unaligned"),
+            ((f64, bf16), "i64", "aligned"),
+        ],
+        pairs,
+        SIZES,
+        ALIGNS,
+    ):
+        k = SIZES[size]
+
+        def call(dt=dt, avg=avg, k=k, align=align):
+            sparse.launch_sparse_scatter_merge(
+                _tensor(k, dt, "view", align),
+                _tensor(k, torch.int64, "out", align),
+                _tensor(k, avg, "out", align),
+                _tensor(k, dt, "out", align),
+                0.7,
+            )
+
+        yield f"sparse_scatter_merge {name[dt]} avg={name[avg]} k={size} {align}", call
+
+    # fragment_norms(buf, offsets, ord, out, programs=): P = 1 (one launch), else two
+    for dt, ord_, programs, align in full_or(
+        [
+            (f32, 2, 1, "aligned"),
+            (f32, 1, 17, "runtime"),
+            (f64, 2, 528, "unaligned"),
+            (f64, 1, None, "runtime"),
+        ],
+        [f32, f64],
+        [1, 2],
+        [1, 17, 48, None],
+        ALIGNS,
+    ):
+
+        def call(dt=dt, ord_=ord_, programs=programs, align=align):
+            buf = _tensor(SIZES["i64/16"], dt, "view", align)
+            offsets = _tensor(5, torch.int64, "out", align)
+            fragment_norms.launch_fragment_norms(
+                buf, offsets, ord_, _tensor(4, f64, "fresh", align).contiguous(), programs=programs
+            )
+
+        yield f"fragment_norms {name[dt]} ord={ord_} programs={programs or 'default'} {align}", call
+    if not quick:
+        for p, ord_ in itertools.product(PROGRAM_COUNTS, [1, 2]):
+
+            def call(p=p, ord_=ord_):
+                buf = _tensor(SIZES["i64/16"], f32, "fresh", "aligned")
+                offsets = _tensor(5, torch.int64, "fresh", "aligned")
+                out = _tensor(4, f64, "fresh", "aligned")
+                fragment_norms.launch_fragment_norms(buf, offsets, ord_, out, programs=p)
+
+            yield f"fragment_norms ord={ord_} programs={p}", call
+
+    # mask_perm(n, k, adds, muls, shift, bitmask, out): out is always the op's own allocation
+    for n_size, k_size in full_or([("i64/16", "i32")], SIZES, SIZES):
+        n, k = SIZES[n_size], min(SIZES[k_size], SIZES[n_size])
+
+        def call(n=n, k=k):
+            mask_indices.launch_mask_perm(
+                n, k, *mask_keys(11, 3, n), _tensor(k, torch.int64, "fresh", "aligned")
+            )
+
+        yield f"mask_perm n={n_size} k={k_size}", call
+
+
+# ---- specialise like JITFunction.run, compile like triton.compile ----------------------------
+
+
+@dataclasses.dataclass
+class Variant:
+    arch: int
+    module: str
+    kernel: str
+    signature: dict
+    constexprs: dict
+    attrs: dict
+    options: dict
+    named_constexprs: dict
+    labels: list[str]
+
+
+def _specialise(arch: int, kernel: Any, args: tuple, kwargs: dict) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attrs, options) of a launch, as ``JITFunction.run`` computes them."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", kernel.debug) or knobs.runtime.debug
+    for knob in ("instrumentation_mode", "fpsan_homomorphic_casts"):  # what run() adds, where it exists
+        if hasattr(knobs.compilation, knob):
+            kwargs[knob] = getattr(knobs.compilation, knob)
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(
+        backend, kwargs, bound_args, specialization, options
     )
-    for dt in dtypes:
-        yield (
-            f"sparse_gather {dt}",
-            sparse._sparse_gather_kernel,
-            {"x_ptr": f"*{dt}", "idx_ptr": "*i64", "out_ptr": f"*{dt}", "k": "i64"},
-            {"BLOCK": block},
-        )
-        for avg in ["same", BF16]:
-            a = dt if avg == "same" else BF16
-            yield (
-                f"sparse_scatter_merge {dt} avg={a}",
-                sparse._sparse_scatter_merge_kernel,
-                {
-                    "x_ptr": f"*{dt}",
-                    "idx_ptr": "*i64",
-                    "avg_ptr": f"*{a}",
-                    "sent_ptr": f"*{dt}",
-                    "k": "i64",
-                    "beta": "fp64",
-                },
-                {"BLOCK": block},
-            )
-        for ord_, final in itertools.product([1, 2], [True, False]):
-            if quick and ord_ == 1:
+    return signature, constexprs, attrs, dict(options.__dict__)
+
+
+def _variants(arches: list[int], quick: bool, select: str | None) -> tuple[list[Variant], int]:
+    """The distinct compilations behind every recorded launch, and the number of launches."""
+    variants: dict[str, Variant] = {}
+    launches = 0
+    for arch in arches:
+        for label, call in _cases(quick):
+            if select and select not in label:
                 continue
-            yield (
-                f"fragment_norms {dt} ord={ord_} final={final}",
-                fragment_norms._fragment_norms_kernel,
-                {"buf_ptr": f"*{dt}", "offsets_ptr": "*i64", "out_ptr": "*fp64", "P": "i32"},
-                {"ORD": ord_, "FINAL": final, "BLOCK": block},
-            )
-    yield (
-        "taylor_norms_finish",
-        outer_merge._taylor_norms_finish_kernel,
-        {"partial_ptr": "*fp64", "out_ptr": "*fp64", "NPROG": "i32"},
-        {"P_BLOCK": 1024},
+            sink: list = []
+            with _recording(sink, arch):
+                call()
+            for kernel, name, args, kwargs in sink:
+                launches += 1
+                sig, constexprs, attrs, options = _specialise(arch, kernel, args, kwargs)
+                key = repr(
+                    (
+                        arch,
+                        name,
+                        sig,
+                        sorted(constexprs.items()),
+                        sorted(attrs.items()),
+                        sorted(options.items()),
+                    )
+                )
+                names = {kernel.arg_names[path[0]]: v for path, v in constexprs.items() if len(path) == 1}
+                module = kernel.fn.__module__
+                v = variants.setdefault(
+                    key, Variant(arch, module, name, sig, constexprs, attrs, options, names, [])
+                )
+                v.labels.append(
+                    label if name.endswith(label.split()[0] + "_kernel") else f"{name} of {label}"
+                )
+    return list(variants.values()), launches
+
+
+def _compile(v: Variant) -> tuple[str, str]:
+    """('ok' | 'FAIL', line) for one variant."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = getattr(importlib.import_module(v.module), v.kernel)
+    label = v.labels[0] + (f" (+{len(v.labels) - 1} launches)" if len(v.labels) > 1 else "")
+    t0 = time.perf_counter()
+    try:
+        src = ASTSource(kernel, v.signature, v.constexprs, v.attrs)
+        compiled = triton.compile(src, target=GPUTarget("cuda", v.arch, 32), options=v.options)
+    except Exception as e:  # report every failing variant, then fail
+        first = str(e).splitlines()[0] if str(e) else ""
+        return "FAIL", f"sm_{v.arch} FAIL {label}: {type(e).__name__}: {first}"
+    bad = _ptx_violations(v.named_constexprs, compiled.asm["ptx"])
+    if bad:
+        return "FAIL", f"sm_{v.arch} FAIL {label}: {bad}"
+    ld, st = _wide_accesses(compiled.asm["ptx"])
+    regs, size = _registers(compiled.asm["cubin"]), len(compiled.asm["cubin"])
+    took = time.perf_counter() - t0
+    return (
+        "ok",
+        f"sm_{v.arch} ok   {label}: {took:.2f} s, regs {regs}, 128-bit ld/st {ld}/{st}, cubin {size} B",
     )
-    for ord_ in [1, 2]:
-        yield (
-            f"fragment_norms_finish ord={ord_}",
-            fragment_norms._fragment_norms_finish_kernel,
-            {"partial_ptr": "*fp64", "out_ptr": "*fp64", "P": "i32"},
-            {"ORD": ord_, "P_BLOCK": 512},
-        )
-
-
-def _wide_accesses(ptx: str) -> tuple[int, int]:
-    """(128-bit global loads, 128-bit global stores) in the PTX: v4 of 32-bit or v2 of 64-bit."""
-    lines = [ln.strip() for ln in ptx.splitlines()]
-    wide = (".v4.b32", ".v4.f32", ".v4.u32", ".v2.b64", ".v2.f64", ".v2.u64")
-    loads = sum(1 for ln in lines if ln.startswith("ld.global") and any(w in ln for w in wide))
-    stores = sum(1 for ln in lines if ln.startswith("st.global") and any(w in ln for w in wide))
-    return loads, stores
 
 
 def _ptx_violations(constexprs: dict[str, object], ptx: str) -> str:
@@ -177,6 +435,15 @@ def _ptx_violations(constexprs: dict[str, object], ptx: str) -> str:
         if re.search(r"\bcvt\.rn\.bf16(x2)?\.f64\b", ptx):
             return "cvt.rn.bf16.f64 in the PTX: fp64 -> bf16 in one rounding, torch rounds through fp32"
     return ""
+
+
+def _wide_accesses(ptx: str) -> tuple[int, int]:
+    """(128-bit global loads, 128-bit global stores) in the PTX: v4 of 32-bit or v2 of 64-bit."""
+    lines = [ln.strip() for ln in ptx.splitlines()]
+    wide = (".v4.b32", ".v4.f32", ".v4.u32", ".v2.b64", ".v2.f64", ".v2.u64")
+    loads = sum(1 for ln in lines if ln.startswith("ld.global") and any(w in ln for w in wide))
+    stores = sum(1 for ln in lines if ln.startswith("st.global") and any(w in ln for w in wide))
+    return loads, stores
 
 
 def _registers(cubin: bytes) -> int | None:
@@ -213,6 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90], help="compute capabilities")
     parser.add_argument("--quick", action="store_true", help="one variant per kernel and dtype pairing")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes")
+    parser.add_argument("-k", dest="select", help="only the cases whose label contains this text")
     args = parser.parse_args(argv)
     # Imported earlier (perhaps under the interpreter)? Drop them so the kernels are decorated afresh.
     stale = [m for m in sys.modules if m.startswith("lowcomm_kernels.triton_kernels.") and m != __name__]
@@ -220,50 +489,28 @@ def main(argv: list[str] | None = None) -> int:
         del sys.modules[m]
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")  # the launches pass enable_fp_fusion=False
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
-    failures = 0
     start = time.perf_counter()
-    count = 0
-    for arch in args.arch:
-        target = GPUTarget("cuda", arch, 32)
-        for label, kernel, signature, constexprs in _variants(args.quick):
-            sig = {**signature, **{k: "constexpr" for k in constexprs}}
-            t0 = time.perf_counter()
-            # Pointers carry tt.divisibility=16, as Triton specialises them for torch's aligned
-            # allocations at launch; n does not (the worst case: an odd-sized fragment).
-            names = list(kernel.arg_names)
-            attrs = {
-                (names.index(k),): [["tt.divisibility", 16]]
-                for k, v in signature.items()
-                if v.startswith("*")
-            }
-            try:
-                compiled = triton.compile(
-                    ASTSource(kernel, sig, constexprs, attrs),
-                    target=target,
-                    options={"num_warps": 4, "enable_fp_fusion": False},
-                )
-            except Exception as e:  # report every failing variant, then fail
-                failures += 1
-                first = str(e).splitlines()[0] if str(e) else ""
-                print(f"sm_{arch} FAIL {label}: {type(e).__name__}: {first}")
-                continue
-            bad = _ptx_violations(constexprs, compiled.asm["ptx"])
-            if bad:
-                failures += 1
-                print(f"sm_{arch} FAIL {label}: {bad}")
-                continue
-            count += 1
-            ld, st = _wide_accesses(compiled.asm["ptx"])
-            print(
-                f"sm_{arch} ok   {label}: {time.perf_counter() - t0:.2f} s, 128-bit ld/st {ld}/{st}, "
-                f"regs {_registers(compiled.asm['cubin'])}, cubin {len(compiled.asm['cubin'])} B"
-            )
-    print(f"{count} variants compiled, {failures} failed, {time.perf_counter() - start:.1f} s")
-    return 1 if failures else 0
+    variants, launches = _variants(args.arch, args.quick, args.select)
+    took = time.perf_counter() - start
+    print(f"{launches} launches recorded: {len(variants)} distinct variants to compile ({took:.1f} s)")
+    if args.jobs > 1 and len(variants) > 1:
+        with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+            results = pool.imap(_compile, variants)
+            failures = _report(results)
+    else:
+        failures = _report(map(_compile, variants))
+    took = time.perf_counter() - start
+    print(f"{len(variants) - failures} variants compiled, {failures} failed, {took:.1f} s")
+    return 1 if failures or not variants else 0
+
+
+def _report(results: Iterator[tuple[str, str]]) -> int:
+    failures = 0
+    for status, line in results:
+        print(line, flush=True)
+        failures += status != "ok"
+    return failures
 
 
 if __name__ == "__main__":

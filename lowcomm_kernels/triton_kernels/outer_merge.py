@@ -267,7 +267,8 @@ def _taylor_terms(
 #: warps. It keeps two float64 accumulators per element live across the loop on top of five
 #: loaded streams, so GPU_BLOCK (16 per thread) needed 212 registers per thread on sm_90 (252 for
 #: fp64), and PROGRAMS_PER_SM programs of 128 threads did not fit an SM's 64K registers. 1024:
-#: at most 98 (sm_80 and sm_90, every dtype pairing; ``aot_check`` prints them).
+#: at most 100 with aligned data, 128 with unaligned views (every variant on sm_80 and sm_90,
+#: ``aot_check`` prints them), so 4 programs of 128 threads fit.
 TAYLOR_GPU_BLOCK = 1024
 
 
@@ -391,7 +392,7 @@ def launch_outer_merge(
             float(beta),
             float(lam),
             HAS_MOMENTUM=momentum != 0.0,
-            NESTEROV=bool(nesterov),
+            NESTEROV=bool(nesterov) and momentum != 0.0,  # irrelevant without momentum: one variant
             HAS_SENT=has_sent,
             HAS_ALPHA=alpha != 0.0,
             LAM_ON_DEVICE=lam_on_device,
@@ -429,7 +430,7 @@ def launch_taylor_norms(
     nprog = int(programs)
     if nprog < 1:
         raise ValueError(f"programs must be >= 1, got {nprog}")
-    flags = dict(HAS_MOMENTUM=momentum != 0.0, NESTEROV=bool(nesterov), BLOCK=block)
+    flags = dict(HAS_MOMENTUM=momentum != 0.0, NESTEROV=bool(nesterov) and momentum != 0.0, BLOCK=block)
     with on_device(g):
         if nprog == 1:
             _taylor_norms_kernel[(1,)](

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import importlib
+import os
 import pathlib
 import types
 
@@ -169,3 +170,98 @@ def test_mask_perm_compiles_once_for_every_round():
         _, spec, _ = bind(out, n, k, *adds, *muls, shift, bitmask, BLOCK=_launch.GPU_BLOCK)
         specs.add(repr(spec))
     assert len(specs) == 1, f"{len(specs)} compile variants over the rounds"
+
+
+# ---- aot_check compiles what the launchers launch ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def aot():
+    """aot_check, recording launches of the compiled-mode kernel modules (no compilation here)."""
+    if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        pytest.skip("TRITON_INTERPRET is set: the kernels are interpreted, nothing is compiled")
+    return importlib.import_module("lowcomm_kernels.triton_kernels.aot_check")
+
+
+def _aligned(v) -> set[str]:
+    names = list(v.signature)
+    return {names[path[0]] for path, a in v.attrs.items() if ["tt.divisibility", 16] in a}
+
+
+def _pointers(v) -> set[str]:
+    return {name for name, ty in v.signature.items() if ty.startswith("*")}
+
+
+ELEMENTWISE = {  # kernel -> its size argument
+    "_pack_kernel": "n",
+    "_outer_merge_kernel": "n",
+    "_taylor_norms_kernel": "n",
+    "_sparse_gather_kernel": "k",
+    "_sparse_scatter_merge_kernel": "k",
+}
+
+
+def test_quick_aot_covers_every_kernel_the_default_merge_alignments_and_int32(aot):
+    variants, _ = aot._variants([90], True, None)
+    by_kernel: dict[str, list] = {}
+    for v in variants:
+        by_kernel.setdefault(v.kernel, []).append(v)
+    jitted = {
+        name
+        for m in aot.MODULES
+        for name in vars(importlib.import_module(f"lowcomm_kernels.triton_kernels.{m}"))
+        if name.endswith("_kernel") and name.startswith("_")
+    }
+    assert jitted <= set(by_kernel), f"never compiled: {jitted - set(by_kernel)}"
+    merge = [v.named_constexprs for v in by_kernel["_outer_merge_kernel"]]
+    diloco = dict(HAS_MOMENTUM=True, NESTEROV=True, HAS_SENT=False, HAS_ALPHA=False, LAM_ON_DEVICE=False)
+    assert any(all(c[k] == want for k, want in diloco.items()) for c in merge), "DiLoCo's default merge"
+    for kernel in (*ELEMENTWISE, "_fragment_norms_kernel"):
+        vs = by_kernel[kernel]
+        assert any(_aligned(v) == _pointers(v) for v in vs), f"{kernel}: no all-aligned variant"
+        assert any(not (_aligned(v) & {"g_ptr", "x_ptr", "buf_ptr"}) for v in vs), (
+            f"{kernel}: no unaligned view"
+        )
+    for kernel, size in ELEMENTWISE.items():
+        assert any(v.signature[size] == "i32" for v in by_kernel[kernel]), f"{kernel}: no int32 {size}"
+
+
+def test_full_aot_covers_every_reachable_variant(aot):
+    """The full mode holds the quick one, every flag combination the launchers can pass, and for
+    each size argument every kind Triton specialises it to: == 1 (a constexpr), int32 and int64,
+    divisible by 16 and not."""
+    full, _ = aot._variants([90], False, None)
+    quick, _ = aot._variants([90], True, None)
+
+    def key(v):
+        return repr((v.kernel, v.signature, sorted(v.constexprs.items()), sorted(v.attrs.items()), v.options))
+
+    assert {key(v) for v in quick} <= {key(v) for v in full}
+    flags = {
+        tuple(
+            v.named_constexprs[k]
+            for k in ("HAS_MOMENTUM", "NESTEROV", "HAS_SENT", "HAS_ALPHA", "LAM_ON_DEVICE")
+        )
+        for v in full
+        if v.kernel == "_outer_merge_kernel"
+    }
+    reachable = {
+        (mom, nest, sent, alpha, lam)
+        for mom in (True, False)
+        for nest in ((True, False) if mom else (False,))
+        for sent in (True, False)
+        for alpha in (True, False)
+        for lam in ((True, False) if sent else (False,))
+    }
+    assert flags == reachable
+    for kernel, size in ELEMENTWISE.items():
+        vs = [v for v in full if v.kernel == kernel]
+        index = list(vs[0].signature).index(size)
+        kinds = {(v.signature[size], ["tt.divisibility", 16] in v.attrs.get((index,), [])) for v in vs}
+        assert kinds == {
+            ("constexpr", False),
+            ("i32", False),
+            ("i32", True),
+            ("i64", False),
+            ("i64", True),
+        }, kernel
