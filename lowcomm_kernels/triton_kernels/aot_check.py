@@ -128,8 +128,6 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
     pack, outer_merge, mask_indices, sparse, fragment_norms = (
         importlib.import_module(f"{__package__}.{m}") for m in MODULES
     )
-    from ..ops.mask_indices import mask_keys
-
     f32, f64, bf16 = torch.float32, torch.float64, torch.bfloat16
     name = {f32: "fp32", f64: "fp64", bf16: "bf16"}
     pairs = [(f32, f32), (f32, bf16), (f64, f64), (f64, bf16)]  # (data, wire/avg)
@@ -314,14 +312,16 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
 
             yield f"fragment_norms ord={ord_} programs={p}", call
 
-    # mask_perm(n, k, adds, muls, shift, bitmask, out): out is always the op's own allocation
+    # mask_perm(n, k, adds, muls, shift, bitmask, out): out is always the op's own allocation. The
+    # round keys are not specialised (any values give the same variant); shift and bitmask are
+    # mask_keys' for n (ops.mask_indices, a layer above, is not imported here).
     for n_size, k_size in full_or([("i64/16", "i32")], SIZES, SIZES):
         n, k = SIZES[n_size], min(SIZES[k_size], SIZES[n_size])
+        bits = max(1, (n - 1).bit_length())
+        keys = ([5, 16, 1, 0], [3, 17, 1, 33], max(1, (bits + 1) // 2), (1 << bits) - 1)
 
-        def call(n=n, k=k):
-            mask_indices.launch_mask_perm(
-                n, k, *mask_keys(11, 3, n), _tensor(k, torch.int64, "fresh", "aligned")
-            )
+        def call(n=n, k=k, keys=keys):
+            mask_indices.launch_mask_perm(n, k, *keys, _tensor(k, torch.int64, "fresh", "aligned"))
 
         yield f"mask_perm n={n_size} k={k_size}", call
 
