@@ -113,8 +113,8 @@ def bf16_nan_claim(backend: str, device: torch.device | str) -> int | str | None
     no single pattern is "torch's" there and the ref claims none."""
     if torch.device(device).type == "cuda":
         # triton: the hardware's cvt (sm_80+) or c10's formula, as torch picks; cuda: csrc's
-        # device LC_BF16_NAN
-        return {"triton": "torch", "ref": "torch", "cuda": 0x7FC0}.get(backend)
+        # __float2bfloat16_rn, torch's on sm_80+
+        return {"triton": "torch", "ref": "torch", "cuda": "torch"}.get(backend)
     # triton: the interpreter, c10's round_to_nearest_even; cpu: csrc's host LC_BF16_NAN
     return {"triton": 0x7FC0, "cpu": 0xFFFF}.get(backend)
 
