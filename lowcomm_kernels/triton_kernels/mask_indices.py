@@ -23,21 +23,20 @@ ROUNDS = 4
 
 
 @triton.jit
+def _round(x, a, c, shift, bitmask):
+    """One round: add, odd-multiply, xorshift, all mod 2^b."""
+    x = (x + a) & bitmask
+    x = (x * c) & bitmask
+    return x ^ (x >> shift)
+
+
+@triton.jit
 def _permute_once(x, a0, a1, a2, a3, c0, c1, c2, c3, shift, bitmask):
-    """P(x): four add / odd-multiply / xorshift rounds, all mod 2^b."""
-    x = (x + a0) & bitmask
-    x = (x * c0) & bitmask
-    x = x ^ (x >> shift)
-    x = (x + a1) & bitmask
-    x = (x * c1) & bitmask
-    x = x ^ (x >> shift)
-    x = (x + a2) & bitmask
-    x = (x * c2) & bitmask
-    x = x ^ (x >> shift)
-    x = (x + a3) & bitmask
-    x = (x * c3) & bitmask
-    x = x ^ (x >> shift)
-    return x
+    """P(x): the four rounds."""
+    x = _round(x, a0, c0, shift, bitmask)
+    x = _round(x, a1, c1, shift, bitmask)
+    x = _round(x, a2, c2, shift, bitmask)
+    return _round(x, a3, c3, shift, bitmask)
 
 
 #: The round keys change every round (they come from (seed, round)). Triton specialises an int

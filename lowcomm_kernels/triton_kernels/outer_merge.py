@@ -110,53 +110,6 @@ def _lam_effective(lam, sums_ptr):
 
 
 @triton.jit
-def _outer_merge_block(
-    g_ptr,
-    u_ptr,
-    avg_ptr,
-    x_ptr,
-    sent_ptr,
-    offs,
-    n,
-    lr,
-    momentum,
-    alpha,
-    one_minus_alpha,
-    beta,
-    lam,
-    HAS_MOMENTUM: tl.constexpr,
-    NESTEROV: tl.constexpr,
-    HAS_SENT: tl.constexpr,
-    HAS_ALPHA: tl.constexpr,
-    LAM_ON_DEVICE: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    g_new, u_new = _load_and_step(
-        g_ptr, u_ptr, avg_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV, MASKED
-    )
-    dt = g_new.dtype
-    store_block(g_ptr, offs, g_new, n, MASKED)
-    if HAS_MOMENTUM:
-        store_block(u_ptr, offs, u_new, n, MASKED)
-    target = g_new
-    if HAS_SENT or HAS_ALPHA:
-        x = load_block(x_ptr, offs, n, MASKED)
-        if HAS_SENT:
-            sent = load_block(sent_ptr, offs, n, MASKED)
-            v = x - sent
-            # Same association as the reference: (g + β·v) − ((λ·v)·v)·D.
-            merged = target + tl.cast(beta, dt) * v - tl.cast(lam, dt) * v * v * (g_new - sent)
-            if LAM_ON_DEVICE:
-                # λ_eff can be 0 where the given λ is not; the reference then leaves the v terms
-                # out when β = 0 too (g + 0·v would turn a −0 in g into +0): so does this select.
-                target = tl.where((beta != 0.0) | (lam != 0.0), merged, target)
-            else:
-                target = merged
-        target = tl.cast(one_minus_alpha, dt) * target + tl.cast(alpha, dt) * x
-    store_block(x_ptr, offs, target, n, MASKED)
-
-
-@triton.jit
 def _outer_merge_kernel(
     g_ptr,
     u_ptr,
@@ -193,74 +146,34 @@ def _outer_merge_kernel(
         lam = _lam_effective(lam, lam_sums_ptr)
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
-    if start + BLOCK <= n:
-        _outer_merge_block(
-            g_ptr,
-            u_ptr,
-            avg_ptr,
-            x_ptr,
-            sent_ptr,
-            offs,
-            n,
-            lr,
-            momentum,
-            alpha,
-            one_minus_alpha,
-            beta,
-            lam,
-            HAS_MOMENTUM,
-            NESTEROV,
-            HAS_SENT,
-            HAS_ALPHA,
-            LAM_ON_DEVICE,
-            False,
-        )
-    else:
-        _outer_merge_block(
-            g_ptr,
-            u_ptr,
-            avg_ptr,
-            x_ptr,
-            sent_ptr,
-            offs,
-            n,
-            lr,
-            momentum,
-            alpha,
-            one_minus_alpha,
-            beta,
-            lam,
-            HAS_MOMENTUM,
-            NESTEROV,
-            HAS_SENT,
-            HAS_ALPHA,
-            LAM_ON_DEVICE,
-            True,
-        )
-
-
-@triton.jit
-def _taylor_terms(
-    g_ptr,
-    u_ptr,
-    avg_ptr,
-    x_ptr,
-    sent_ptr,
-    offs,
-    n,
-    lr,
-    momentum,
-    HAS_MOMENTUM: tl.constexpr,
-    NESTEROV: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    """Per lane (v², (v·v·D)²) in float64; masked lanes give v = 0, so they add nothing."""
-    g_new, _ = _load_and_step(g_ptr, u_ptr, avg_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV, MASKED)
-    x = load_block(x_ptr, offs, n, MASKED)
-    sent = load_block(sent_ptr, offs, n, MASKED)
-    v = (x - sent).to(tl.float64)
-    corr = v * v * (g_new - sent).to(tl.float64)
-    return v * v, corr * corr
+    # Both specialisations are compiled and each block runs one: full blocks unmasked (vector
+    # loads and stores), the last, partial one masked.
+    for MASKED in tl.static_range(2):
+        if (start + BLOCK > n) == MASKED:
+            g_new, u_new = _load_and_step(
+                g_ptr, u_ptr, avg_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV, MASKED
+            )
+            dt = g_new.dtype
+            store_block(g_ptr, offs, g_new, n, MASKED)
+            if HAS_MOMENTUM:
+                store_block(u_ptr, offs, u_new, n, MASKED)
+            target = g_new
+            if HAS_SENT or HAS_ALPHA:
+                x = load_block(x_ptr, offs, n, MASKED)
+                if HAS_SENT:
+                    sent = load_block(sent_ptr, offs, n, MASKED)
+                    v = x - sent
+                    # Same association as the reference: (g + β·v) − ((λ·v)·v)·D.
+                    merged = target + tl.cast(beta, dt) * v - tl.cast(lam, dt) * v * v * (g_new - sent)
+                    if LAM_ON_DEVICE:
+                        # λ_eff can be 0 where the given λ is not; the reference then leaves the
+                        # v terms out when β = 0 too (g + 0·v would turn a −0 in g into +0): so
+                        # does this select.
+                        target = tl.where((beta != 0.0) | (lam != 0.0), merged, target)
+                    else:
+                        target = merged
+                target = tl.cast(one_minus_alpha, dt) * target + tl.cast(alpha, dt) * x
+            store_block(x_ptr, offs, target, n, MASKED)
 
 
 #: Elements per program and loop step of ``_taylor_norms_kernel`` on a GPU: 8 per thread with 4
@@ -303,16 +216,18 @@ def _taylor_norms_kernel(
     acc_c = tl.full([BLOCK], 0.0, tl.float64)
     for start in range(pid.to(tl.int64) * BLOCK, n, NPROG * BLOCK):
         offs = start + tl.arange(0, BLOCK)
-        if start + BLOCK <= n:
-            tv, tc = _taylor_terms(
-                g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV, False
-            )
-        else:
-            tv, tc = _taylor_terms(
-                g_ptr, u_ptr, avg_ptr, x_ptr, sent_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV, True
-            )
-        acc_v += tv
-        acc_c += tc
+        for MASKED in tl.static_range(2):  # full blocks unmasked, as in _outer_merge_kernel
+            if (start + BLOCK > n) == MASKED:
+                # masked lanes give v = 0, so they add nothing
+                g_new, _ = _load_and_step(
+                    g_ptr, u_ptr, avg_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV, MASKED
+                )
+                x = load_block(x_ptr, offs, n, MASKED)
+                sent = load_block(sent_ptr, offs, n, MASKED)
+                v = (x - sent).to(tl.float64)
+                corr = v * v * (g_new - sent).to(tl.float64)
+                acc_v += v * v
+                acc_c += corr * corr
     if FINAL:
         tl.store(dst_ptr, tl.load(dst_ptr) + block_sum(acc_v))
         tl.store(dst_ptr + 1, tl.load(dst_ptr + 1) + block_sum(acc_c))

@@ -66,36 +66,6 @@ def _to_bf16(v, HW_BF16: tl.constexpr):
 
 
 @triton.jit
-def _pack_block(
-    g_ptr,
-    x_ptr,
-    delta_ptr,
-    snapshot_ptr,
-    nonfinite_ptr,
-    offs,
-    n,
-    HAS_SNAPSHOT: tl.constexpr,
-    WIRE_MAX: tl.constexpr,
-    HW_BF16: tl.constexpr,
-    MASKED: tl.constexpr,
-):
-    g = load_block(g_ptr, offs, n, MASKED)
-    x = load_block(x_ptr, offs, n, MASKED)
-    if delta_ptr.dtype.element_ty == tl.bfloat16:
-        delta = _to_bf16(g - x, HW_BF16)
-    else:
-        delta = g - x
-    store_block(delta_ptr, offs, delta, n, MASKED)
-    if HAS_SNAPSHOT:
-        store_block(snapshot_ptr, offs, x, n, MASKED)
-    # Widening bf16 -> g's dtype is exact, so the test sees the written value. Masked lanes hold 0.
-    bad = ~(tl.abs(delta.to(g.dtype)) <= WIRE_MAX)
-    count = block_sum(bad.to(tl.int64))
-    if count > 0:
-        tl.atomic_add(nonfinite_ptr, count)
-
-
-@triton.jit
 def _pack_kernel(
     g_ptr,
     x_ptr,
@@ -117,34 +87,22 @@ def _pack_kernel(
     """
     start = tl.program_id(0).to(tl.int64) * BLOCK
     offs = start + tl.arange(0, BLOCK)
-    if start + BLOCK <= n:
-        _pack_block(
-            g_ptr,
-            x_ptr,
-            delta_ptr,
-            snapshot_ptr,
-            nonfinite_ptr,
-            offs,
-            n,
-            HAS_SNAPSHOT,
-            WIRE_MAX,
-            HW_BF16,
-            False,
-        )
-    else:
-        _pack_block(
-            g_ptr,
-            x_ptr,
-            delta_ptr,
-            snapshot_ptr,
-            nonfinite_ptr,
-            offs,
-            n,
-            HAS_SNAPSHOT,
-            WIRE_MAX,
-            HW_BF16,
-            True,
-        )
+    for MASKED in tl.static_range(2):  # full blocks unmasked (vector access), the partial one masked
+        if (start + BLOCK > n) == MASKED:
+            g = load_block(g_ptr, offs, n, MASKED)
+            x = load_block(x_ptr, offs, n, MASKED)
+            if delta_ptr.dtype.element_ty == tl.bfloat16:
+                delta = _to_bf16(g - x, HW_BF16)
+            else:
+                delta = g - x
+            store_block(delta_ptr, offs, delta, n, MASKED)
+            if HAS_SNAPSHOT:
+                store_block(snapshot_ptr, offs, x, n, MASKED)
+            # Widening bf16 -> g's dtype is exact, so the test sees the written value. Masked lanes hold 0.
+            bad = ~(tl.abs(delta.to(g.dtype)) <= WIRE_MAX)
+            count = block_sum(bad.to(tl.int64))
+            if count > 0:
+                tl.atomic_add(nonfinite_ptr, count)
 
 
 def launch_pack(
