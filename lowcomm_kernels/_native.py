@@ -120,16 +120,7 @@ def cpu_lib() -> ctypes.CDLL | None:
             stacklevel=2,
         )
         return None
-    try:
-        lib = ctypes.CDLL(path)
-    except OSError as exc:
-        warnings.warn(
-            f"lowcomm_kernels: could not load {path} ({exc}); ops run on the 'ref' backend.",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
-    return _bind(lib, "lc_", [])
+    return _load(path, "lc_", [], "ops run on the 'ref' backend")
 
 
 @functools.lru_cache(maxsize=1)
@@ -139,16 +130,19 @@ def cuda_lib() -> ctypes.CDLL | None:
     path = _locate("liblowcomm_cuda")
     if path is None:
         return None  # optional: built only with LOWCOMM_WITH_CUDA=ON
+    return _load(path, "lc_cuda_", CUDA_EXTRA, "the 'cuda' backend is off")
+
+
+def _load(path: str, prefix: str, extra: list, fallback: str) -> ctypes.CDLL | None:
+    """The library at `path` with its entry points typed; None (and a warning) when it won't load."""
     try:
         lib = ctypes.CDLL(path)
     except OSError as exc:
         warnings.warn(
-            f"lowcomm_kernels: could not load {path} ({exc}); the 'cuda' backend is off.",
-            RuntimeWarning,
-            stacklevel=2,
+            f"lowcomm_kernels: could not load {path} ({exc}); {fallback}.", RuntimeWarning, stacklevel=3
         )
         return None
-    return _bind(lib, "lc_cuda_", CUDA_EXTRA)
+    return _bind(lib, prefix, extra)
 
 
 def cuda_has(name: str) -> bool:

@@ -52,16 +52,28 @@ triton("sparse_gather", "sparse", "launch_sparse_gather")
 triton("sparse_scatter_merge", "sparse", "launch_sparse_scatter_merge")
 
 
+def _checked_x_idx(
+    x: torch.Tensor, idx: torch.Tensor, check_values: bool, strictly_increasing: bool
+) -> torch.Tensor:
+    """The checks both sparse ops make of x and idx (idx's entries only if check_values)."""
+    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
+    _checks.flag("check_values", check_values)
+    return _checks.index(
+        "idx",
+        idx,
+        n=x.numel(),
+        device=x.device,
+        strictly_increasing=strictly_increasing,
+        check_values=check_values,
+    )
+
+
 def _gather_impl(
     x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend: str | None, check_values: bool
 ) -> None:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     sparse_gather. Every check runs before anything is written."""
-    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
-    _checks.flag("check_values", check_values)
-    idx = _checks.index(
-        "idx", idx, n=x.numel(), device=x.device, strictly_increasing=False, check_values=check_values
-    )
+    idx = _checked_x_idx(x, idx, check_values, strictly_increasing=False)
     _checks.tensor("out", out, dtypes=(x.dtype,))
     _checks.same_device("x", x, out=out)
     _checks.same_numel("idx", idx, out=out)
@@ -83,11 +95,7 @@ def _scatter_merge_impl(
 ) -> None:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     sparse_scatter_merge_. Every check runs before anything is written."""
-    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
-    _checks.flag("check_values", check_values)
-    idx = _checks.index(
-        "idx", idx, n=x.numel(), device=x.device, strictly_increasing=True, check_values=check_values
-    )
+    idx = _checked_x_idx(x, idx, check_values, strictly_increasing=True)
     _checks.tensor("avg", avg, dtypes=_checks.wire_dtypes(x.dtype))
     _checks.tensor("sent", sent, dtypes=(x.dtype,))
     _checks.same_device("x", x, avg=avg, sent=sent)
