@@ -8,7 +8,7 @@ message. Runs ``--workers`` gloo processes on this machine (the package's launch
 emulated WAN.
 
     python python/wrap_existing_loop.py --workers 2 --steps 30
-    python python/wrap_existing_loop.py --model hf   # requires transformers: pip install 'lowcomm-kernels[hf]'
+    python python/wrap_existing_loop.py --model hf   # needs transformers: pip install 'lowcomm-kernels[hf]'
 """
 
 from __future__ import annotations
