@@ -7,7 +7,16 @@ __version__ = "0.1.0"
 from . import ops  # noqa: F401  (registers torch.ops.lowcomm.*)
 
 # Strategies, imported lazily so `import lowcomm_kernels` (ops only) stays light.
-_RUNTIME_EXPORTS = ("DiLoCo", "StreamingDiLoCo", "CoCoDC", "LOSCAR", "WAN")
+_RUNTIME_EXPORTS = (
+    "DiLoCo",
+    "StreamingDiLoCo",
+    "CoCoDC",
+    "LOSCAR",
+    "WAN",
+    "TensorBoardSink",
+    "LoggingSink",
+    "MultiSink",
+)
 
 
 def __getattr__(name: str):

@@ -2,8 +2,9 @@
 around a model and its inner optimizer (see ``base`` for the loop API, docs/algorithms.md for the maths).
 
 Modules, one concept each: ``fragments`` (flat buffers), ``transport`` (async collectives, WAN
-emulation, timeouts), ``metrics``, ``base`` (hooking, checkpoints, guard), ``dense`` (DiLoCo,
-Streaming DiLoCo), ``cocodc``, ``loscar``, ``topology`` (regions x data-parallel groups).
+emulation, timeouts), ``metrics``, ``sinks`` (metrics_callback targets: TensorBoard, logging),
+``base`` (hooking, checkpoints, guard), ``dense`` (DiLoCo, Streaming DiLoCo), ``cocodc``,
+``loscar``, ``topology`` (regions x data-parallel groups).
 """
 
 from .base import CheckpointError, ConsistencyError, Strategy
@@ -12,6 +13,7 @@ from .dense import DiLoCo, StreamingDiLoCo
 from .fragments import FlatFragments, find_blocks, plan_fragments
 from .loscar import LOSCAR
 from .metrics import RuntimeMetrics, SyncRecord
+from .sinks import LoggingSink, MultiSink, TensorBoardSink
 from .topology import region_groups
 from .transport import WAN, SyncError, Transport
 
@@ -22,11 +24,14 @@ __all__ = [
     "DiLoCo",
     "FlatFragments",
     "LOSCAR",
+    "LoggingSink",
+    "MultiSink",
     "RuntimeMetrics",
     "Strategy",
     "StreamingDiLoCo",
     "SyncError",
     "SyncRecord",
+    "TensorBoardSink",
     "Transport",
     "WAN",
     "find_blocks",
