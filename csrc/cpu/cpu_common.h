@@ -24,17 +24,21 @@ constexpr int64_t kParallelMin = 1 << 18;
 // the result does not depend on how blocks are spread over threads.
 constexpr int64_t kReduceBlock = 8192;
 
-// Calls f(T{}) for a data dtype (f32 / f64). Anything else: LC_EBADTYPE, with op's message.
+// Calls f(X{}) for a data dtype (f32 / f64 / bf16 / f16). Anything else: LC_EBADTYPE, with op's
+// message.
 template <class F>
 int dispatch_data(const char* op, int dtype, F&& f) {
   switch (dtype) {
     case LC_F32: f(float{}); return LC_OK;
     case LC_F64: f(double{}); return LC_OK;
+    case LC_BF16: f(bf16{}); return LC_OK;
+    case LC_F16: f(f16{}); return LC_OK;
     default: return bad_dtype(op, dtype);
   }
 }
 
-// Calls f(T{}, S{}) for a data dtype T and a storage dtype S that is T itself or bf16 (the wire /
+// Calls f(X{}, S{}) for a parameter dtype X (f32 / f64 / bf16 / f16) and a storage dtype S that is
+// X's compute dtype (Master<X>::type: X itself, or float for bf16 / f16) or bf16 (the wire /
 // averaged-delta dtypes the ops accept); `storage_name` names S's argument in the message.
 template <class F>
 int dispatch_data_storage(const char* op, int dtype, const char* storage_name, int storage, F&& f) {
@@ -42,6 +46,10 @@ int dispatch_data_storage(const char* op, int dtype, const char* storage_name, i
   if (dtype == LC_F32 && storage == LC_BF16) { f(float{}, bf16{}); return LC_OK; }
   if (dtype == LC_F64 && storage == LC_F64) { f(double{}, double{}); return LC_OK; }
   if (dtype == LC_F64 && storage == LC_BF16) { f(double{}, bf16{}); return LC_OK; }
+  if (dtype == LC_BF16 && storage == LC_F32) { f(bf16{}, float{}); return LC_OK; }
+  if (dtype == LC_BF16 && storage == LC_BF16) { f(bf16{}, bf16{}); return LC_OK; }
+  if (dtype == LC_F16 && storage == LC_F32) { f(f16{}, float{}); return LC_OK; }
+  if (dtype == LC_F16 && storage == LC_BF16) { f(f16{}, bf16{}); return LC_OK; }
   return bad_dtypes(op, dtype, storage_name, storage);
 }
 

@@ -20,16 +20,16 @@ double block_sum(const T* p, int64_t m, int ord) {
   int64_t i = 0;
   if (ord == 1) {
     for (; i + 8 <= m; i += 8)
-      for (int l = 0; l < 8; ++l) acc[l] += fabs(static_cast<double>(p[i + l]));
-    for (int l = 0; i < m; ++i, ++l) acc[l] += fabs(static_cast<double>(p[i]));
+      for (int l = 0; l < 8; ++l) acc[l] += fabs(cast<double>(p[i + l]));
+    for (int l = 0; i < m; ++i, ++l) acc[l] += fabs(cast<double>(p[i]));
   } else {
     for (; i + 8 <= m; i += 8)
       for (int l = 0; l < 8; ++l) {
-        const double v = static_cast<double>(p[i + l]);
+        const double v = cast<double>(p[i + l]);
         acc[l] += v * v;
       }
     for (int l = 0; i < m; ++i, ++l) {
-      const double v = static_cast<double>(p[i]);
+      const double v = cast<double>(p[i]);
       acc[l] += v * v;
     }
   }

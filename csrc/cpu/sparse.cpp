@@ -1,5 +1,6 @@
 // lc_sparse_gather (y = x[idx]) and lc_sparse_scatter_merge (x[idx] = avg + beta*(x[idx] - sent)):
-// LOSCAR's send and receive on a coordinate subset; only k-sized buffers are touched.
+// LOSCAR's send and receive on a coordinate subset; only k-sized buffers are touched. The merge
+// computes in x's compute dtype T (Master<X>: float for bf16 / fp16 x), the dtype of sent.
 #include "cpu_common.h"
 
 using namespace lowcomm;
@@ -24,10 +25,11 @@ LOWCOMM_EXPORT int lc_sparse_scatter_merge(int dtype, int avg_dtype, void* x, co
   if (k < 0) return fail(LC_EARG, op, "k = %lld is negative", static_cast<long long>(k));
   if (k > 0 && (!x || !idx || !avg || !sent))
     return fail(LC_EARG, op, "%s is NULL", !x ? "x" : !idx ? "idx" : !avg ? "avg" : "sent");
-  return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto t, auto a) {
-    using T = decltype(t);
+  return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto xt, auto a) {
+    using X = decltype(xt);
+    using T = typename Master<X>::type;
     using A = decltype(a);
-    T* xp = static_cast<T*>(x);
+    X* xp = static_cast<X*>(x);
     const A* __restrict ap = static_cast<const A*>(avg);
     const T* __restrict sp = static_cast<const T*>(sent);
     const T b = static_cast<T>(beta);
@@ -35,7 +37,7 @@ LOWCOMM_EXPORT int lc_sparse_scatter_merge(int dtype, int avg_dtype, void* x, co
 #pragma omp parallel for simd schedule(static) if (k >= kParallelMin)
     for (int64_t j = 0; j < k; ++j) {
       const int64_t i = idx[j];
-      xp[i] = scatter_merge<T>(xp[i], cast<T>(ap[j]), sp[j], b);
+      xp[i] = cast<X>(scatter_merge<T>(cast<T>(xp[i]), cast<T>(ap[j]), sp[j], b));
     }
   });
 }

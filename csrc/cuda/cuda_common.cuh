@@ -81,16 +81,24 @@ int dispatch_data(const char* op, int dtype, F&& f) {
   switch (dtype) {
     case LC_F32: return f(float{});
     case LC_F64: return f(double{});
+    case LC_BF16: return f(bf16{});
+    case LC_F16: return f(f16{});
     default: return bad_dtype(op, dtype);
   }
 }
 
+// f(X{}, S{}): parameter dtype X, storage S = X's compute dtype (Master<X>::type) or bf16, as on
+// the CPU (csrc/cpu/cpu_common.h).
 template <class F>
 int dispatch_data_storage(const char* op, int dtype, const char* storage_name, int storage, F&& f) {
   if (dtype == LC_F32 && storage == LC_F32) return f(float{}, float{});
   if (dtype == LC_F32 && storage == LC_BF16) return f(float{}, bf16{});
   if (dtype == LC_F64 && storage == LC_F64) return f(double{}, double{});
   if (dtype == LC_F64 && storage == LC_BF16) return f(double{}, bf16{});
+  if (dtype == LC_BF16 && storage == LC_F32) return f(bf16{}, float{});
+  if (dtype == LC_BF16 && storage == LC_BF16) return f(bf16{}, bf16{});
+  if (dtype == LC_F16 && storage == LC_F32) return f(f16{}, float{});
+  if (dtype == LC_F16 && storage == LC_BF16) return f(f16{}, bf16{});
   return bad_dtypes(op, dtype, storage_name, storage);
 }
 

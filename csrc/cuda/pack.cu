@@ -1,4 +1,5 @@
 // lc_cuda_pack: delta = g - x in the wire dtype, snapshot = x, non-finite count; one pass.
+// x is the parameters' dtype X; g, the snapshot and the arithmetic are X's compute dtype T.
 // Vector path (16-byte loads of g and x) after a scalar head when every pointer shares one
 // misalignment (AlignedHead), scalar otherwise; the count is reduced per block and added with one
 // integer atomicAdd per block (exact, so the count does not depend on the order).
@@ -8,47 +9,51 @@ namespace lowcomm {
 namespace cuda {
 namespace {
 
-template <class T, class W>
-__device__ __forceinline__ unsigned long long pack_one(const T* __restrict__ g, const T* __restrict__ x,
+template <class T, class X, class W>
+__device__ __forceinline__ unsigned long long pack_one(const T* __restrict__ g, const X* __restrict__ x,
                                                        W* __restrict__ delta, T* __restrict__ snap, int64_t i) {
-  const W d = pack_delta<T, W>(g[i], x[i]);
+  const T xi = cast<T>(x[i]);
+  const W d = pack_delta<T, W>(g[i], xi);
   delta[i] = d;
-  if (snap) snap[i] = x[i];
+  if (snap) snap[i] = xi;
   return is_finite(d) ? 0 : 1;
 }
 
 // Elements [0, head) and the tail scalar, the body between them in aligned V-vectors (V = 1: all
 // scalar, head = 0).
-template <class T, class W, int V>
-__global__ void pack_kernel(const T* __restrict__ g, const T* __restrict__ x, W* __restrict__ delta,
+template <class T, class X, class W, int V>
+__global__ void pack_kernel(const T* __restrict__ g, const X* __restrict__ x, W* __restrict__ delta,
                             T* __restrict__ snap, int64_t n, int64_t head, unsigned long long* nonfinite) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   unsigned long long bad = 0;
-  for (int64_t i = tid; i < head; i += stride) bad += pack_one<T, W>(g, x, delta, snap, i);
+  for (int64_t i = tid; i < head; i += stride) bad += pack_one<T, X, W>(g, x, delta, snap, i);
   const T* gb = g + head;
-  const T* xb = x + head;
+  const X* xb = x + head;
   W* db = delta + head;
   T* sb = offset(snap, head);
   const int64_t nv = (n - head) / V;
   for (int64_t j = tid; j < nv; j += stride) {
-    const Vec<T, V> gv = load_vec<T, V>(gb, j), xv = load_vec<T, V>(xb, j);
+    const Vec<T, V> gv = load_vec<T, V>(gb, j);
+    const Vec<X, V> xs = load_vec<X, V>(xb, j);
+    Vec<T, V> xv;
     Vec<W, V> dv;
 #pragma unroll
     for (int l = 0; l < V; ++l) {
+      xv.v[l] = cast<T>(xs.v[l]);
       dv.v[l] = pack_delta<T, W>(gv.v[l], xv.v[l]);
       bad += is_finite(dv.v[l]) ? 0 : 1;
     }
     store_vec<W, V>(db, j, dv);
     if (sb) store_vec<T, V>(sb, j, xv);
   }
-  for (int64_t i = head + nv * V + tid; i < n; i += stride) bad += pack_one<T, W>(g, x, delta, snap, i);
+  for (int64_t i = head + nv * V + tid; i < n; i += stride) bad += pack_one<T, X, W>(g, x, delta, snap, i);
   bad = block_sum<unsigned long long>(bad);
   if (threadIdx.x == 0 && bad) atomicAdd(nonfinite, bad);
 }
 
-template <class T, class W>
-int launch(const char* op, const T* g, const T* x, W* delta, T* snap, int64_t n, int64_t* nonfinite,
+template <class T, class X, class W>
+int launch(const char* op, const T* g, const X* x, W* delta, T* snap, int64_t n, int64_t* nonfinite,
            cudaStream_t s) {
   const cudaError_t e = cudaMemsetAsync(nonfinite, 0, sizeof(int64_t), s);
   if (e != cudaSuccess) return cuda_fail(op, "cudaMemsetAsync(nonfinite)", e);
@@ -57,9 +62,9 @@ int launch(const char* op, const T* g, const T* x, W* delta, T* snap, int64_t n,
   constexpr int V = 16 / sizeof(T);
   const int64_t head = AlignedHead<V>()(g)(x)(snap)(delta).head();
   if (head >= 0 && head < n)
-    pack_kernel<T, W, V><<<grid_for(n / V + 1), kThreads, 0, s>>>(g, x, delta, snap, n, head, nf);
+    pack_kernel<T, X, W, V><<<grid_for(n / V + 1), kThreads, 0, s>>>(g, x, delta, snap, n, head, nf);
   else
-    pack_kernel<T, W, 1><<<grid_for(n), kThreads, 0, s>>>(g, x, delta, snap, n, 0, nf);
+    pack_kernel<T, X, W, 1><<<grid_for(n), kThreads, 0, s>>>(g, x, delta, snap, n, 0, nf);
   return launch_status(op);
 }
 
@@ -78,10 +83,11 @@ LOWCOMM_EXPORT int lc_cuda_pack(int dtype, int wire_dtype, const void* g, const 
   if (n > 0 && (!g || !x || !delta))
     return fail(LC_EARG, op, "%s is NULL", !g ? "g" : !x ? "x" : "delta");
   DeviceGuard guard(nonfinite);
-  return dispatch_data_storage(op, dtype, "wire_dtype", wire_dtype, [&](auto t, auto w) {
-    using T = decltype(t);
+  return dispatch_data_storage(op, dtype, "wire_dtype", wire_dtype, [&](auto xt, auto w) {
+    using X = decltype(xt);
+    using T = typename Master<X>::type;
     using W = decltype(w);
-    return launch<T, W>(op, static_cast<const T*>(g), static_cast<const T*>(x), static_cast<W*>(delta),
+    return launch<T, X, W>(op, static_cast<const T*>(g), static_cast<const X*>(x), static_cast<W*>(delta),
                         static_cast<T*>(snapshot), n, nonfinite, as_stream(stream));
   });
 }

@@ -15,13 +15,14 @@ __global__ void gather_kernel(const T* __restrict__ x, const int64_t* __restrict
     out[j] = x[idx[j]];
 }
 
-template <class T, class A>
-__global__ void scatter_merge_kernel(T* __restrict__ x, const int64_t* __restrict__ idx, int64_t k,
+// x stored as X, computed in its compute dtype T (Master<X>), the dtype of sent.
+template <class T, class X, class A>
+__global__ void scatter_merge_kernel(X* __restrict__ x, const int64_t* __restrict__ idx, int64_t k,
                                      const A* __restrict__ avg, const T* __restrict__ sent, T beta) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < k; j += stride) {
     const int64_t i = idx[j];
-    x[i] = scatter_merge<T>(x[i], cast<T>(avg[j]), sent[j], beta);
+    x[i] = cast<X>(scatter_merge<T>(cast<T>(x[i]), cast<T>(avg[j]), sent[j], beta));
   }
 }
 
@@ -54,12 +55,13 @@ LOWCOMM_EXPORT int lc_cuda_sparse_scatter_merge(int dtype, int avg_dtype, void* 
   if (k > 0 && (!x || !idx || !avg || !sent))
     return fail(LC_EARG, op, "%s is NULL", !x ? "x" : !idx ? "idx" : !avg ? "avg" : "sent");
   DeviceGuard guard(x);
-  return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto t, auto a) {
-    using T = decltype(t);
+  return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto xt, auto a) {
+    using X = decltype(xt);
+    using T = typename Master<X>::type;
     using A = decltype(a);
     if (k == 0) return LC_OK;
-    scatter_merge_kernel<T, A><<<grid_for(k), kThreads, 0, as_stream(stream)>>>(
-        static_cast<T*>(x), idx, k, static_cast<const A*>(avg), static_cast<const T*>(sent), static_cast<T>(beta));
+    scatter_merge_kernel<T, X, A><<<grid_for(k), kThreads, 0, as_stream(stream)>>>(
+        static_cast<X*>(x), idx, k, static_cast<const A*>(avg), static_cast<const T*>(sent), static_cast<T>(beta));
     return launch_status(op);
   });
 }

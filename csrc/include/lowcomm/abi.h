@@ -3,7 +3,14 @@
 //
 // Conventions
 //   * dtype codes: LC_F32 = 0, LC_F64 = 1, LC_BF16 = 2 (bf16 = the upper 16 bits of an IEEE float,
-//     round-to-nearest-even on conversion as torch does; NaN stays NaN (see kernels.h for which NaN)).
+//     round-to-nearest-even on conversion as torch does; NaN stays NaN (see kernels.h for which NaN)),
+//     LC_F16 = 3 (IEEE binary16, round-to-nearest-even, overflow to inf).
+//   * `dtype` is the dtype of the parameters x. The outer state that goes with them (g, u,
+//     x_sent, pack's snapshot, the scatter's sent) is in the compute dtype: dtype itself for f32
+//     and f64, f32 for bf16 and f16 (the fp32 master copy of low-precision parameters). Every
+//     element is computed in the compute dtype; a bf16 / f16 x is widened exactly on read and
+//     rounded to nearest even once on write. Wire buffers (delta, delta_avg, avg) are the compute
+//     dtype or bf16.
 //   * Buffers are flat, contiguous, and hold `n` (or `k`) elements; no alignment is required.
 //   * Every entry point returns LC_OK (0) on success and LC_EBADTYPE for an unsupported dtype
 //     combination, LC_EARG for a bad argument (negative length, NULL where one is required),
@@ -24,13 +31,14 @@
 #define LC_F32 0
 #define LC_F64 1
 #define LC_BF16 2
+#define LC_F16 3
 
 #define LC_OK 0
 #define LC_EBADTYPE 1
 #define LC_EARG 2
 #define LC_ECUDA 3
 
-// delta = g - x in wire_dtype (== dtype, or bf16); snapshot (may be NULL) = x;
+// delta = g - x in wire_dtype (the compute dtype, or bf16); snapshot (may be NULL, compute dtype) = x;
 // *nonfinite = number of non-finite values written to delta. Reads g, x; writes delta, snapshot.
 LOWCOMM_EXPORT int lc_pack(int dtype, int wire_dtype, const void* g, const void* x, void* delta,
                            void* snapshot, int64_t n, int64_t* nonfinite);
@@ -59,14 +67,16 @@ LOWCOMM_EXPORT int lc_taylor_norms(int dtype, int avg_dtype, const void* g, cons
 LOWCOMM_EXPORT int lc_mask_perm(int64_t n, int64_t k, const int64_t* adds, const int64_t* muls, int shift,
                                 int64_t bitmask, int64_t* out);
 
-// out[j] = x[idx[j]], j < k.
+// out[j] = x[idx[j]], j < k; x and out both of dtype (any of the four codes).
 LOWCOMM_EXPORT int lc_sparse_gather(int dtype, const void* x, const int64_t* idx, int64_t k, void* out);
 
-// x[idx[j]] = avg[j] + beta*(x[idx[j]] - sent[j]); avg is dtype or bf16; idx without duplicates.
+// x[idx[j]] = avg[j] + beta*(x[idx[j]] - sent[j]) in the compute dtype; sent is the compute dtype,
+// avg the compute dtype or bf16; idx without duplicates.
 LOWCOMM_EXPORT int lc_sparse_scatter_merge(int dtype, int avg_dtype, void* x, const int64_t* idx, int64_t k,
                                            const void* avg, const void* sent, double beta);
 
-// out[s] = ||buf[offsets[s]:offsets[s+1]]||_ord (ord 1 or 2), float64 accumulation in a fixed order
+// out[s] = ||buf[offsets[s]:offsets[s+1]]||_ord (ord 1 or 2), buf of any of the four dtypes,
+// float64 accumulation in a fixed order
 // (bit-identical from call to call, whatever the thread count).
 LOWCOMM_EXPORT int lc_fragment_norms(int dtype, const void* buf, const int64_t* offsets, int64_t nseg, int ord,
                                      double* out);

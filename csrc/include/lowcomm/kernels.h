@@ -2,10 +2,11 @@
 // nvcc (csrc/cuda). The loops, threading and memory access patterns live in the backends; what an
 // element computes lives here, so the two backends cannot drift apart.
 //
-// Arithmetic is done in the data dtype T (float or double) in the same order as the `*_ref`
+// Arithmetic is done in the compute dtype T (float or double) in the same order as the `*_ref`
 // specification in lowcomm_kernels/ops (torch computes in T too); only reductions accumulate in
-// double. bf16 appears only as a storage type (wire / averaged delta) and is converted exactly as
-// torch converts it.
+// double. bf16 and fp16 appear only as storage types (the wire / averaged delta; low-precision
+// parameters x, whose outer state is float: see abi.h) and are converted exactly as torch
+// converts them: widened exactly to float on read, rounded to nearest even once on write.
 #ifndef LOWCOMM_KERNELS_H_
 #define LOWCOMM_KERNELS_H_
 
@@ -18,6 +19,7 @@
 
 #if defined(__CUDACC__)
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #endif
 
 #if defined(__CUDACC__)
@@ -32,6 +34,11 @@ namespace lowcomm {
 
 // bfloat16 as storage: the upper 16 bits of an IEEE binary32.
 struct bf16 {
+  uint16_t bits;
+};
+
+// IEEE binary16 (torch.float16) as storage.
+struct f16 {
   uint16_t bits;
 };
 
@@ -88,6 +95,54 @@ LC_HD bf16 bf16_from_f32(float f) {
 #endif
 }
 
+// float -> fp16, round to nearest even (subnormal results rounded at their own precision,
+// |f| >= 65520 -> inf), as torch converts (F16C's vcvtps2ph on the CPU, __float2half_rn on CUDA).
+// The CPU form is c10's fp16_ieee_from_fp32_value: the rounding is done by the float adder (the
+// scaled value is added to a power of two whose ulp is the fp16 ulp of the result), so it is
+// exactly the IEEE rounding; every NaN -> 0x7E00 with f's sign (torch's NaN bits differ by path:
+// only NaN-ness is specified).
+LC_HD f16 f16_from_f32(float f) {
+#if defined(__CUDA_ARCH__)
+  return f16{__half_as_ushort(__float2half_rn(f))};
+#else
+  const float scale_to_inf = 0x1.0p+112f, scale_to_zero = 0x1.0p-110f;
+  const uint32_t w = f32_bits(f);
+  float base = (f32_from_bits(w & 0x7FFFFFFFu) * scale_to_inf) * scale_to_zero;
+  const uint32_t shl1_w = w + w;
+  const uint32_t sign = w & 0x80000000u;
+  uint32_t bias = shl1_w & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  base = f32_from_bits((bias >> 1) + 0x07800000u) + base;
+  const uint32_t bits = f32_bits(base);
+  const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
+  const uint32_t mantissa_bits = bits & 0x00000FFFu;
+  const uint32_t nonsign = exp_bits + mantissa_bits;
+  return f16{static_cast<uint16_t>((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u : nonsign))};
+#endif
+}
+
+// fp16 -> float, exact (c10's fp16_ieee_to_fp32_value on the CPU: normals by an exponent
+// re-bias, subnormals by a float subtraction that is exact).
+LC_HD float f32_from_f16(f16 h) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(h.bits));
+#else
+  const uint32_t w = static_cast<uint32_t>(h.bits) << 16;
+  const uint32_t sign = w & 0x80000000u;
+  const uint32_t two_w = w + w;
+  const uint32_t exp_offset = 0xE0u << 23;
+  const float exp_scale = 0x1.0p-112f;
+  const float normalized_value = f32_from_bits((two_w >> 4) + exp_offset) * exp_scale;
+  const uint32_t magic_mask = 126u << 23;
+  const float magic_bias = 0.5f;
+  const float denormalized_value = f32_from_bits((two_w >> 17) | magic_mask) - magic_bias;
+  const uint32_t denormalized_cutoff = 1u << 27;
+  const uint32_t result =
+      sign | (two_w < denormalized_cutoff ? f32_bits(denormalized_value) : f32_bits(normalized_value));
+  return f32_from_bits(result);
+#endif
+}
+
 // Conversions between the storage types and the compute type. double -> bf16 goes through float,
 // as torch's static_cast<BFloat16>(double) does (two roundings, matched bit for bit).
 template <class To>
@@ -97,18 +152,26 @@ struct Cast<float> {
   LC_HD static float from(float v) { return v; }
   LC_HD static float from(double v) { return static_cast<float>(v); }
   LC_HD static float from(bf16 v) { return f32_from_bits(static_cast<uint32_t>(v.bits) << 16); }
+  LC_HD static float from(f16 v) { return f32_from_f16(v); }
 };
 template <>
 struct Cast<double> {
   LC_HD static double from(float v) { return v; }
   LC_HD static double from(double v) { return v; }
   LC_HD static double from(bf16 v) { return Cast<float>::from(v); }
+  LC_HD static double from(f16 v) { return Cast<float>::from(v); }
 };
 template <>
 struct Cast<bf16> {
   LC_HD static bf16 from(float v) { return bf16_from_f32(v); }
   LC_HD static bf16 from(double v) { return bf16_from_f32(static_cast<float>(v)); }
   LC_HD static bf16 from(bf16 v) { return v; }
+};
+// Low-precision parameters have a float master (abi.h): fp16 is written from float only.
+template <>
+struct Cast<f16> {
+  LC_HD static f16 from(float v) { return f16_from_f32(v); }
+  LC_HD static f16 from(f16 v) { return v; }
 };
 template <class To, class From>
 LC_HD To cast(From v) {
@@ -122,9 +185,26 @@ LC_HD bool is_finite(double v) {
   return (f64_bits(v) & 0x7FF0000000000000ull) != 0x7FF0000000000000ull;
 }
 LC_HD bool is_finite(bf16 v) { return (v.bits & 0x7F80u) != 0x7F80u; }
+LC_HD bool is_finite(f16 v) { return (v.bits & 0x7C00u) != 0x7C00u; }
+
+// The compute (outer state) type of parameters stored as X: X itself for float / double, float
+// for bf16 / fp16 (abi.h: the fp32 master of low-precision parameters).
+template <class X>
+struct Master {
+  using type = X;
+};
+template <>
+struct Master<bf16> {
+  using type = float;
+};
+template <>
+struct Master<f16> {
+  using type = float;
+};
 
 // ---- pack ------------------------------------------------------------------------------------
-// delta = (g - x) computed in T, then stored in the wire type W.
+// delta = (g - x) computed in T (x widened exactly from its storage type), then stored in the
+// wire type W.
 template <class T, class W>
 LC_HD W pack_delta(T g, T x) {
   return cast<W>(g - x);
@@ -267,7 +347,7 @@ inline int check_mask_args(const char* op, int64_t n, int64_t k, const int64_t* 
 // ---- fragment_norms --------------------------------------------------------------------------
 template <class T>
 LC_HD double norm_term(T v, int ord) {
-  const double d = static_cast<double>(v);
+  const double d = cast<double>(v);
   return ord == 1 ? (d < 0 ? -d : d) : d * d;
 }
 

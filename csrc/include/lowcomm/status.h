@@ -38,21 +38,22 @@ inline const char* dtype_name(int code) {
     case LC_F32: return "f32";
     case LC_F64: return "f64";
     case LC_BF16: return "bf16";
+    case LC_F16: return "f16";
     default: return "unknown";
   }
 }
 
 // LC_EBADTYPE for an unsupported data dtype.
 inline int bad_dtype(const char* op, int dtype) {
-  return fail(LC_EBADTYPE, op, "dtype = %d (%s) is not supported (f32 = %d or f64 = %d)", dtype,
-              dtype_name(dtype), LC_F32, LC_F64);
+  return fail(LC_EBADTYPE, op, "dtype = %d (%s) is not supported (f32 = %d, f64 = %d, bf16 = %d or f16 = %d)",
+              dtype, dtype_name(dtype), LC_F32, LC_F64, LC_BF16, LC_F16);
 }
 
 // LC_EBADTYPE for an unsupported (data dtype, storage dtype) pair; `storage` names the argument.
 inline int bad_dtypes(const char* op, int dtype, const char* storage, int storage_dtype) {
   return fail(LC_EBADTYPE, op,
               "dtype = %d (%s) with %s = %d (%s) is not supported (the pairs are f32/f32, f32/bf16, "
-              "f64/f64, f64/bf16)",
+              "f64/f64, f64/bf16, bf16/f32, bf16/bf16, f16/f32, f16/bf16)",
               dtype, dtype_name(dtype), storage, storage_dtype, dtype_name(storage_dtype));
 }
 
