@@ -2,10 +2,13 @@
 
 From the top:
 
-    cli  >  train  >  runtime  >  ops  >  triton_kernels, _native, _checks, _dispatch, _config, profiling
+    cli  >  train, integrations  >  runtime  >  ops  >
+        triton_kernels, _native, _checks, _dispatch, _config, profiling
 
 - ``cli`` (``lowcomm_kernels/cli.py``) builds the parser and dispatches to ``train``.
 - ``train`` (the CLI's harness) uses the ``runtime``'s strategies and launcher.
+- ``integrations`` (callbacks for other libraries, e.g. the Hugging Face Trainer) wrap the
+  ``runtime``'s strategies, at ``train``'s rank.
 - ``runtime`` (strategies, transport, launcher) uses the fused ``ops``.
 - ``ops`` call the kernels and the helpers of the bottom layer, which import only among themselves.
 - the package's own ``__init__`` (it imports ``ops``, and lazily the runtime's strategies) counts as
@@ -30,6 +33,7 @@ ROOT = Path(lowcomm_kernels.__file__).resolve().parent
 LAYERS = {  # first name under the package -> rank (higher imports lower)
     "cli": 4,
     "train": 3,
+    "integrations": 3,
     "runtime": 2,
     "": 2,  # the package's __init__
     "ops": 1,
