@@ -46,6 +46,7 @@ from torch import nn
 from .._checks import integer
 from ..profiling import nvtx_range
 from .agreement import agree, broadcast_buffers, broadcast_module_state, module_fields
+from .amp import GradScalerError, ScalerCounter, check_scaler, scaler_on_stack, unannounced_scaler_message
 from .checkpoint import CheckpointError, expect_tensor, read_checkpoint, write_checkpoint
 from .fragments import FlatFragments, FragmentSpec
 from .log import rank_logger
@@ -106,6 +107,7 @@ class Strategy(abc.ABC):
         outer_device: str = "model",
         metrics_callback: Callable[[SyncRecord], None] | None = None,
         guard_every: int = 0,
+        grad_scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -120,6 +122,9 @@ class Strategy(abc.ABC):
         if metrics_callback is not None and not callable(metrics_callback):
             raise TypeError("metrics_callback must be callable or None")
         self.guard_every = integer("guard_every", guard_every, lo=0)
+        # with a GradScaler, count iterations (stepped or skipped), not optimizer steps (runtime.amp)
+        self.grad_scaler = check_scaler(grad_scaler)
+        self._scaler_counter: ScalerCounter | None = None
         self.max_nonfinite_syncs = integer("max_nonfinite_syncs", max_nonfinite_syncs, lo=1)
         integer("num_fragments", num_fragments, lo=1)
         self.group = resolve_group(process_group)
@@ -172,6 +177,7 @@ class Strategy(abc.ABC):
             "on_nonfinite": self.on_nonfinite,
             "max_nonfinite_syncs": self.max_nonfinite_syncs,
             "guard_every": self.guard_every,
+            "grad_scaler given": self.grad_scaler is not None,
             "number of fragments": self.frags.num_fragments,
         }
         fields.update({k: _plain(v) for k, v in self._config_fields().items()})
@@ -193,6 +199,7 @@ class Strategy(abc.ABC):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self._remove_scaler_counter()
         self._close_compute_range()
         for grp in self.frags.params:
             for p in grp:
@@ -248,8 +255,9 @@ class Strategy(abc.ABC):
             shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(points))
             raise ConsistencyError(
                 f"{what}: the ranks sent this sync at different points of their schedules ({shown}); "
-                "every rank stops. Did a rank skip optimizer.step() (e.g. a GradScaler that found "
-                "inf gradients), call strategy.step() twice, or resume from a checkpoint of another step?"
+                "every rank stops. Did a rank skip strategy.step() (e.g. only when a GradScaler "
+                "stepped: call it every iteration, or pass grad_scaler=), call strategy.step() twice, "
+                "or resume from a checkpoint of another step?"
             )
         broken = [r for r in range(w) if control[w + r] > 0]
         if broken:
@@ -372,20 +380,41 @@ class Strategy(abc.ABC):
         if self._hook is not None:
             raise RuntimeError("this strategy is already active (nested `with`?)")
         self._last_end = time.perf_counter()
-        self._hook = self.inner_optimizer.register_step_post_hook(lambda opt, args, kwargs: self._on_step())
+        if self.grad_scaler is not None:
+            self._scaler_counter = ScalerCounter(self.grad_scaler, self.inner_optimizer, self._on_step)
+            self._scaler_counter.install()
+        self._hook = self.inner_optimizer.register_step_post_hook(
+            lambda opt, args, kwargs: self._on_optimizer_step()
+        )
         self._open_compute_range()
         return self
+
+    def _on_optimizer_step(self) -> None:
+        found = scaler_on_stack()
+        if found is not None and found is not self.grad_scaler:
+            # before advancing: no collective issued, so each rank raises on its own (no waiting)
+            raise GradScalerError(unannounced_scaler_message(found, self.grad_scaler))
+        if self._scaler_counter is not None:
+            self._scaler_counter.hook_ran += 1
+        self._on_step()
+
+    def _remove_scaler_counter(self) -> None:
+        if self._scaler_counter is not None:
+            self._scaler_counter.uninstall()
+            self._scaler_counter = None
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self._close_compute_range()
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+        self._remove_scaler_counter()
         if exc_type is None:
             self.drain()
 
     def step(self) -> None:
-        """Call once after each ``inner_optimizer.step()`` when not using ``with strategy:``."""
+        """Call once per iteration when not using ``with strategy:``: after ``inner_optimizer.step()``,
+        or, with a GradScaler, after ``scaler.update()`` whether or not the scaler stepped."""
         if self._hook is not None:
             raise RuntimeError(
                 "strategy.step() called inside `with strategy:`; the optimizer hook "

@@ -22,7 +22,11 @@ from tests.runtime.rt_common import inner_step, make_model, make_opt
 class Workers:
     """M model copies (identical init) with their inner optimizers, and fragment access."""
 
-    def __init__(self, M: int, K: int, dtype=torch.float64, model_kw=None, data_ranks=None) -> None:
+    def __init__(self, M: int, K: int, dtype=torch.float64, model_kw=None, data_ranks=None,
+                 skip=None) -> None:
+        # skip: (worker, step) pairs whose inner step computes gradients but does not step (a
+        # GradScaler that found inf/NaN): parameters and optimizer state unchanged
+        self.skip = set(skip or ())
         self.models = [make_model(dtype, **(model_kw or {})) for _ in range(M)]
         self.opts = [make_opt(m) for m in self.models]
         # data_ranks[m]: the data ranks whose batches worker m averages (inner DP group of a region)
@@ -32,6 +36,9 @@ class Workers:
 
     def step(self, m: int, t: int) -> None:
         ranks = self.data_ranks[m]
+        if (m, t) in self.skip:
+            self.opts[m].zero_grad()
+            return
         if len(ranks) == 1:
             inner_step(self.models[m], self.opts[m], ranks[0], t)
             return
@@ -85,10 +92,10 @@ def outer_sgd(g, u, dbar, lr, mu):
 def simulate_dense(method: str, M: int, T: int, *, H: int, K: int = 1, tau: int = 0, outer_lr=0.7,
                    outer_mu=0.9, alpha=0.0, lam=0.5, lam_mode="normalized", N: int | None = None,
                    dtype=torch.float64, data_ranks=None, inject_nan=None, model_kw=None,
-                   round_robin: bool = False) -> dict:
+                   round_robin: bool = False, skip=None) -> dict:
     """DiLoCo ('diloco', K=1, τ=0), Streaming DiLoCo ('streaming'), CoCoDC ('cocodc', l2_global,
     fixed N). Returns per-worker named params, the chosen fragment sequence, skipped syncs."""
-    W = Workers(M, K, dtype, model_kw, data_ranks)
+    W = Workers(M, K, dtype, model_kw, data_ranks, skip)
     g = [W.get(0, p) for p in range(K)]
     u = [torch.zeros_like(v) for v in g]
     pending = []
@@ -172,10 +179,10 @@ def simulate_dense(method: str, M: int, T: int, *, H: int, K: int = 1, tau: int 
 
 
 def simulate_loscar(M: int, rounds: int, *, density: float, local_steps, overlap_steps, merge: str,
-                    seed: int, dtype=torch.float64) -> dict:
+                    seed: int, dtype=torch.float64, skip=None) -> dict:
     """LOSCAR-SGD with per-worker N_i, Q_i; every worker runs `rounds` full rounds."""
     from lowcomm_kernels.ops import mask_indices_ref
-    W = Workers(M, 1, dtype)
+    W = Workers(M, 1, dtype, skip=skip)
     d = W.get(0, 0).numel()
     k = max(1, math.ceil(density * d))
     steps = [0] * M
