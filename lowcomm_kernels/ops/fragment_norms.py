@@ -60,7 +60,7 @@ triton("fragment_norms", "fragment_norms", "launch_fragment_norms")
 
 
 def _norms_impl(
-    buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str | None, check_values: bool
+    buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str | None, check_values: bool = True
 ) -> torch.Tensor:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     fragment_norms."""
@@ -91,11 +91,7 @@ def _norms_impl(
     return out
 
 
-@torch.library.custom_op("lowcomm::fragment_norms", mutates_args=())
-def _norms_op(
-    buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str | None, check_values: bool = True
-) -> torch.Tensor:
-    return _norms_impl(buf, offsets, ord, backend, check_values)
+_norms_op = torch.library.custom_op("lowcomm::fragment_norms", _norms_impl, mutates_args=())
 
 
 @_norms_op.register_fake

@@ -140,11 +140,7 @@ def _mask_indices_impl(
         return torch.sort(out).values
 
 
-@torch.library.custom_op("lowcomm::mask_indices", mutates_args=())
-def _mask_indices_op(
-    seed: int, round: int, n: int, k: int, device: torch.device, backend: str | None
-) -> torch.Tensor:
-    return _mask_indices_impl(seed, round, n, k, device, backend)
+_mask_indices_op = torch.library.custom_op("lowcomm::mask_indices", _mask_indices_impl, mutates_args=())
 
 
 @_mask_indices_op.register_fake

@@ -94,33 +94,24 @@ def lam_effective(lam: float, sums: torch.Tensor) -> float:
 
 
 def outer_merge_ref(
-    g: torch.Tensor,
-    u: torch.Tensor,
-    delta_avg: torch.Tensor,
-    x: torch.Tensor,
-    x_sent: torch.Tensor | None = None,
-    *,
-    lr: float,
-    momentum: float = 0.0,
-    nesterov: bool = True,
-    alpha: float = 0.0,
-    beta: float = 0.0,
-    lam: float = 0.0,
-    lam_mode: str = "absolute",
-) -> None:
+    g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor,
+    x_sent: torch.Tensor | None = None, *, lr: float, momentum: float = 0.0, nesterov: bool = True,
+    alpha: float = 0.0, beta: float = 0.0, lam: float = 0.0, lam_mode: str = "absolute",
+) -> None:  # fmt: skip
     """The specification, in plain torch (float64-capable). In place on g, u, x."""
     if lam_mode == "normalized" and lam != 0.0:
         lam = lam_effective(
             lam, taylor_norms_ref(g, u, delta_avg, x, x_sent, lr=lr, momentum=momentum, nesterov=nesterov)
         )
     outer_step_ref(g, u, delta_avg, lr=lr, momentum=momentum, nesterov=nesterov)
-    g, x = g.view(-1), x.view(-1)  # flat, like every op: the buffers need only the same numel
+    g, x_out = g.view(-1), x.view(-1)  # flat, like every op: the buffers need only the same numel
+    x = x_out.to(g.dtype)  # a bf16 / fp16 x widened exactly to its float32 master's dtype
     target = g.clone()
     if beta != 0.0 or lam != 0.0:
         x_sent = x_sent.reshape(-1)
         v = x - x_sent
         target = target + beta * v - lam * v * v * (g - x_sent)
-    x.copy_((1.0 - alpha) * target + alpha * x)
+    x_out.copy_((1.0 - alpha) * target + alpha * x)  # into a bf16 / fp16 x: round to nearest even, once
 
 
 # ---- launchers (n >= 1, checked arguments) ------------------------------------------------------
@@ -137,62 +128,32 @@ def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, out):
 
 @launcher("outer_merge", "ref")
 def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_sums):
-    if lam_sums is not None:
-        lam = lam_effective(lam, lam_sums)
-    outer_merge_ref(
+    lam = lam if lam_sums is None else lam_effective(lam, lam_sums)
+    step = {"lr": lr, "momentum": momentum, "nesterov": nesterov}
+    outer_merge_ref(g, u, delta_avg, x, x_sent, **step, alpha=alpha, beta=beta, lam=lam)
+
+
+def _c_args(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, *rest) -> tuple:
+    """Both entry points' C arguments: dtype codes, the five buffers, n, the outer step, then the
+    rest as given (taylor_norms: out; outer_merge: alpha, beta, lam, lam_sums)."""
+    return (
+        code(g),
+        code(delta_avg),
         g,
         u,
         delta_avg,
         x,
         x_sent,
-        lr=lr,
-        momentum=momentum,
-        nesterov=nesterov,
-        alpha=alpha,
-        beta=beta,
-        lam=lam,
+        g.numel(),
+        lr,
+        momentum,
+        int(nesterov),
+        *rest,
     )
 
 
-native(
-    "taylor_norms",
-    "lc_taylor_norms",
-    lambda g, u, delta_avg, x, x_sent, lr, momentum, nesterov, out: (
-        code(g),
-        code(delta_avg),
-        g,
-        u,
-        delta_avg,
-        x,
-        x_sent,
-        g.numel(),
-        lr,
-        momentum,
-        int(nesterov),
-        out,
-    ),
-)
-native(
-    "outer_merge",
-    "lc_outer_merge",
-    lambda g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_sums: (
-        code(g),
-        code(delta_avg),
-        g,
-        u,
-        delta_avg,
-        x,
-        x_sent,
-        g.numel(),
-        lr,
-        momentum,
-        int(nesterov),
-        alpha,
-        beta,
-        lam,
-        lam_sums,
-    ),
-)
+native("taylor_norms", "lc_taylor_norms", _c_args)
+native("outer_merge", "lc_outer_merge", _c_args)
 triton("taylor_norms", "outer_merge", "launch_taylor_norms")
 triton("outer_merge", "outer_merge", "launch_outer_merge")
 
@@ -226,7 +187,19 @@ def _check(
 
 
 def _outer_merge_impl(
-    g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend
+    g: torch.Tensor,
+    u: torch.Tensor,
+    delta_avg: torch.Tensor,
+    x: torch.Tensor,
+    x_sent: torch.Tensor | None,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    alpha: float,
+    beta: float,
+    lam: float,
+    lam_mode: str,
+    backend: str | None,
 ) -> None:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     outer_merge_."""
@@ -248,23 +221,9 @@ def _outer_merge_impl(
         )
 
 
-@torch.library.custom_op("lowcomm::outer_merge_", mutates_args=("g", "u", "x"))
-def _outer_merge_op(
-    g: torch.Tensor,
-    u: torch.Tensor,
-    delta_avg: torch.Tensor,
-    x: torch.Tensor,
-    x_sent: torch.Tensor | None,
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-    alpha: float,
-    beta: float,
-    lam: float,
-    lam_mode: str,
-    backend: str | None,
-) -> None:
-    _outer_merge_impl(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend)
+_outer_merge_op = torch.library.custom_op(
+    "lowcomm::outer_merge_", _outer_merge_impl, mutates_args=("g", "u", "x")
+)
 
 
 @_outer_merge_op.register_fake

@@ -24,9 +24,10 @@ def sparse_gather_ref(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 def sparse_scatter_merge_ref(
     x: torch.Tensor, idx: torch.Tensor, avg: torch.Tensor, sent: torch.Tensor, *, beta: float = 1.0
 ) -> None:
-    """The specification of sparse_scatter_merge_, in place on x (contiguous)."""
+    """The specification of sparse_scatter_merge_, in place on x (contiguous): computed in sent's
+    dtype (x's, or the float32 master of a bf16 / fp16 x), rounded once into x."""
     flat = x.view(-1)
-    flat[idx] = avg.to(x.dtype) + beta * (flat[idx] - sent)
+    flat[idx] = (avg.to(sent.dtype) + beta * (flat[idx] - sent)).to(x.dtype)
 
 
 # ---- launchers (k >= 1, checked arguments) ------------------------------------------------------
@@ -69,7 +70,7 @@ def _checked_x_idx(
 
 
 def _gather_impl(
-    x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend: str | None, check_values: bool
+    x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend: str | None, check_values: bool = True
 ) -> None:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     sparse_gather. Every check runs before anything is written."""
@@ -91,7 +92,7 @@ def _scatter_merge_impl(
     sent: torch.Tensor,
     beta: float,
     backend: str | None,
-    check_values: bool,
+    check_values: bool = True,
 ) -> None:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     sparse_scatter_merge_. Every check runs before anything is written."""
@@ -108,11 +109,7 @@ def _scatter_merge_impl(
             launch("sparse_scatter_merge", b, x, idx, avg, sent, beta)
 
 
-@torch.library.custom_op("lowcomm::sparse_gather", mutates_args=("out",))
-def _gather_op(
-    x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor, backend: str | None, check_values: bool = True
-) -> None:
-    _gather_impl(x, idx, out, backend, check_values)
+_gather_op = torch.library.custom_op("lowcomm::sparse_gather", _gather_impl, mutates_args=("out",))
 
 
 @_gather_op.register_fake
@@ -120,17 +117,9 @@ def _(x, idx, out, backend, check_values=True):
     _checks.same_device("x", x, idx=idx, out=out)  # see _common
 
 
-@torch.library.custom_op("lowcomm::sparse_scatter_merge_", mutates_args=("x",))
-def _scatter_merge_op(
-    x: torch.Tensor,
-    idx: torch.Tensor,
-    avg: torch.Tensor,
-    sent: torch.Tensor,
-    beta: float,
-    backend: str | None,
-    check_values: bool = True,
-) -> None:
-    _scatter_merge_impl(x, idx, avg, sent, beta, backend, check_values)
+_scatter_merge_op = torch.library.custom_op(
+    "lowcomm::sparse_scatter_merge_", _scatter_merge_impl, mutates_args=("x",)
+)
 
 
 @_scatter_merge_op.register_fake

@@ -188,18 +188,8 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
         mom, nest, alpha, beta, lam, lam_dev = mode
         n = SIZES[size]
 
-        def call(
-            dt=dt,
-            avg=avg,
-            mom=mom,
-            nest=nest,
-            alpha=alpha,
-            beta=beta,
-            lam=lam,
-            lam_dev=lam_dev,
-            n=n,
-            align=align,
-        ):
+        def call(dt=dt, avg=avg, mode=mode, n=n, align=align):
+            mom, nest, alpha, beta, lam, lam_dev = mode
             g, u, x = (_tensor(n, dt, "view", align) for _ in range(3))
             wire, sent = _tensor(n, avg, "out", align), _tensor(n, dt, "out", align)
             sums = _tensor(2, f64, "fresh", align).contiguous() if lam_dev else None

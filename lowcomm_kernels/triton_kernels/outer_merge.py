@@ -247,18 +247,7 @@ def _taylor_norms_finish_kernel(partial_ptr, out_ptr, NPROG, P_BLOCK: tl.constex
 
 
 def launch_outer_merge(
-    g: torch.Tensor,
-    u: torch.Tensor,
-    delta_avg: torch.Tensor,
-    x: torch.Tensor,
-    x_sent: torch.Tensor | None,
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-    alpha: float,
-    beta: float,
-    lam: float,
-    lam_sums: torch.Tensor | None = None,
+    g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_sums=None
 ) -> None:
     """Outer SGD/Nesterov step then merge, in place on g, u (only if momentum ≠ 0) and x.
 
@@ -316,19 +305,7 @@ def launch_outer_merge(
         )
 
 
-def launch_taylor_norms(
-    g: torch.Tensor,
-    u: torch.Tensor,
-    delta_avg: torch.Tensor,
-    x: torch.Tensor,
-    x_sent: torch.Tensor,
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-    out: torch.Tensor,
-    *,
-    programs: int | None = None,
-) -> None:
+def launch_taylor_norms(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, out, *, programs=None) -> None:
     """Add [Σ v², Σ (v⊙v⊙D)²] into `out`, a float64 (2,) tensor zeroed by the caller.
 
     Same operands as ``launch_outer_merge``; nothing but `out` is written. Deterministic (no
