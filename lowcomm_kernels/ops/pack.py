@@ -97,11 +97,7 @@ def _pack_impl(
     return nonfinite
 
 
-@torch.library.custom_op("lowcomm::pack", mutates_args=("delta", "snapshot"))
-def _pack_op(
-    g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None, backend: str | None
-) -> torch.Tensor:
-    return _pack_impl(g, x, delta, snapshot, backend)
+_pack_op = torch.library.custom_op("lowcomm::pack", _pack_impl, mutates_args=("delta", "snapshot"))
 
 
 @_pack_op.register_fake
