@@ -11,6 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from .train.args import add_tensorboard_flag
 from .train.errors import UsageError
 from .train.spec import INT_FIELDS, LAM_MODES, MERGES, METHODS, RANGES, SCORES, WIRE_DTYPE_NAMES
 
@@ -146,10 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--target", type=_float, help="target validation loss (default: lowest loss all runs reach)"
     )
     add_run_args(c)
+    add_tensorboard_flag(c)
     t = sub.add_parser("train", help="train one method with every knob")
     t.add_argument("--method", required=True, choices=METHODS)
     t.add_argument("--target", type=_float, help="target validation loss for the table")
     add_run_args(t)
+    add_tensorboard_flag(t)
     pr = sub.add_parser("profile", help="short 2-rank run under torch.profiler: Chrome trace + timeline PNG")
     pr.add_argument("--method", default="cocodc", choices=[m for m in METHODS])
     add_run_args(pr)

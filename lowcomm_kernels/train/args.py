@@ -103,6 +103,54 @@ def out_dir(args: argparse.Namespace, command: str) -> Path:
     return path
 
 
+def add_tensorboard_flag(p: argparse.ArgumentParser) -> None:
+    """``--tensorboard DIR`` (train, compare): rank 0 of each run writes event files to DIR/<method>."""
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="write TensorBoard event files (rank 0's training loss per step, validation loss, "
+        "sync records) into DIR/<method>; needs the tensorboard extra",
+    )
+
+
+def with_tensorboard(args: argparse.Namespace, specs: list[TrainSpec]) -> list[TrainSpec]:
+    """``specs`` with ``tensorboard_dir`` = DIR/<method> when --tensorboard DIR is given (each spec
+    must be a different method), the folders created. A UsageError, before any worker starts, when
+    DIR cannot be a writable folder or a run's subfolder already holds event files (the curves of
+    two runs would mix). Whether tensorboard is installed is checked first (``extras``)."""
+    text = getattr(args, "tensorboard", None)
+    if text is None:
+        return specs
+    if not text.strip():
+        raise UsageError(f"--tensorboard needs a folder, got {text!r}")
+    methods = [s.method for s in specs]
+    if len(set(methods)) != len(methods):
+        raise UsageError(f"--tensorboard writes one folder per method; these runs repeat one: {methods}")
+    root = Path(text)
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"--tensorboard {text} is an existing file, not a folder")
+    for spec in specs:
+        run = root / spec.method
+        if run.is_dir() and any(run.glob("*tfevents*")):
+            raise UsageError(
+                f"--tensorboard {text}: {run} already holds TensorBoard event files of an earlier run; "
+                "choose another folder"
+            )
+    out = []
+    for spec in specs:
+        run = root / spec.method
+        try:
+            run.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=run, prefix=".lowcomm-write-check-"):
+                pass
+        except OSError as exc:
+            raise UsageError(
+                f"--tensorboard {text}: cannot write into {run} ({exc.strerror or exc})"
+            ) from None
+        out.append(spec.with_(tensorboard_dir=str(run)))
+    return out
+
+
 def parse_methods(text: str) -> list[str]:
     methods = [m.strip() for m in text.split(",") if m.strip()]
     for m in methods:

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from . import presets
-from .args import out_dir, parse_methods, spec_from_args
+from .args import out_dir, parse_methods, spec_from_args, with_tensorboard
 from .corpus import Corpus, CorpusError, load_corpus
 from .errors import UsageError
+from .extras import check_cli_extras
 from .report import RunResult, auto_target, comparison_rows, format_table, plot_curves, write_json
 from .spec import TrainSpec
 
@@ -98,10 +99,17 @@ def run_and_report(
         f"\nwall-clock of the whole command: {elapsed:.0f} s; "
         f"wrote {out / 'results.json'}, {out / 'table.md'}, " + ", ".join(p.name for p in plots)
     )
+    tb = sorted({str(Path(s.tensorboard_dir).parent) for s in specs if s.tensorboard_dir is not None})
+    if tb:
+        print(f"TensorBoard event files (rank 0 of each run): tensorboard --logdir {tb[0]}")
     return results, tgt
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
+    if args.tensorboard is not None and (args.study or args.task != "lm"):
+        raise UsageError(
+            "--tensorboard works with the language-model runs of compare, not --study or --task logreg"
+        )
     if args.study:
         from .studies import run_study
 
@@ -114,6 +122,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     specs = build_specs(args, methods, presets.LM["quick" if args.quick else "default"])
     corpus = load_checked_corpus(args.data, specs)
     out = out_dir(args, "compare")
+    specs = with_tensorboard(args, specs)
     quick = " --quick" if args.quick else ""
     title = f"lowcomm compare{quick}: {specs[0].workers} workers, {specs[0].steps} steps"
     run_and_report(specs, corpus, out, target=args.target, progress=not args.no_progress, title=title)
@@ -124,6 +133,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     specs = build_specs(args, [args.method], presets.LM["default"])
     corpus = load_checked_corpus(args.data, specs)
     out = out_dir(args, f"train-{args.method}")
+    specs = with_tensorboard(args, specs)
     title = f"lowcomm train --method {args.method}: {specs[0].workers} workers, {specs[0].steps} steps"
     run_and_report(specs, corpus, out, target=args.target, progress=not args.no_progress, title=title)
     return 0
@@ -205,6 +215,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def dispatch(args: argparse.Namespace) -> int:
+    check_cli_extras(args)  # a missing plotting or progress-bar package, named before any work
     return {"compare": cmd_compare, "train": cmd_train, "profile": cmd_profile, "bench": cmd_bench}[
         args.command
     ](args)

@@ -148,6 +148,7 @@ class TrainSpec:
     eval_batches: int = DEFAULT["eval_batches"]
     name: str | None = None  # label in tables; default from the method
     profile_dir: str | None = None  # set by `lowcomm profile`: write a torch.profiler trace per rank
+    tensorboard_dir: str | None = None  # --tensorboard: rank 0 writes TensorBoard event files here
 
     def __post_init__(self) -> None:
         self.validate()

@@ -44,12 +44,18 @@ class CommTotals:
 
 
 def build_strategy(
-    spec: TrainSpec, model: torch.nn.Module, optimizer: torch.optim.Optimizer, group: Any
+    spec: TrainSpec,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    group: Any,
+    metrics_callback: Any = None,
 ) -> Any:
-    """The runtime strategy for ``spec.method`` (not 'dp', which the harness implements itself)."""
+    """The runtime strategy for ``spec.method`` (not 'dp', which the harness implements itself);
+    ``metrics_callback`` receives each SyncRecord (see ``lowcomm_kernels.runtime.sinks``)."""
     import lowcomm_kernels.runtime as rt
 
     common: dict[str, Any] = {
+        "metrics_callback": metrics_callback,
         "process_group": group,
         "wan": rt.WAN(spec.latency_s, spec.bandwidth_bytes_per_s),
         "wire_dtype": _WIRE[spec.wire_dtype],

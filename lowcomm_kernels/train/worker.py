@@ -133,6 +133,14 @@ def slim_trace(path: str, min_us: float = 1000.0) -> None:
         json.dump(doc, f)
 
 
+def _tensorboard_sink(spec: TrainSpec) -> Any:
+    if spec.tensorboard_dir is None:
+        return None
+    from ..runtime.sinks import TensorBoardSink
+
+    return TensorBoardSink(spec.tensorboard_dir)
+
+
 def _profiler(spec: TrainSpec):
     if spec.profile_dir is None:
         return contextlib.nullcontext(None)
@@ -176,10 +184,12 @@ class RankRun:
             if spec.method == "dp"
             else None
         )
+        # --tensorboard: rank 0 writes its loss per step, the validation loss and its sync records
+        self.tb = _tensorboard_sink(spec) if rank == 0 else None
         self.strategy = (
             None
             if self.dp is not None
-            else build_strategy(spec, self.model, self.optimizer, self.train_group)
+            else build_strategy(spec, self.model, self.optimizer, self.train_group, self.tb)
         )
         # The scheduler is created after the strategy: the runtime may re-home parameters into flat
         # buffers, but the optimizer object (and its param_groups' lr) stays the user's.
@@ -204,6 +214,8 @@ class RankRun:
             EvalPoint(step, t0 - self.t_start - self.eval_s, m.bytes_sent, m.exposed_s, loss)
         )
         self.eval_s += time.perf_counter() - t0
+        if self.tb is not None:
+            self.tb.add_scalar("val/loss", loss, step)
         if self.rank == 0:
             self.report(step, loss)
 
@@ -226,6 +238,9 @@ class RankRun:
                     x, y = sample_batch(self.shard, spec.batch_size, spec.model.seq_len, self.gen)
                     loss = model.loss(x, y)
                     loss.backward()
+                if self.tb is not None:
+                    self.tb.add_scalar("train/loss", loss.item(), step)
+                    self.tb.add_scalar("train/lr", self.scheduler.get_last_lr()[0], step)
                 if self.dp is not None:
                     self.dp.sync_grads()
                 with self.compute_range():
@@ -266,9 +281,14 @@ class RankRun:
             )
             with open(os.path.join(spec.profile_dir, f"syncs_rank{self.rank}.json"), "w") as f:
                 json.dump(records, f)
+        self.close_tensorboard()
         dist.destroy_process_group(self.train_group)
         dist.destroy_process_group(self.eval_group)
         return result if self.rank == 0 else None
+
+    def close_tensorboard(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
 
 
 def train_one(
@@ -279,7 +299,10 @@ def train_one(
     report(step, val_loss | None) is called on rank 0 for the progress bar.
     """
     run = RankRun(spec, rank, world, train_data, val_data, report)
-    run.train()
+    try:
+        run.train()
+    finally:  # what was logged before a failure stays readable
+        run.close_tensorboard()
     return run.finish()
 
 
