@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import triton
@@ -92,6 +93,17 @@ def launch_options(t: torch.Tensor, warps: int = GPU_WARPS) -> dict[str, object]
     memory-bound, so the extra instructions cost nothing measurable. The interpreter ignores both
     options (it never fuses)."""
     return {"num_warps": warps if not interpreted(t) else 1, "enable_fp_fusion": False}
+
+
+def launch_elementwise(kernel: Any, t: torch.Tensor, n: int, *args: object, **constexprs: object) -> None:
+    """``kernel[grid](*args, **constexprs, BLOCK=...)``: one program per BLOCK of n elements, on
+    `t`'s device and current stream (``on_device``), with ``launch_options(t)``; n == 0 launches
+    nothing. The one launch convention of every elementwise kernel here."""
+    if n == 0:
+        return
+    block = block_size(t, n)
+    with on_device(t):
+        kernel[(triton.cdiv(n, block),)](*args, **constexprs, BLOCK=block, **launch_options(t))
 
 
 PROGRAMS_PER_SM = 4  # grid of the fixed-order reductions: enough programs to keep every SM busy

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import block_size, block_sum, launch_options, on_device
+from ._launch import block_sum, launch_elementwise
 
 ROUNDS = 4
 
@@ -88,12 +88,6 @@ def launch_mask_perm(
     """
     if len(adds) != ROUNDS or len(muls) != ROUNDS:
         raise ValueError(f"adds and muls must hold {ROUNDS} round keys each, got {len(adds)} and {len(muls)}")
-    if k == 0:
-        return
-    block = block_size(out, k)
     a = [int(v) for v in adds]
     c = [int(v) for v in muls]
-    with on_device(out):
-        _mask_perm_kernel[(triton.cdiv(k, block),)](
-            out, int(n), int(k), *a, *c, int(shift), int(bitmask), BLOCK=block, **launch_options(out)
-        )
+    launch_elementwise(_mask_perm_kernel, out, k, out, int(n), int(k), *a, *c, int(shift), int(bitmask))

@@ -41,6 +41,7 @@ from ._launch import (
     block_sum,
     gpu_programs,
     interpreted,
+    launch_elementwise,
     launch_options,
     load_block,
     on_device,
@@ -279,30 +280,29 @@ def launch_outer_merge(
                 f"{lam_sums.dtype} {tuple(lam_sums.shape)} on {lam_sums.device}"
             )
     lam_on_device = lam_sums is not None and lam != 0.0  # λ = 0 needs no sums: λ_eff = 0 = λ
-    block = block_size(g, n)
-    with on_device(g):
-        _outer_merge_kernel[(triton.cdiv(n, block),)](
-            g,
-            u,
-            delta_avg,
-            x,
-            x_sent if has_sent else x,
-            lam_sums if lam_on_device else g,
-            n,
-            float(lr),
-            float(momentum),
-            float(alpha),
-            1.0 - float(alpha),
-            float(beta),
-            float(lam),
-            HAS_MOMENTUM=momentum != 0.0,
-            NESTEROV=bool(nesterov) and momentum != 0.0,  # irrelevant without momentum: one variant
-            HAS_SENT=has_sent,
-            HAS_ALPHA=alpha != 0.0,
-            LAM_ON_DEVICE=lam_on_device,
-            BLOCK=block,
-            **launch_options(g),
-        )
+    launch_elementwise(
+        _outer_merge_kernel,
+        g,
+        n,
+        g,
+        u,
+        delta_avg,
+        x,
+        x_sent if has_sent else x,
+        lam_sums if lam_on_device else g,
+        n,
+        float(lr),
+        float(momentum),
+        float(alpha),
+        1.0 - float(alpha),
+        float(beta),
+        float(lam),
+        HAS_MOMENTUM=momentum != 0.0,
+        NESTEROV=bool(nesterov) and momentum != 0.0,  # irrelevant without momentum: one variant
+        HAS_SENT=has_sent,
+        HAS_ALPHA=alpha != 0.0,
+        LAM_ON_DEVICE=lam_on_device,
+    )
 
 
 def launch_taylor_norms(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, out, *, programs=None) -> None:

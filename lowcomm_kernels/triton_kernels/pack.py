@@ -31,13 +31,11 @@ import triton
 import triton.language as tl
 
 from ._launch import (
-    block_size,
     block_sum,
     finite_max,
     hardware_bf16,
-    launch_options,
+    launch_elementwise,
     load_block,
-    on_device,
     store_block,
 )
 
@@ -119,20 +117,17 @@ def launch_pack(
     caller, incremented in place. All on one device. Allocates nothing; n == 0 is a no-op.
     """
     n = g.numel()
-    if n == 0:
-        return
-    block = block_size(g, n)
-    with on_device(g):
-        _pack_kernel[(triton.cdiv(n, block),)](
-            g,
-            x,
-            delta,
-            snapshot if snapshot is not None else delta,
-            nonfinite,
-            n,
-            HAS_SNAPSHOT=snapshot is not None,
-            WIRE_MAX=finite_max(delta.dtype),
-            HW_BF16=delta.dtype == torch.bfloat16 and hardware_bf16(g),
-            BLOCK=block,
-            **launch_options(g),
-        )
+    launch_elementwise(
+        _pack_kernel,
+        g,
+        n,
+        g,
+        x,
+        delta,
+        snapshot if snapshot is not None else delta,
+        nonfinite,
+        n,
+        HAS_SNAPSHOT=snapshot is not None,
+        WIRE_MAX=finite_max(delta.dtype),
+        HW_BF16=delta.dtype == torch.bfloat16 and hardware_bf16(g),
+    )

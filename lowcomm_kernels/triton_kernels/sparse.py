@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import block_size, launch_options, on_device
+from ._launch import launch_elementwise
 
 
 @triton.jit
@@ -42,12 +42,7 @@ def _sparse_scatter_merge_kernel(x_ptr, idx_ptr, avg_ptr, sent_ptr, k, beta: tl.
 def launch_sparse_gather(x: torch.Tensor, idx: torch.Tensor, out: torch.Tensor) -> None:
     """out = x.flatten()[idx]. x: contiguous fp32/fp64; idx: (k,) int64 in [0, x.numel());
     out: contiguous (k,) of x's dtype. Allocates nothing; k == 0 is a no-op."""
-    k = idx.numel()
-    if k == 0:
-        return
-    block = block_size(x, k)
-    with on_device(x):
-        _sparse_gather_kernel[(triton.cdiv(k, block),)](x, idx, out, k, BLOCK=block, **launch_options(x))
+    launch_elementwise(_sparse_gather_kernel, x, idx.numel(), x, idx, out, idx.numel())
 
 
 def launch_sparse_scatter_merge(
@@ -56,10 +51,4 @@ def launch_sparse_scatter_merge(
     """x[idx] <- avg + beta·(x[idx] − sent), in place on x. idx: (k,) int64, in range, no
     duplicates; avg: (k,) of x's dtype or bf16; sent: (k,) of x's dtype. Allocates nothing."""
     k = idx.numel()
-    if k == 0:
-        return
-    block = block_size(x, k)
-    with on_device(x):
-        _sparse_scatter_merge_kernel[(triton.cdiv(k, block),)](
-            x, idx, avg, sent, k, float(beta), BLOCK=block, **launch_options(x)
-        )
+    launch_elementwise(_sparse_scatter_merge_kernel, x, k, x, idx, avg, sent, k, float(beta))

@@ -68,8 +68,9 @@ def test_on_device_enters_the_tensors_device(monkeypatch, index):
 # ---- every launch in the kernel modules is inside `with on_device(...)` ---------------------
 
 
-def _launches(tree: ast.AST) -> list[tuple[ast.Call, list[ast.AST]]]:
-    """Every ``<name>_kernel[grid](...)`` call in `tree`, with its chain of ancestors."""
+def _launches(tree: ast.AST, kernel_suffix: str = "_kernel") -> list[tuple[ast.Call, list[ast.AST]]]:
+    """Every ``<name>_kernel[grid](...)`` call in `tree`, with its chain of ancestors, and every
+    ``launch_elementwise(<name>_kernel, ...)`` (whose own launch is checked below)."""
     found = []
 
     def walk(node: ast.AST, parents: list[ast.AST]) -> None:
@@ -77,7 +78,16 @@ def _launches(tree: ast.AST) -> list[tuple[ast.Call, list[ast.AST]]]:
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Subscript)
             and isinstance(node.func.value, ast.Name)
-            and node.func.value.id.endswith("_kernel")
+            and node.func.value.id.endswith(kernel_suffix)
+        ):
+            found.append((node, parents))
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "launch_elementwise"
+            and node.args
+            and isinstance(node.args[0], ast.Name)
+            and node.args[0].id.endswith("_kernel")
         ):
             found.append((node, parents))
         for child in ast.iter_child_nodes(node):
@@ -85,6 +95,11 @@ def _launches(tree: ast.AST) -> list[tuple[ast.Call, list[ast.AST]]]:
 
     walk(tree, [])
     return found
+
+
+def _shared_launch(call: ast.Call) -> bool:
+    """``launch_elementwise(...)``: on the device by construction (tested on its own below)."""
+    return isinstance(call.func, ast.Name) and call.func.id == "launch_elementwise"
 
 
 def _inside_on_device(parents: list[ast.AST]) -> bool:
@@ -110,15 +125,23 @@ def test_every_launch_runs_on_the_tensors_device(path):
     launches = _launches(tree)
     assert launches, f"{path.name}: no kernel launch found"
     outside = [
-        f"line {call.lineno}: {call.func.value.id}"
+        f"line {call.lineno}: {ast.unparse(call.func)}"
         for call, parents in launches
-        if not _inside_on_device(parents)
+        if not (_shared_launch(call) or _inside_on_device(parents))
     ]
     assert not outside, f"{path.name}: launches outside `with on_device(...)`: {outside}"
     launchers = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("launch_")]
     assert launchers, f"{path.name}: no launch_* function"
     for fn in launchers:
         assert _launches(fn), f"{path.name}: {fn.name} launches no kernel"
+
+
+def test_launch_elementwise_runs_on_the_tensors_device():
+    """The shared launcher that the modules above call launches its kernel inside on_device."""
+    tree = ast.parse(pathlib.Path(_launch.__file__).read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "launch_elementwise"]
+    launches = _launches(fn, kernel_suffix="kernel")
+    assert len(launches) == 1 and _inside_on_device(launches[0][1])
 
 
 # ---- which bf16 rounding a launch uses: torch's choice on that device -------------------------
