@@ -119,11 +119,7 @@ def broadcast_module_state(
         packed = torch.cat([t.detach().reshape(-1).to(flat.device) for t in ts])
         wire = packed.view(torch.uint8) if dtype == torch.bool else packed
         _broadcast(transport, wire, src, f"the frozen parameters and buffers ({dtype})")
-        off = 0
-        with torch.no_grad():
-            for t in ts:
-                t.copy_(packed[off : off + t.numel()].view_as(t))
-                off += t.numel()
+        _unpack_into(packed, ts)
 
 
 def broadcast_buffers(transport: Transport, model: nn.Module, src: int, take: bool) -> None:
@@ -138,11 +134,16 @@ def broadcast_buffers(transport: Transport, model: nn.Module, src: int, take: bo
         packed = torch.cat([t.detach().reshape(-1).to(transport.device) for t in ts])
         _broadcast(transport, packed, root, f"the buffers ({dtype}) of rank {src}")
         if take:
-            off = 0
-            with torch.no_grad():
-                for t in ts:
-                    t.copy_(packed[off : off + t.numel()].view_as(t))
-                    off += t.numel()
+            _unpack_into(packed, ts)
+
+
+@torch.no_grad()
+def _unpack_into(packed: torch.Tensor, ts: list[torch.Tensor]) -> None:
+    """Copy consecutive slices of the flat `packed` back into the tensors it was concatenated from."""
+    off = 0
+    for t in ts:
+        t.copy_(packed[off : off + t.numel()].view_as(t))
+        off += t.numel()
 
 
 def _broadcast(transport: Transport, t: torch.Tensor, src: int, what: str) -> None:
