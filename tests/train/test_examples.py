@@ -115,3 +115,36 @@ def test_torchrun_script_refuses_to_run_outside_torchrun():
         env=env,
     )
     assert proc.returncode == 2 and "torchrun" in proc.stderr
+
+
+@pytest.mark.slow
+def test_hf_trainer_example_trains_under_torchrun():
+    pytest.importorskip("transformers", reason="transformers is not installed (the hf extra, part of dev)")
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).parent / "torchrun")
+    if not Path(torchrun).exists():
+        pytest.skip("torchrun is not on PATH")
+    args = "--method streaming --steps 20 --sync-every 10 --delay 1 --grad-accum 2".split()
+    proc = subprocess.run(
+        [torchrun, "--standalone", "--nproc_per_node", "2", str(ROOT / "python" / "hf_trainer.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(ENV, HF_HUB_OFFLINE="1"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(v for v in proc.stdout.splitlines() if v.startswith("done: "))
+    assert "streaming on 2 ranks, 20 optimizer steps, 4 syncs" in line  # sends after 5, 10, 15, 20
+    before, after = (float(v) for v in line.split("val loss ")[1].split(" -> "))
+    assert after < before - 1.0
+
+
+def test_hf_trainer_example_refuses_to_run_outside_torchrun():
+    env = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "python" / "hf_trainer.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 2 and "torchrun" in proc.stderr
