@@ -31,7 +31,7 @@ from .._checks import integer, scalar
 from .checkpoint import CheckpointError, expect_int
 from .dense import DenseStrategy, Pending
 from .host import DeviceToHost
-from .schedule import LAM_MODES, SCORES, check_cocodc_schedule, cocodc_max_syncs
+from .schedule import LAM_MODES, SCORES, check_cocodc_schedule, cocodc_max_syncs, fragment_schedule
 
 
 class CoCoDC(DenseStrategy):
@@ -42,26 +42,13 @@ class CoCoDC(DenseStrategy):
     local_keys = ("ts_last",)
 
     def __init__(
-        self,
-        model,
-        inner_optimizer,
-        *,
-        sync_every: int,
-        num_fragments: int,
-        fragment_sync_delay: int,
-        lam: float = 0.5,
-        lam_mode: str = "normalized",
-        gamma: float = 0.4,
-        syncs_per_period: str | int = "auto",
-        score: str = "l2_global",
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        **common: Any,
-    ) -> None:
-        H = self.H = integer("sync_every", sync_every, lo=1)
-        K = integer("num_fragments", num_fragments, lo=1)
-        tau = integer("fragment_sync_delay", fragment_sync_delay, lo=0)
+        self, model, inner_optimizer, *, sync_every: int, num_fragments: int, fragment_sync_delay: int,
+        lam: float = 0.5, lam_mode: str = "normalized", gamma: float = 0.4,
+        syncs_per_period: str | int = "auto", score: str = "l2_global",
+        outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, **common: Any,
+    ) -> None:  # fmt: skip
+        H, K, tau = fragment_schedule(sync_every, num_fragments, fragment_sync_delay)
+        self.H = H
         if not isinstance(syncs_per_period, str):
             integer("syncs_per_period", syncs_per_period, lo=1)
         check_cocodc_schedule(H, K, tau, syncs_per_period)
@@ -75,18 +62,10 @@ class CoCoDC(DenseStrategy):
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         self.score = score
         super().__init__(
-            model,
-            inner_optimizer,
-            num_fragments=K,
-            fragment_sync_delay=tau,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            nesterov=nesterov,
-            beta=1.0,
-            lam=lam,
-            lam_mode=lam_mode,
-            **common,
-        )
+            model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau,
+            outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+            beta=1.0, lam=lam, lam_mode=lam_mode, **common,
+        )  # fmt: skip
         self.K = K
         self.N = K if self.auto else int(syncs_per_period)
         self.last_send = [-1] * K  # step of the last send of each fragment (-1: never)

@@ -31,7 +31,7 @@ from .. import ops
 from .._checks import integer, scalar
 from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
-from .schedule import check_streaming_schedule
+from .schedule import check_streaming_schedule, fragment_schedule
 from .transport import Handle
 
 
@@ -375,35 +375,17 @@ class StreamingDiLoCo(DenseStrategy):
     method = "streaming_diloco"
 
     def __init__(
-        self,
-        model,
-        inner_optimizer,
-        *,
-        sync_every: int,
-        num_fragments: int,
-        fragment_sync_delay: int,
+        self, model, inner_optimizer, *, sync_every: int, num_fragments: int, fragment_sync_delay: int,
         fragment_update_alpha: float = 0.0,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        **common: Any,
-    ) -> None:
-        self.H = integer("sync_every", sync_every, lo=1)
-        K = integer("num_fragments", num_fragments, lo=1)
-        tau = integer("fragment_sync_delay", fragment_sync_delay, lo=0)
+        outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, **common: Any,
+    ) -> None:  # fmt: skip
+        self.H, K, tau = fragment_schedule(sync_every, num_fragments, fragment_sync_delay)
         check_streaming_schedule(self.H, K, tau)
         alpha = scalar("fragment_update_alpha", fragment_update_alpha, lo=0.0, hi=1.0)
         super().__init__(
-            model,
-            inner_optimizer,
-            num_fragments=K,
-            fragment_sync_delay=tau,
-            outer_lr=outer_lr,
-            outer_momentum=outer_momentum,
-            nesterov=nesterov,
-            alpha=alpha,
-            **common,
-        )
+            model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau,
+            outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, alpha=alpha, **common,
+        )  # fmt: skip
         self.offsets_in_period = [(p * self.H) // K for p in range(K)]
         self._init_buffers()
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._checks import integer
 from ..ops.outer_merge import LAM_MODES
 
 SCORES = ("l2_global", "l1_local", "round_robin")  # CoCoDC's fragment choice
@@ -26,6 +27,7 @@ __all__ = [
     "check_cocodc_schedule",
     "check_streaming_schedule",
     "cocodc_max_syncs",
+    "fragment_schedule",
 ]
 
 Name = Callable[[str], str]
@@ -33,6 +35,15 @@ Name = Callable[[str], str]
 
 def _plain(n: str) -> str:
     return n
+
+
+def fragment_schedule(sync_every: int, num_fragments: int, fragment_sync_delay: int) -> tuple[int, int, int]:
+    """(H, K, τ) of a fragmented strategy, each checked: integers, H ≥ 1, K ≥ 1, τ ≥ 0."""
+    return (
+        integer("sync_every", sync_every, lo=1),
+        integer("num_fragments", num_fragments, lo=1),
+        integer("fragment_sync_delay", fragment_sync_delay, lo=0),
+    )
 
 
 def check_streaming_schedule(
