@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -270,3 +271,47 @@ def test_missing_tensorboard_says_which_extra_to_install(tmp_path: Path):
     assert proc.returncode == 0, proc.stderr
     assert "pip install 'lowcomm-kernels[tensorboard]'" in proc.stdout, proc.stdout
     assert not (tmp_path / "tb").exists()
+
+
+# ---- the documented example runs as written -------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_integrations_doc_example_runs_under_torchrun(tmp_path: Path):
+    doc = Path(HERE).parents[2] / "docs" / "integrations.md"
+    blocks = [
+        b for b in re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S) if "TensorBoardSink(" in b
+    ]
+    assert len(blocks) == 1, blocks
+    (tmp_path / "train.py").write_text(blocks[0])
+    logs = tmp_path / "logs"  # one file per rank and stream
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            f"--log-dir={logs}",
+            "--redirects=3",
+            "train.py",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = list((tmp_path / "tb" / "streaming").iterdir())
+    assert len(files) == 1 and [p.name for p in (tmp_path / "tb").iterdir()] == ["streaming"]  # rank 0 only
+    scalars = read_scalars(tmp_path / "tb" / "streaming")
+    assert set(scalars) == {"lowcomm/" + f for f in NUMERIC} | {"train/loss"}
+    assert [s for s, _ in scalars["train/loss"]] == list(range(1, 101))
+    per_rank = [
+        [ln for ln in p.read_text().splitlines() if "sync fragment=" in ln]
+        for p in sorted(logs.rglob("stderr.log"))
+    ]
+    assert len(per_rank) == 2
+    applied = [s for s, _ in scalars["lowcomm/fragment"]]
+    for lines in per_rank:  # every rank logged each sync that rank 0 wrote to TensorBoard
+        assert [int(re.search(r" apply_step=(\d+) ", ln)[1]) for ln in lines] == applied
