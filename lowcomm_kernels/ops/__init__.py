@@ -22,6 +22,15 @@ from .fragment_norms import fragment_norms, fragment_norms_ref
 from .mask_indices import mask_indices, mask_indices_ref, mask_keys
 from .outer_merge import outer_merge_, outer_merge_ref, taylor_norms_ref
 from .pack import pack, pack_ref
+from .quantize import (
+    FORMATS,
+    QuantFormat,
+    Quantized,
+    dequantize_ref,
+    pack_quantized_ref,
+    quantize_ref,
+    reduce_quantized_ref,
+)
 from .sparse import sparse_gather, sparse_gather_ref, sparse_scatter_merge_, sparse_scatter_merge_ref
 
 __all__ = [
@@ -35,6 +44,13 @@ __all__ = [
     "taylor_norms_ref",
     "pack",
     "pack_ref",
+    "FORMATS",
+    "QuantFormat",
+    "Quantized",
+    "dequantize_ref",
+    "pack_quantized_ref",
+    "quantize_ref",
+    "reduce_quantized_ref",
     "sparse_gather",
     "sparse_gather_ref",
     "sparse_scatter_merge_",
