@@ -68,6 +68,35 @@ SIGNATURES: dict[str, list] = {
     "lc_fragment_norms": [_c_int, _vp, _vp, _c_i64, _c_int, _vp],
     # dst, src, nbytes: memcpy with non-temporal stores (the benchmarks' roofline row)
     "lc_copy_nt": [_vp, _vp, _c_i64],
+    # dtype, fmt, g, x|NULL, residual|NULL, snapshot|NULL, n, block, sr, key, codes, scales, nonfinite|NULL
+    "lc_pack_quantized": [_c_int, _c_int, _vp, _vp, _vp, _vp, _c_i64, _c_i64, _c_int, _c_i64, _vp, _vp, _vp],
+    # fmt, codes, scales, n, block, out_dtype, out
+    "lc_dequantize": [_c_int, _vp, _vp, _c_i64, _c_i64, _c_int, _vp],
+    # fmt, codes(m x payload), scales(m x nscales), m, n, block, scale, out_codes, out_scales
+    "lc_reduce_quantized": [_c_int, _vp, _vp, _c_i64, _c_i64, _c_i64, _c_dbl, _vp, _vp],
+    # dtype, fmt, g, u, codes, scales, block, x, x_sent|NULL, n, lr, momentum, nesterov, alpha, beta,
+    # lam, lam_sums|NULL
+    "lc_outer_merge_quantized": [
+        _c_int,
+        _c_int,
+        _vp,
+        _vp,
+        _vp,
+        _vp,
+        _c_i64,
+        _vp,
+        _vp,
+        _c_i64,
+        _c_dbl,
+        _c_dbl,
+        _c_int,
+        _c_dbl,
+        _c_dbl,
+        _c_dbl,
+        _vp,
+    ],
+    # dtype, fmt, x, idx, k, codes, scales, block, sent, beta
+    "lc_sparse_scatter_merge_quantized": [_c_int, _c_int, _vp, _vp, _c_i64, _vp, _vp, _c_i64, _vp, _c_dbl],
 }
 #: entry points without arguments that return a C string (not kernels; the CUDA library's are
 #: lc_cuda_<name>): the library's identity, and the calling thread's last failure message.

@@ -41,6 +41,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import _checks, _dispatch
+from ..profiling import nvtx_range
+from . import outer_merge as _outer_merge
+from . import sparse as _sparse
+from ._common import code, compiling, declare, launch, launcher, native, traced_call, triton
+
 _M64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: the stride of the per-element counter
 _SR_SALT = 0x5155414E54495A45  # keeps the rounding stream apart from mask_indices' keys of one seed
@@ -319,3 +325,792 @@ def reduce_quantized_ref(
         acc = acc + dequantize_ref(codes[m], scales[m], f, block, n)
     acc = acc * torch.tensor(scale, dtype=torch.float32, device=codes.device)
     return quantize_ref(acc, f, block)
+
+
+def outer_merge_quantized_ref(
+    g: torch.Tensor, u: torch.Tensor, delta_avg: Quantized, x: torch.Tensor,
+    x_sent: torch.Tensor | None = None, **kwargs: object,
+) -> None:  # fmt: skip
+    """``outer_merge_ref`` with Δ̄ = dequantize_ref(delta_avg) in g's dtype (in place on g, u, x)."""
+    f = as_format(delta_avg.fmt)
+    d = dequantize_ref(delta_avg.codes, delta_avg.scales, f, delta_avg.block, g.numel(), out_dtype=g.dtype)
+    _outer_merge.outer_merge_ref(g, u, d, x, x_sent, **kwargs)
+
+
+def sparse_scatter_merge_quantized_ref(
+    x: torch.Tensor, idx: torch.Tensor, avg: Quantized, sent: torch.Tensor, *, beta: float = 1.0
+) -> None:
+    """``sparse_scatter_merge_ref`` with avg = dequantize_ref(avg) (k values) in x's dtype."""
+    f = as_format(avg.fmt)
+    a = dequantize_ref(avg.codes, avg.scales, f, avg.block, idx.numel(), out_dtype=sent.dtype)
+    _sparse.sparse_scatter_merge_ref(x, idx, a, sent, beta=beta)
+
+
+# ---- launchers (n >= 1, checked arguments) --------------------------------------------------------
+# pack_quantized: x None quantizes g itself (quantize); residual / snapshot None when not wanted;
+# writes codes, scales, nonfinite (a zeroed 0-d int64), the residual and the snapshot.
+# dequantize: out (n). reduce_quantized: out_codes / out_scales. The merges: in place, λ absolute
+# (lam_sums is None: the normalized mode dequantizes first and runs the dense merge).
+
+_FMT_CODE = {name: i for i, name in enumerate(FORMATS)}  # abi.h LC_Q_*, in FORMATS' order
+
+
+def _seed(sr: bool, seed: int) -> int | None:
+    return seed if sr else None
+
+
+@launcher("pack_quantized", "ref")
+def _(g, x, residual, snapshot, codes, scales, nonfinite, fmt, block, sr, seed, round):
+    if x is None:
+        c, s = quantize_ref(g, fmt, block, seed=_seed(sr, seed), round=round)
+        nf = (~torch.isfinite(g.reshape(-1).to(torch.float32))).sum(dtype=torch.int64)
+    else:
+        c, s, snap, nf = pack_quantized_ref(
+            g,
+            x,
+            fmt,
+            block,
+            residual=residual,
+            snapshot=snapshot is not None,
+            seed=_seed(sr, seed),
+            round=round,
+        )
+        if snapshot is not None:
+            snapshot.view(-1).copy_(snap.view(-1))
+    codes.copy_(c)
+    scales.copy_(s)
+    nonfinite.copy_(nf)
+
+
+@launcher("dequantize", "ref")
+def _(codes, scales, out, fmt, block):
+    out.view(-1).copy_(dequantize_ref(codes, scales, fmt, block, out.numel(), out_dtype=out.dtype))
+
+
+@launcher("reduce_quantized", "ref")
+def _(codes, scales, out_codes, out_scales, fmt, block, n, scale):
+    c, s = reduce_quantized_ref(codes, scales, fmt, block, n, scale=scale)
+    out_codes.copy_(c)
+    out_scales.copy_(s)
+
+
+@launcher("outer_merge_quantized", "ref")
+def _(g, u, codes, scales, fmt, block, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_sums):
+    step = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "alpha": alpha, "beta": beta, "lam": lam}
+    outer_merge_quantized_ref(g, u, Quantized(codes, scales, fmt, block), x, x_sent, **step)
+
+
+@launcher("sparse_scatter_merge_quantized", "ref")
+def _(x, idx, codes, scales, fmt, block, sent, beta):
+    sparse_scatter_merge_quantized_ref(x, idx, Quantized(codes, scales, fmt, block), sent, beta=beta)
+
+
+native(
+    "pack_quantized",
+    "lc_pack_quantized",
+    lambda g, x, residual, snapshot, codes, scales, nonfinite, fmt, block, sr, seed, round: (
+        code(g if x is None else x),
+        _FMT_CODE[fmt],
+        g,
+        x,
+        residual,
+        snapshot,
+        g.numel(),
+        block,
+        int(sr),
+        _signed(sr_key(seed, round)) if sr else 0,
+        codes,
+        scales,
+        nonfinite,
+    ),
+)
+native(
+    "dequantize",
+    "lc_dequantize",
+    lambda codes, scales, out, fmt, block: (
+        _FMT_CODE[fmt],
+        codes,
+        scales,
+        out.numel(),
+        block,
+        code(out),
+        out,
+    ),
+)
+native(
+    "reduce_quantized",
+    "lc_reduce_quantized",
+    lambda codes, scales, out_codes, out_scales, fmt, block, n, scale: (
+        _FMT_CODE[fmt],
+        codes,
+        scales,
+        codes.shape[0],
+        n,
+        block,
+        scale,
+        out_codes,
+        out_scales,
+    ),
+)
+triton("pack_quantized", "quantize", "launch_pack_quantized")
+triton("dequantize", "quantize", "launch_dequantize")
+triton("reduce_quantized", "quantize", "launch_reduce_quantized")
+
+
+def _merge_c_args(
+    g, u, codes, scales, fmt, block, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_sums
+):
+    return (
+        code(x),
+        _FMT_CODE[fmt],
+        g,
+        u,
+        codes,
+        scales,
+        block,
+        x,
+        x_sent,
+        g.numel(),
+        lr,
+        momentum,
+        int(nesterov),
+        alpha,
+        beta,
+        lam,
+        lam_sums,
+    )
+
+
+native("outer_merge_quantized", "lc_outer_merge_quantized", _merge_c_args)
+native(
+    "sparse_scatter_merge_quantized",
+    "lc_sparse_scatter_merge_quantized",
+    lambda x, idx, codes, scales, fmt, block, sent, beta: (
+        code(x),
+        _FMT_CODE[fmt],
+        x,
+        idx,
+        idx.numel(),
+        codes,
+        scales,
+        block,
+        sent,
+        beta,
+    ),
+)
+
+
+# ---- checks ---------------------------------------------------------------------------------------
+
+_KEY = " (a non-negative int64: the registered op carries it as one)"
+
+
+def _check_fmt_block(fmt: object, block: object) -> tuple[QuantFormat, int]:
+    f = as_format(fmt)
+    block = _checks.integer("block", block, lo=2, hi=1 << 40)
+    if block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 2, got {block}")
+    return f, block
+
+
+def _check_wire(
+    f: QuantFormat, block: int, n: int, codes: object, scales: object, device, prefix: str = ""
+) -> None:
+    """codes: uint8 of f.payload_bytes(n); scales: fp32 of f.num_scales(n, block); on `device`."""
+    c = _checks.tensor(f"{prefix}codes", codes, dtypes=(torch.uint8,))
+    s = _checks.tensor(f"{prefix}scales", scales, dtypes=(torch.float32,))
+    if c.numel() != f.payload_bytes(n):
+        raise ValueError(
+            f"{prefix}codes has {c.numel()} bytes; {f.name} codes of n = {n} elements "
+            f"take {f.payload_bytes(n)}"
+        )
+    if s.numel() != f.num_scales(n, block):
+        raise ValueError(
+            f"{prefix}scales has {s.numel()} elements; n = {n} in blocks of {block} "
+            f"takes {f.num_scales(n, block)}"
+        )
+    for name, t in ((f"{prefix}codes", c), (f"{prefix}scales", s)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the data is on {device}")
+
+
+def _check_seed(sr: object, seed: object, round: object) -> tuple[bool, int, int]:
+    sr = _checks.flag("sr", sr)
+    seed = _checks.integer("seed", seed, lo=0, hi=(1 << 63) - 1, why=_KEY)
+    round = _checks.integer("round", round, lo=0, hi=(1 << 63) - 1, why=_KEY)
+    return sr, seed, round
+
+
+# ---- implementations (the registered ops' bodies and the eager paths) ------------------------------
+
+
+def _pack_quantized_impl(
+    g: torch.Tensor,
+    x: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    snapshot: torch.Tensor | None,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: str,
+    block: int,
+    sr: bool,
+    seed: int,
+    round: int,
+    backend: str | None,
+) -> torch.Tensor:
+    """Check, choose the backend, launch (quantize when x is None). Returns the 0-d int64
+    non-finite count."""
+    f, block = _check_fmt_block(fmt, block)
+    sr, seed, round = _check_seed(sr, seed, round)
+    name = "v" if x is None else "g"
+    if x is None:
+        _checks.tensor("v", g, dtypes=_checks.PARAM_DTYPES)
+    else:
+        _checks.tensor("x", x, dtypes=_checks.PARAM_DTYPES)
+        _checks.tensor("g", g, dtypes=_checks.FLOAT_DTYPES)
+        _checks.params_of("x", x, "g", g)
+        _checks.same_device("g", g, x=x)
+        _checks.same_numel("g", g, x=x)
+        for oname, t in (("residual", residual), ("snapshot_out", snapshot)):
+            if t is not None:
+                _checks.tensor(oname, t, dtypes=(g.dtype,))
+                _checks.same_device("g", g, **{oname: t})
+                _checks.same_numel("g", g, **{oname: t})
+    _check_wire(
+        f,
+        block,
+        g.numel(),
+        codes,
+        scales,
+        g.device,
+    )
+    _checks.distinct(
+        {name: g, "x": x, "residual": residual, "snapshot_out": snapshot, "codes": codes, "scales": scales}
+    )
+    b = _dispatch.resolve(backend, g.device, "lc_pack_quantized")
+    nonfinite = torch.zeros((), dtype=torch.int64, device=g.device)
+    if g.numel():
+        with nvtx_range("pack_quantized"):
+            launch(
+                "pack_quantized",
+                b,
+                g,
+                x,
+                residual,
+                snapshot,
+                codes,
+                scales,
+                nonfinite,
+                f.name,
+                block,
+                sr,
+                seed,
+                round,
+            )
+    return nonfinite
+
+
+_pack_quantized_op = torch.library.custom_op(
+    "lowcomm::pack_quantized", _pack_quantized_impl, mutates_args=("residual", "snapshot", "codes", "scales")
+)
+
+
+@_pack_quantized_op.register_fake
+def _(g, x, residual, snapshot, codes, scales, fmt, block, sr, seed, round, backend):
+    _checks.same_device("g", g, x=x, residual=residual, snapshot_out=snapshot, codes=codes, scales=scales)
+    return g.new_empty((), dtype=torch.int64)
+
+
+def _dequantize_impl(
+    codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, fmt: str, block: int, backend: str | None
+) -> None:
+    f, block = _check_fmt_block(fmt, block)
+    _checks.tensor("out", out, dtypes=_checks.PARAM_DTYPES)
+    _check_wire(f, block, out.numel(), codes, scales, out.device)
+    _checks.distinct({"codes": codes, "scales": scales, "out": out})
+    b = _dispatch.resolve(backend, out.device, "lc_dequantize")
+    if out.numel():
+        with nvtx_range("dequantize"):
+            launch("dequantize", b, codes, scales, out, f.name, block)
+
+
+_dequantize_op = torch.library.custom_op("lowcomm::dequantize", _dequantize_impl, mutates_args=("out",))
+
+
+@_dequantize_op.register_fake
+def _(codes, scales, out, fmt, block, backend):
+    _checks.same_device("out", out, codes=codes, scales=scales)
+
+
+def _reduce_quantized_impl(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    out_codes: torch.Tensor,
+    out_scales: torch.Tensor,
+    fmt: str,
+    block: int,
+    n: int,
+    scale: float,
+    backend: str | None,
+) -> None:
+    f, block = _check_fmt_block(fmt, block)
+    n = _checks.integer("n", n, lo=0)
+    scale = _checks.scalar("scale", scale)
+    c = _checks.tensor("codes", codes, dtypes=(torch.uint8,), dim=2)
+    s = _checks.tensor("scales", scales, dtypes=(torch.float32,), dim=2)
+    if c.shape[0] < 1 or tuple(c.shape) != (c.shape[0], f.payload_bytes(n)):
+        raise ValueError(
+            f"codes must be (M >= 1, {f.payload_bytes(n)}) for n = {n} {f.name} codes, got {tuple(c.shape)}"
+        )
+    if tuple(s.shape) != (c.shape[0], f.num_scales(n, block)):
+        raise ValueError(
+            f"scales must be ({c.shape[0]}, {f.num_scales(n, block)}) (M rows as codes), got {tuple(s.shape)}"
+        )
+    _checks.same_device("codes", c, scales=s)
+    _check_wire(f, block, n, out_codes, out_scales, c.device, prefix="out_")
+    _checks.distinct({"codes": c, "scales": s, "out_codes": out_codes, "out_scales": out_scales})
+    b = _dispatch.resolve(backend, c.device, "lc_reduce_quantized")
+    if n:
+        with nvtx_range("reduce_quantized"):
+            launch("reduce_quantized", b, c, s, out_codes, out_scales, f.name, block, n, scale)
+
+
+_reduce_quantized_op = torch.library.custom_op(
+    "lowcomm::reduce_quantized", _reduce_quantized_impl, mutates_args=("out_codes", "out_scales")
+)
+
+
+@_reduce_quantized_op.register_fake
+def _(codes, scales, out_codes, out_scales, fmt, block, n, scale, backend):
+    _checks.same_device("codes", codes, scales=scales, out_codes=out_codes, out_scales=out_scales)
+
+
+def _outer_merge_quantized_impl(
+    g: torch.Tensor,
+    u: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: str,
+    block: int,
+    x: torch.Tensor,
+    x_sent: torch.Tensor | None,
+    lr: float,
+    momentum: float,
+    nesterov: bool,
+    alpha: float,
+    beta: float,
+    lam: float,
+    lam_mode: str,
+    backend: str | None,
+) -> None:
+    """outer_merge_'s checks with Δ̄ as (codes, scales); then one fused pass (cpu), or dequantize
+    into a temporary and the dense merge (the normalized Taylor mode, and the GPU backends)."""
+    f, block = _check_fmt_block(fmt, block)
+    for name, t in (("g", g), ("u", u)):
+        _checks.tensor(name, t, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor("x", x, dtypes=_checks.PARAM_DTYPES)
+    _checks.params_of("x", x, "g", g)
+    _checks.same_dtype("g", g, u=u)
+    _checks.same_device("g", g, u=u, x=x, x_sent=x_sent)
+    _checks.same_numel("g", g, u=u, x=x, x_sent=x_sent)
+    _check_wire(f, block, g.numel(), codes, scales, g.device, prefix="delta_avg.")
+    lr = _checks.scalar("lr", lr, lo=0.0)
+    momentum = _checks.scalar("momentum", momentum, lo=0.0, hi=1.0, hi_open=True)
+    alpha = _checks.scalar("alpha", alpha, lo=0.0, hi=1.0)
+    beta = _checks.scalar("beta", beta, lo=0.0)
+    lam = _checks.scalar("lam", lam, lo=0.0)
+    _checks.flag("nesterov", nesterov)
+    if lam_mode not in _outer_merge.LAM_MODES:
+        raise ValueError(f"lam_mode must be one of {_outer_merge.LAM_MODES}, got {lam_mode!r}")
+    if x_sent is None and (beta != 0.0 or lam != 0.0):
+        raise ValueError("x_sent is required when beta or lam is non-zero")
+    if x_sent is not None:
+        _checks.tensor("x_sent", x_sent, dtypes=(g.dtype,))
+    _checks.distinct(
+        {"g": g, "u": u, "delta_avg.codes": codes, "delta_avg.scales": scales, "x": x, "x_sent": x_sent}
+    )
+    b = _dispatch.resolve(backend, g.device, "lc_outer_merge_quantized")
+    if g.numel() == 0:
+        return
+    with nvtx_range("outer_merge"):
+        fused = (b in ("ref", "cpu")) and not (lam_mode == "normalized" and lam != 0.0)
+        if fused:
+            launch(
+                "outer_merge_quantized",
+                b,
+                g,
+                u,
+                codes,
+                scales,
+                f.name,
+                block,
+                x,
+                x_sent,
+                lr,
+                momentum,
+                nesterov,
+                alpha,
+                beta,
+                lam,
+                None,
+            )
+            return
+        # The normalized mode's scale is a reduction over Δ̄ that the merge needs before its first
+        # element, and the GPU backends have no fused kernel yet: Δ̄ is dequantized once here.
+        d = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        launch("dequantize", b, codes, scales, d, f.name, block)
+        _outer_merge._outer_merge_impl(
+            g, u, d, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, b
+        )
+
+
+_outer_merge_quantized_op = torch.library.custom_op(
+    "lowcomm::outer_merge_quantized_", _outer_merge_quantized_impl, mutates_args=("g", "u", "x")
+)
+
+
+@_outer_merge_quantized_op.register_fake
+def _(
+    g, u, codes, scales, fmt, block, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend
+):
+    _checks.same_device("g", g, u=u, codes=codes, scales=scales, x=x, x_sent=x_sent)
+
+
+def _scatter_merge_quantized_impl(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: str,
+    block: int,
+    sent: torch.Tensor,
+    beta: float,
+    backend: str | None,
+    check_values: bool = True,
+) -> None:
+    f, block = _check_fmt_block(fmt, block)
+    idx = _sparse._checked_x_idx(x, idx, check_values, strictly_increasing=True)
+    _checks.tensor("sent", sent, dtypes=(x.dtype,))
+    _checks.same_device("x", x, sent=sent)
+    _checks.same_numel("idx", idx, sent=sent)
+    _check_wire(f, block, idx.numel(), codes, scales, x.device, prefix="avg.")
+    beta = _checks.scalar("beta", beta, lo=0.0)
+    _checks.distinct({"x": x, "idx": idx, "avg.codes": codes, "avg.scales": scales, "sent": sent})
+    b = _dispatch.resolve(backend, x.device, "lc_sparse_scatter_merge_quantized")
+    if idx.numel() == 0:
+        return
+    with nvtx_range("sparse_scatter_merge"):
+        if b in ("ref", "cpu"):
+            launch("sparse_scatter_merge_quantized", b, x, idx, codes, scales, f.name, block, sent, beta)
+            return
+        avg = torch.empty(idx.numel(), dtype=x.dtype, device=x.device)  # k values: small
+        launch("dequantize", b, codes, scales, avg, f.name, block)
+        launch("sparse_scatter_merge", b, x, idx, avg, sent, beta)
+
+
+_scatter_merge_quantized_op = torch.library.custom_op(
+    "lowcomm::sparse_scatter_merge_quantized_", _scatter_merge_quantized_impl, mutates_args=("x",)
+)
+
+
+@_scatter_merge_quantized_op.register_fake
+def _(x, idx, codes, scales, fmt, block, sent, beta, backend, check_values=True):
+    _checks.same_device("x", x, idx=idx, codes=codes, scales=scales, sent=sent)
+
+
+for _name in (
+    "pack_quantized",
+    "dequantize",
+    "reduce_quantized",
+    "outer_merge_quantized_",
+    "sparse_scatter_merge_quantized_",
+):
+    declare(_name)
+
+
+# ---- public functions -----------------------------------------------------------------------------
+
+
+def _sr_args(seed: object, round: object) -> tuple[bool, int, int]:
+    """(sr, seed, round) as the registered ops carry them; seed None: round to nearest even."""
+    if seed is None:
+        return False, 0, _checks.integer("round", round, lo=0, hi=(1 << 63) - 1, why=_KEY)
+    return _check_seed(True, seed, round)
+
+
+def _wire_out(f: QuantFormat, block: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.empty(f.payload_bytes(n), dtype=torch.uint8, device=device)
+    return codes, torch.empty(f.num_scales(n, block), dtype=torch.float32, device=device)
+
+
+def _call(name: str, impl, *args: object) -> object:
+    return traced_call(name, *args) if compiling() else impl(*args)
+
+
+@torch.no_grad()
+def quantize(
+    v: torch.Tensor,
+    fmt: str,
+    block: int,
+    *,
+    seed: int | None = None,
+    round: int = 0,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block absmax quantization of v (flat) onto the grid of `fmt` (module docstring).
+
+    Args:
+        v: fp32 / fp64 / bf16 / fp16, any shape, contiguous, n elements. Read only.
+        fmt: a name in ``FORMATS`` ('int8', 'int4', 'fp8_e4m3', 'fp8_e5m2', 'fp4_e2m1').
+        block: elements per scale, a power of two >= 2 (4-bit formats: two codes per byte).
+        seed: None rounds to nearest even; an int in [0, 2^63) rounds stochastically with the
+            counter-based stream of (seed, round) (the same bits on every backend).
+        round: int in [0, 2^63), the stream's second key (e.g. the sync round).
+        backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
+    Returns:
+        (codes, scales): new uint8 (``fmt.payload_bytes(n)``) and fp32 (``fmt.num_scales(n,
+        block)``) tensors on v's device. A block holding inf / NaN gets scale NaN and codes 0.
+    Raises:
+        TypeError / ValueError naming the argument.
+    """
+    f, block = _check_fmt_block(fmt, block)
+    sr, seed, round = _sr_args(seed, round)
+    codes, scales = _wire_out(f, block, _checks.is_tensor("v", v).numel(), v.device)
+    _call(
+        "pack_quantized",
+        _pack_quantized_impl,
+        v,
+        None,
+        None,
+        None,
+        codes,
+        scales,
+        f.name,
+        block,
+        sr,
+        seed,
+        round,
+        backend,
+    )
+    return codes, scales
+
+
+@torch.no_grad()
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: str,
+    block: int,
+    n: int,
+    *,
+    out_dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """value(code_i) · s_b in fp32, rounded to out_dtype.
+
+    Args:
+        codes: uint8, ``fmt.payload_bytes(n)`` bytes, contiguous. Read only.
+        scales: fp32, ``fmt.num_scales(n, block)`` elements, contiguous, codes' device. Read only.
+        fmt, block: as given to ``quantize``. n: the number of elements (>= 0).
+        out_dtype: fp32 / fp64 / bf16 / fp16 (out's dtype when out is given).
+        out: optional preallocated result (n elements, contiguous, aliasing nothing). Written.
+        backend: 'ref' | 'cpu' | 'triton' | 'cuda'.
+    Returns:
+        out, or a new flat tensor of n elements of out_dtype.
+    Raises:
+        TypeError / ValueError naming the argument, before anything is written.
+    """
+    f, block = _check_fmt_block(fmt, block)
+    n = _checks.integer("n", n, lo=0)
+    if out is None:
+        if out_dtype not in _checks.PARAM_DTYPES:
+            raise TypeError(f"out_dtype must be one of {_checks.PARAM_DTYPES}, got {out_dtype}")
+        out = torch.empty(n, dtype=out_dtype, device=_checks.is_tensor("codes", codes).device)
+    elif _checks.is_tensor("out", out).numel() != n:
+        raise ValueError(f"out has {out.numel()} elements; expected n = {n}")
+    _call("dequantize", _dequantize_impl, codes, scales, out, f.name, block, backend)
+    return out
+
+
+@torch.no_grad()
+def pack_quantized(
+    g: torch.Tensor,
+    x: torch.Tensor,
+    fmt: str,
+    block: int,
+    *,
+    residual: torch.Tensor | None = None,
+    snapshot_out: torch.Tensor | None | bool = None,
+    seed: int | None = None,
+    round: int = 0,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The quantized send side of a sync, one pass: e = g − x (+ residual), quantized per block;
+    snapshot = x; the non-finite count; error feedback residual ← e − dequant(codes, scales).
+
+    Args:
+        g: global parameters, fp32 / fp64, any shape, contiguous. Read only.
+        x: local parameters, g's numel and device, g's dtype (or bf16 / fp16 with a float32 g),
+            contiguous; may alias g. Read only.
+        fmt, block, seed, round: as for ``quantize``.
+        residual: optional error-feedback buffer, g's dtype and numel, contiguous, aliasing
+            nothing. Added to e, then overwritten with e − dequant(codes, scales) (left unchanged
+            in blocks whose scale is not finite).
+        snapshot_out: a preallocated snapshot (g's dtype and numel; written), None to allocate
+            one, or False to skip it.
+        backend: 'ref' | 'cpu' | 'triton' | 'cuda'.
+    Returns:
+        (codes, scales, snapshot or None, nonfinite): new codes / scales as ``quantize``'s, the
+        snapshot, and a new 0-d int64 count of non-finite fp32(e_i).
+    Raises:
+        TypeError / ValueError naming the argument, before anything is written.
+    """
+    f, block = _check_fmt_block(fmt, block)
+    sr, seed, round = _sr_args(seed, round)
+    _checks.is_tensor("g", g)
+    _checks.is_tensor("x", x)
+    codes, scales = _wire_out(f, block, g.numel(), g.device)
+    if snapshot_out is False:
+        snapshot = None
+    elif snapshot_out is None or snapshot_out is True:
+        snapshot = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+    else:
+        snapshot = _checks.is_tensor("snapshot_out", snapshot_out)
+    nonfinite = _call(
+        "pack_quantized",
+        _pack_quantized_impl,
+        g,
+        x,
+        residual,
+        snapshot,
+        codes,
+        scales,
+        f.name,
+        block,
+        sr,
+        seed,
+        round,
+        backend,
+    )
+    return codes, scales, snapshot, nonfinite
+
+
+@torch.no_grad()
+def reduce_quantized(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: str,
+    block: int,
+    n: int,
+    *,
+    scale: float = 1.0,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum M quantized chunks and requantize: acc = Σ_m dequant(codes[m], scales[m]) in fp32 in
+    the order m = 0..M−1, times fp32(scale), quantized to nearest even. Bit-identical on every
+    backend.
+
+    Args:
+        codes: (M, ``fmt.payload_bytes(n)``) uint8, M >= 1, contiguous. Read only.
+        scales: (M, ``fmt.num_scales(n, block)``) fp32, contiguous. Read only.
+        fmt, block: the chunks' format. n: elements per chunk.
+        scale: finite multiplier (1/M for the average), rounded to fp32 once.
+        backend: 'ref' | 'cpu' | 'triton' | 'cuda'.
+    Returns:
+        (codes, scales) of the result: new tensors of one row's sizes.
+    Raises:
+        TypeError / ValueError naming the argument.
+    """
+    f, block = _check_fmt_block(fmt, block)
+    n = _checks.integer("n", n, lo=0)
+    out_codes, out_scales = _wire_out(f, block, n, _checks.is_tensor("codes", codes).device)
+    _call(
+        "reduce_quantized",
+        _reduce_quantized_impl,
+        codes,
+        scales,
+        out_codes,
+        out_scales,
+        f.name,
+        block,
+        n,
+        scale,
+        backend,
+    )
+    return out_codes, out_scales
+
+
+def as_quantized(delta: object, name: str) -> Quantized:
+    """A Quantized from a Quantized or a (codes, scales, fmt, block) tuple; TypeError naming `name`."""
+    if isinstance(delta, tuple) and len(delta) == 4:
+        delta = Quantized(*delta)
+    if not isinstance(delta, Quantized):
+        raise TypeError(f"{name} must be a torch.Tensor, a Quantized or a (codes, scales, fmt, block) tuple")
+    return delta
+
+
+@torch.no_grad()
+def outer_merge_quantized_(
+    g: torch.Tensor, u: torch.Tensor, delta_avg: Quantized | tuple, x: torch.Tensor,
+    x_sent: torch.Tensor | None = None, *, lr: float, momentum: float = 0.0, nesterov: bool = True,
+    alpha: float = 0.0, beta: float = 0.0, lam: float = 0.0, lam_mode: str = "absolute",
+    backend: str | None = None,
+) -> None:  # fmt: skip
+    """``outer_merge_`` with the averaged pseudo-gradient given quantized (what ``outer_merge_``
+    calls for a Quantized delta_avg): Δ̄ is dequantized chunk by chunk inside the merge on the
+    cpu backend, never stored whole (normalized λ, and the GPU backends for now, dequantize it
+    once into a temporary). Arguments and results as ``outer_merge_``'s."""
+    q = as_quantized(delta_avg, "delta_avg")
+    f = as_format(q.fmt)
+    _call(
+        "outer_merge_quantized_",
+        _outer_merge_quantized_impl,
+        g,
+        u,
+        q.codes,
+        q.scales,
+        f.name,
+        q.block,
+        x,
+        x_sent,
+        lr,
+        momentum,
+        nesterov,
+        alpha,
+        beta,
+        lam,
+        lam_mode,
+        backend,
+    )
+
+
+@torch.no_grad()
+def sparse_scatter_merge_quantized_(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    avg: Quantized | tuple,
+    sent: torch.Tensor,
+    *,
+    beta: float = 1.0,
+    backend: str | None = None,
+    check_values: bool = True,
+) -> None:
+    """``sparse_scatter_merge_`` with avg (k values) given quantized (what it calls for a
+    Quantized avg); dequantized chunk by chunk inside the merge on the cpu backend."""
+    q = as_quantized(avg, "avg")
+    f = as_format(q.fmt)
+    _call(
+        "sparse_scatter_merge_quantized_",
+        _scatter_merge_quantized_impl,
+        x,
+        idx,
+        q.codes,
+        q.scales,
+        f.name,
+        q.block,
+        sent,
+        beta,
+        backend,
+        check_values,
+    )

@@ -38,6 +38,14 @@
 #define LC_EARG 2
 #define LC_ECUDA 3
 
+// Quantized wire formats (lowcomm_kernels/ops/quantize.py FORMATS, in that order): codes of
+// `bits` each (4-bit codes two per byte, low nibble first) and one fp32 scale per `block` elements.
+#define LC_Q_INT8 0
+#define LC_Q_INT4 1
+#define LC_Q_FP8_E4M3 2
+#define LC_Q_FP8_E5M2 3
+#define LC_Q_FP4_E2M1 4
+
 // delta = g - x in wire_dtype (the compute dtype, or bf16); snapshot (may be NULL, compute dtype) = x;
 // *nonfinite = number of non-finite values written to delta. Reads g, x; writes delta, snapshot.
 LOWCOMM_EXPORT int lc_pack(int dtype, int wire_dtype, const void* g, const void* x, void* delta,
@@ -84,6 +92,38 @@ LOWCOMM_EXPORT int lc_fragment_norms(int dtype, const void* buf, const int64_t* 
 // memcpy with non-temporal stores: the honest roofline row of the benchmarks.
 LOWCOMM_EXPORT int lc_copy_nt(void* dst, const void* src, int64_t nbytes);
 
+// ---- quantized wire formats (fmt: LC_Q_*; block: a power of two >= 2; ops/quantize.py is the spec)
+// x non-NULL (pack): e = g - x (+ residual if non-NULL) in dtype's compute type, g / residual /
+// snapshot in the compute type, x of dtype; snapshot (may be NULL) = x; residual <- e - dequant in
+// blocks with a finite scale. x NULL (quantize): e = g, of dtype. Writes codes (payload bytes),
+// scales (ceil(n / block) fp32) and, if non-NULL, *nonfinite = #{i : fp32(e_i) not finite}.
+// sr != 0: stochastic rounding with the stream `key` (the bits of ops/quantize.py sr_key).
+LOWCOMM_EXPORT int lc_pack_quantized(int dtype, int fmt, const void* g, const void* x, void* residual,
+                                     void* snapshot, int64_t n, int64_t block, int sr, int64_t key, void* codes,
+                                     void* scales, int64_t* nonfinite);
+
+// out (n elements of out_dtype) = value(code) * scale in fp32, rounded to out_dtype.
+LOWCOMM_EXPORT int lc_dequantize(int fmt, const void* codes, const void* scales, int64_t n, int64_t block,
+                                 int out_dtype, void* out);
+
+// codes (m rows of payload bytes), scales (m rows of ceil(n / block)): acc = sum over rows 0..m-1
+// of the dequantized rows in fp32, in that order; acc * (float)scale; requantized (to nearest
+// even) into out_codes / out_scales.
+LOWCOMM_EXPORT int lc_reduce_quantized(int fmt, const void* codes, const void* scales, int64_t m, int64_t n,
+                                       int64_t block, double scale, void* out_codes, void* out_scales);
+
+// lc_outer_merge with delta_avg given as codes / scales (dequantized to the compute dtype on the
+// fly, never stored whole).
+LOWCOMM_EXPORT int lc_outer_merge_quantized(int dtype, int fmt, void* g, void* u, const void* codes,
+                                            const void* scales, int64_t block, void* x, const void* x_sent,
+                                            int64_t n, double lr, double momentum, int nesterov, double alpha,
+                                            double beta, double lam, const double* lam_sums);
+
+// lc_sparse_scatter_merge with avg (k values) given as codes / scales.
+LOWCOMM_EXPORT int lc_sparse_scatter_merge_quantized(int dtype, int fmt, void* x, const int64_t* idx, int64_t k,
+                                                     const void* codes, const void* scales, int64_t block,
+                                                     const void* sent, double beta);
+
 // Library identity string.
 LOWCOMM_EXPORT const char* lc_version(void);
 
@@ -116,6 +156,23 @@ LOWCOMM_EXPORT int lc_cuda_sparse_scatter_merge(int dtype, int avg_dtype, void* 
 LOWCOMM_EXPORT int lc_cuda_fragment_norms(int dtype, const void* buf, const int64_t* offsets, int64_t nseg,
                                           int ord, double* out, void* stream);
 LOWCOMM_EXPORT int lc_cuda_copy_nt(void* dst, const void* src, int64_t nbytes, void* stream);
+LOWCOMM_EXPORT int lc_cuda_pack_quantized(int dtype, int fmt, const void* g, const void* x, void* residual,
+                                          void* snapshot, int64_t n, int64_t block, int sr, int64_t key,
+                                          void* codes, void* scales, int64_t* nonfinite, void* stream);
+LOWCOMM_EXPORT int lc_cuda_dequantize(int fmt, const void* codes, const void* scales, int64_t n, int64_t block,
+                                      int out_dtype, void* out, void* stream);
+LOWCOMM_EXPORT int lc_cuda_reduce_quantized(int fmt, const void* codes, const void* scales, int64_t m, int64_t n,
+                                            int64_t block, double scale, void* out_codes, void* out_scales,
+                                            void* stream);
+LOWCOMM_EXPORT int lc_cuda_outer_merge_quantized(int dtype, int fmt, void* g, void* u, const void* codes,
+                                                 const void* scales, int64_t block, void* x, const void* x_sent,
+                                                 int64_t n, double lr, double momentum, int nesterov,
+                                                 double alpha, double beta, double lam, const double* lam_sums,
+                                                 void* stream);
+LOWCOMM_EXPORT int lc_cuda_sparse_scatter_merge_quantized(int dtype, int fmt, void* x, const int64_t* idx,
+                                                          int64_t k, const void* codes, const void* scales,
+                                                          int64_t block, const void* sent, double beta,
+                                                          void* stream);
 LOWCOMM_EXPORT const char* lc_cuda_version(void);
 LOWCOMM_EXPORT const char* lc_cuda_last_error(void);
 

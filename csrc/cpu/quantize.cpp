@@ -1,0 +1,386 @@
+// The quantized wire formats on the CPU (lowcomm_kernels/ops/quantize.py is the specification;
+// the per-element maths is csrc/include/lowcomm/quant.h):
+//   lc_pack_quantized              e = g - x (+ residual) or e = v, quantized per block; snapshot,
+//                                  non-finite count and the error-feedback residual in the same pass
+//   lc_dequantize                  codes, scales -> values
+//   lc_reduce_quantized            sum of M quantized chunks in fp32, scaled, requantized
+//   lc_outer_merge_quantized       outer_merge with the averaged delta dequantized on the fly
+//   lc_sparse_scatter_merge_quantized
+//
+// Work is split into whole blocks (so a 4-bit byte never straddles two threads). A block is read
+// twice: once for its absmax, once to quantize it; for blocks of <= 16K elements the second read
+// comes from the cache, so memory sees one pass. The merges dequantize kChunk elements at a time
+// into a buffer on the stack and run the dense kernel on it: Δ̄ never exists in memory as a whole.
+
+#include <string.h>
+
+#include <type_traits>
+
+#include "cpu_common.h"
+#include "lowcomm/quant.h"
+
+namespace lowcomm {
+namespace cpu {
+namespace {
+
+// e_i of the quantized pack: g - x (+ r) in T, or the input itself (quantize: X = T = v's dtype).
+template <class T, class X, bool kPack, bool kRes>
+struct Source {
+  const T* g;
+  const X* x;
+  const T* r;
+  LC_HD T at(int64_t i) const {
+    if constexpr (kPack) {
+      T e = g[i] - cast<T>(x[i]);
+      if constexpr (kRes) e = e + r[i];
+      return e;
+    } else {
+      return cast<T>(x[i]);
+    }
+  }
+};
+
+template <class X>
+LC_HD float to_f32(X v) { return cast<float>(v); }
+
+// Quantizes blocks [b0, b1) of the n elements: scales, codes, snapshot (kSnap), residual (kRes,
+// left alone in non-finite blocks); returns the non-finite count.
+template <class T, class X, bool kPack, bool kRes, bool kSnap, bool kSR, int kBits>
+int64_t quantize_blocks(const QFmt& f, const Source<T, X, kPack, kRes>& src, const X* x, T* snap, T* res,
+                        int64_t n, int64_t block, uint64_t key, uint8_t* codes, float* scales, int64_t b0,
+                        int64_t b1) {
+  int64_t bad = 0;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
+    uint32_t amax = 0;
+    int64_t blk_bad = 0;
+    for (int64_t i = lo; i < hi; ++i) {
+      const float w = to_f32(src.at(i));
+      const uint32_t a = f32_bits(w) & 0x7FFFFFFFu;
+      amax = a > amax ? a : amax;
+      blk_bad += a >= 0x7F800000u ? 1 : 0;
+      if constexpr (kSnap) snap[i] = cast<T>(x[i]);
+    }
+    bad += blk_bad;
+    const float s = q_scale(f, amax);
+    scales[b] = s;
+    const bool ok = q_scale_ok(s);
+    if constexpr (kBits == 8) {
+      if (!ok) {
+        memset(codes + lo, 0, static_cast<size_t>(hi - lo));
+      } else {
+        for (int64_t i = lo; i < hi; ++i) {
+          const T e = src.at(i);
+          const float u = kSR ? q_uniform(key, static_cast<uint64_t>(i)) : 0.0f;
+          const uint32_t c = q_encode<kSR>(f, to_f32(e), s, u);
+          codes[i] = static_cast<uint8_t>(c);
+          if constexpr (kRes) res[i] = e - static_cast<T>(q_value(f, c) * s);
+        }
+      }
+    } else {
+      // block is even, so lo is; an odd n ends in one half-filled byte.
+      if (!ok) {
+        memset(codes + lo / 2, 0, static_cast<size_t>((hi - lo + 1) / 2));
+      } else {
+        for (int64_t i = lo; i < hi; i += 2) {
+          uint32_t pair = 0;
+          for (int j = 0; j < 2 && i + j < hi; ++j) {
+            const T e = src.at(i + j);
+            const float u = kSR ? q_uniform(key, static_cast<uint64_t>(i + j)) : 0.0f;
+            const uint32_t c = q_encode<kSR>(f, to_f32(e), s, u);
+            pair |= c << (4 * j);
+            if constexpr (kRes) res[i + j] = e - static_cast<T>(q_value(f, c) * s);
+          }
+          codes[i / 2] = static_cast<uint8_t>(pair);
+        }
+      }
+    }
+  }
+  return bad;
+}
+
+template <class T, class X, bool kPack, bool kRes, bool kSnap, bool kSR, int kBits>
+int64_t quantize_all(const QFmt& f, const T* g, const X* x, T* snap, T* res, int64_t n, int64_t block,
+                     uint64_t key, uint8_t* codes, float* scales) {
+  const Source<T, X, kPack, kRes> src{g, x, res};
+  const int64_t nb = q_num_scales(n, block);
+  auto run = [&](int64_t b0, int64_t b1) {
+    return quantize_blocks<T, X, kPack, kRes, kSnap, kSR, kBits>(f, src, x, snap, res, n, block, key, codes,
+                                                                  scales, b0, b1);
+  };
+  if (n < kParallelMin) return run(0, nb);
+  int64_t bad = 0;
+#pragma omp parallel reduction(+ : bad)
+  {
+    int64_t b0, b1;
+    thread_range(nb, omp_get_thread_num(), omp_get_num_threads(), 1, b0, b1);
+    bad += run(b0, b1);
+  }
+  return bad;
+}
+
+// Runtime flags -> template arguments.
+template <class T, class X, bool kPack>
+int64_t quantize_dispatch(const QFmt& f, const T* g, const X* x, T* snap, T* res, int64_t n, int64_t block,
+                          int sr, uint64_t key, uint8_t* codes, float* scales) {
+  auto by_bits = [&](auto res_c, auto snap_c, auto sr_c) -> int64_t {
+    constexpr bool kRes = decltype(res_c)::value, kSnap = decltype(snap_c)::value, kSR = decltype(sr_c)::value;
+    if (f.bits == 8)
+      return quantize_all<T, X, kPack, kRes, kSnap, kSR, 8>(f, g, x, snap, res, n, block, key, codes, scales);
+    return quantize_all<T, X, kPack, kRes, kSnap, kSR, 4>(f, g, x, snap, res, n, block, key, codes, scales);
+  };
+  using Y = std::true_type;
+  using N = std::false_type;
+  auto by_sr = [&](auto res_c, auto snap_c) -> int64_t {
+    return sr ? by_bits(res_c, snap_c, Y{}) : by_bits(res_c, snap_c, N{});
+  };
+  if constexpr (!kPack) return by_sr(N{}, N{});
+  if (res && snap) return by_sr(Y{}, Y{});
+  if (res) return by_sr(Y{}, N{});
+  if (snap) return by_sr(N{}, Y{});
+  return by_sr(N{}, N{});
+}
+
+// Decodes the codes of elements [lo, hi) (lo even) into out (out[0] is element lo), in fp32.
+inline void dequantize_span(const QFmt& f, const float* table, const uint8_t* codes, const float* scales,
+                            int64_t block, int64_t lo, int64_t hi, float* out) {
+  if (f.bits == 8) {
+    for (int64_t i = lo; i < hi; ++i) out[i - lo] = table[codes[i]] * scales[i / block];
+  } else {
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint32_t c = (codes[i >> 1] >> (4 * (i & 1))) & 0xF;
+      out[i - lo] = table[c] * scales[i / block];
+    }
+  }
+}
+
+inline void fill_table(const QFmt& f, float* table) {
+  for (uint32_t c = 0; c < (1u << f.bits); ++c) table[c] = q_value(f, c);
+}
+
+// Elements per dequantized chunk of the merges and the reduction: 32 KB of fp32 on the stack,
+// which stays in L1/L2 between being written and read.
+constexpr int64_t kChunk = 8192;
+
+// Runs body(lo, hi) over [0, n) in chunks of kChunk, split across threads when n is large.
+template <class F>
+void for_chunks(int64_t n, F&& body) {
+  const int64_t nc = (n + kChunk - 1) / kChunk;
+  auto run = [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) body(c * kChunk, (c + 1) * kChunk < n ? (c + 1) * kChunk : n);
+  };
+  if (n < kParallelMin) {
+    run(0, nc);
+    return;
+  }
+#pragma omp parallel
+  {
+    int64_t c0, c1;
+    thread_range(nc, omp_get_thread_num(), omp_get_num_threads(), 1, c0, c1);
+    run(c0, c1);
+  }
+}
+
+int check_fmt_block(const char* op, int fmt, int64_t block, QFmt& f) {
+  if (!qfmt_of(fmt, f)) return fail(LC_EARG, op, "fmt = %d is not a format code (LC_Q_*)", fmt);
+  if (block < 2 || (block & (block - 1)) != 0)
+    return fail(LC_EARG, op, "block = %lld is not a power of two >= 2", static_cast<long long>(block));
+  return LC_OK;
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace lowcomm
+
+using namespace lowcomm;
+using namespace lowcomm::cpu;
+
+LOWCOMM_EXPORT int lc_pack_quantized(int dtype, int fmt, const void* g, const void* x, void* residual,
+                                     void* snapshot, int64_t n, int64_t block, int sr, int64_t key,
+                                     void* codes, void* scales, int64_t* nonfinite) {
+  static const char* const op = "lc_pack_quantized";
+  QFmt f;
+  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
+  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
+  if (n > 0 && (!g || !codes || !scales))
+    return fail(LC_EARG, op, "%s is NULL", !g ? "g" : !codes ? "codes" : "scales");
+  if (!x && (residual || snapshot)) return fail(LC_EARG, op, "residual / snapshot given without x");
+  const uint64_t k = static_cast<uint64_t>(key);
+  auto* cp = static_cast<uint8_t*>(codes);
+  auto* sp = static_cast<float*>(scales);
+  int64_t bad = 0;
+  const int rc = dispatch_data(op, dtype, [&](auto xt) {
+    using X = decltype(xt);
+    using T = typename Master<X>::type;
+    if (x) {
+      bad = quantize_dispatch<T, X, true>(f, static_cast<const T*>(g), static_cast<const X*>(x),
+                                          static_cast<T*>(snapshot), static_cast<T*>(residual), n, block, sr, k,
+                                          cp, sp);
+    } else {  // quantize v = g of dtype X
+      bad = quantize_dispatch<T, X, false>(f, nullptr, static_cast<const X*>(g), nullptr, nullptr, n, block, sr,
+                                           k, cp, sp);
+    }
+  });
+  if (rc == LC_OK && nonfinite) *nonfinite = bad;
+  return rc;
+}
+
+LOWCOMM_EXPORT int lc_dequantize(int fmt, const void* codes, const void* scales, int64_t n, int64_t block,
+                                 int out_dtype, void* out) {
+  static const char* const op = "lc_dequantize";
+  QFmt f;
+  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
+  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
+  if (n > 0 && (!codes || !scales || !out))
+    return fail(LC_EARG, op, "%s is NULL", !codes ? "codes" : !scales ? "scales" : "out");
+  float table[256];
+  fill_table(f, table);
+  const auto* cp = static_cast<const uint8_t*>(codes);
+  const auto* sp = static_cast<const float*>(scales);
+  return dispatch_data(op, out_dtype, [&](auto ot) {
+    using O = decltype(ot);
+    O* op_ = static_cast<O*>(out);
+    for_chunks(n, [&](int64_t lo, int64_t hi) {
+      if constexpr (std::is_same<O, float>::value) {
+        dequantize_span(f, table, cp, sp, block, lo, hi, op_ + lo);
+      } else {
+        float buf[kChunk];
+        dequantize_span(f, table, cp, sp, block, lo, hi, buf);
+        for (int64_t i = lo; i < hi; ++i) op_[i] = cast<O>(buf[i - lo]);
+      }
+    });
+  });
+}
+
+LOWCOMM_EXPORT int lc_reduce_quantized(int fmt, const void* codes, const void* scales, int64_t m, int64_t n,
+                                       int64_t block, double scale, void* out_codes, void* out_scales) {
+  static const char* const op = "lc_reduce_quantized";
+  QFmt f;
+  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
+  if (n < 0 || m < 1)
+    return fail(LC_EARG, op, "%s = %lld is out of range", n < 0 ? "n" : "m", static_cast<long long>(n < 0 ? n : m));
+  if (n > 0 && (!codes || !scales || !out_codes || !out_scales)) return fail(LC_EARG, op, "a buffer is NULL");
+  float table[256];
+  fill_table(f, table);
+  const auto* cp = static_cast<const uint8_t*>(codes);
+  const auto* sp = static_cast<const float*>(scales);
+  const int64_t pstride = q_payload_bytes(f, n), sstride = q_num_scales(n, block);
+  const float sc = static_cast<float>(scale);
+  // Chunks of whole blocks (at least kChunk elements): each is summed, scaled and requantized alone.
+  const int64_t span = block > kChunk ? block : kChunk;
+  const int64_t nspan = (n + span - 1) / span;
+  auto run = [&](int64_t c0, int64_t c1) {
+    float* acc = new float[span];
+    float* tmp = new float[span];
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t lo = c * span, hi = lo + span < n ? lo + span : n;
+      for (int64_t i = 0; i < hi - lo; ++i) acc[i] = 0.0f;
+      for (int64_t j = 0; j < m; ++j) {
+        dequantize_span(f, table, cp + j * pstride, sp + j * sstride, block, lo, hi, tmp);
+        for (int64_t i = 0; i < hi - lo; ++i) acc[i] = acc[i] + tmp[i];
+      }
+      for (int64_t i = 0; i < hi - lo; ++i) acc[i] = acc[i] * sc;
+      // quantize acc as elements [lo, hi): the blocks are whole (lo is a multiple of block)
+      const Source<float, float, false, false> src{nullptr, acc - lo, nullptr};
+      auto* oc = static_cast<uint8_t*>(out_codes);
+      auto* os = static_cast<float*>(out_scales);
+      const int64_t b0 = lo / block, b1 = q_num_scales(hi, block);
+      if (f.bits == 8)
+        quantize_blocks<float, float, false, false, false, false, 8>(f, src, nullptr, nullptr, nullptr, hi, block, 0,
+                                                                    oc, os, b0, b1);
+      else
+        quantize_blocks<float, float, false, false, false, false, 4>(f, src, nullptr, nullptr, nullptr, hi, block, 0,
+                                                                    oc, os, b0, b1);
+    }
+    delete[] acc;
+    delete[] tmp;
+  };
+  if (n * m < kParallelMin) {
+    run(0, nspan);
+  } else {
+#pragma omp parallel
+    {
+      int64_t c0, c1;
+      thread_range(nspan, omp_get_thread_num(), omp_get_num_threads(), 1, c0, c1);
+      run(c0, c1);
+    }
+  }
+  return LC_OK;
+}
+
+LOWCOMM_EXPORT int lc_outer_merge_quantized(int dtype, int fmt, void* g, void* u, const void* codes,
+                                            const void* scales, int64_t block, void* x, const void* x_sent,
+                                            int64_t n, double lr, double momentum, int nesterov, double alpha,
+                                            double beta, double lam, const double* lam_sums) {
+  static const char* const op = "lc_outer_merge_quantized";
+  QFmt f;
+  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
+  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
+  if (n > 0 && (!codes || !scales)) return fail(LC_EARG, op, "%s is NULL", !codes ? "codes" : "scales");
+  float table[256];
+  fill_table(f, table);
+  const auto* cp = static_cast<const uint8_t*>(codes);
+  const auto* sp = static_cast<const float*>(scales);
+  int status = LC_OK;
+  const int rc = dispatch_data(op, dtype, [&](auto xt) {
+    using X = decltype(xt);
+    using T = typename Master<X>::type;
+    const int avg_dtype = sizeof(T) == 8 ? LC_F64 : LC_F32;
+    for_chunks(n, [&](int64_t lo, int64_t hi) {
+      float buf[kChunk];
+      T wide[std::is_same<T, float>::value ? 1 : kChunk];
+      dequantize_span(f, table, cp, sp, block, lo, hi, buf);
+      const void* avg = buf;
+      if constexpr (!std::is_same<T, float>::value) {
+        for (int64_t i = 0; i < hi - lo; ++i) wide[i] = buf[i];
+        avg = wide;
+      }
+      const int r = lc_outer_merge(dtype, avg_dtype, static_cast<T*>(g) + lo, u ? static_cast<T*>(u) + lo : nullptr,
+                                   avg, static_cast<X*>(x) + lo,
+                                   x_sent ? static_cast<const T*>(x_sent) + lo : nullptr, hi - lo, lr, momentum,
+                                   nesterov, alpha, beta, lam, lam_sums);
+      if (r != LC_OK) {
+#pragma omp atomic write
+        status = r;
+      }
+    });
+  });
+  return rc != LC_OK ? rc : status;
+}
+
+LOWCOMM_EXPORT int lc_sparse_scatter_merge_quantized(int dtype, int fmt, void* x, const int64_t* idx, int64_t k,
+                                                     const void* codes, const void* scales, int64_t block,
+                                                     const void* sent, double beta) {
+  static const char* const op = "lc_sparse_scatter_merge_quantized";
+  QFmt f;
+  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
+  if (k < 0) return fail(LC_EARG, op, "k = %lld is negative", static_cast<long long>(k));
+  if (k > 0 && (!codes || !scales)) return fail(LC_EARG, op, "%s is NULL", !codes ? "codes" : "scales");
+  float table[256];
+  fill_table(f, table);
+  const auto* cp = static_cast<const uint8_t*>(codes);
+  const auto* sp = static_cast<const float*>(scales);
+  int status = LC_OK;
+  const int rc = dispatch_data(op, dtype, [&](auto xt) {
+    using X = decltype(xt);
+    using T = typename Master<X>::type;
+    const int avg_dtype = sizeof(T) == 8 ? LC_F64 : LC_F32;
+    for_chunks(k, [&](int64_t lo, int64_t hi) {
+      float buf[kChunk];
+      T wide[std::is_same<T, float>::value ? 1 : kChunk];
+      dequantize_span(f, table, cp, sp, block, lo, hi, buf);
+      const void* avg = buf;
+      if constexpr (!std::is_same<T, float>::value) {
+        for (int64_t i = 0; i < hi - lo; ++i) wide[i] = buf[i];
+        avg = wide;
+      }
+      const int r = lc_sparse_scatter_merge(dtype, avg_dtype, x, idx + lo, hi - lo, avg,
+                                            static_cast<const T*>(sent) + lo, beta);
+      if (r != LC_OK) {
+#pragma omp atomic write
+        status = r;
+      }
+    });
+  });
+  return rc != LC_OK ? rc : status;
+}
