@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .sharding import local
 from .transport import SyncError, Transport
 
 
@@ -107,7 +108,7 @@ def broadcast_module_state(
     """Every rank takes group-rank 0's flat parameter buffer, frozen parameters and buffers."""
     if transport.world == 1:
         return
-    extra = [p.data for p in model.parameters() if id(p) not in trainable]
+    extra = [local(p.data) for p in model.parameters() if id(p) not in trainable]  # DTensor: its shard
     extra += [b for b in model.buffers()]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in extra:

@@ -51,6 +51,7 @@ from .checkpoint import CheckpointError, expect_tensor, read_checkpoint, write_c
 from .fragments import FlatFragments, FragmentSpec
 from .log import rank_logger
 from .metrics import RuntimeMetrics, SyncRecord
+from .sharding import local, refuse_sharded_checkpoint, sharding_fields
 from .transport import WAN, Transport
 
 FORMAT_VERSION = 2
@@ -182,6 +183,7 @@ class Strategy(abc.ABC):
         }
         fields.update({k: _plain(v) for k, v in self._config_fields().items()})
         fields.update(module_fields(self.model, self.frags.names))
+        fields.update(sharding_fields(self.model))  # replicas must hold the same shard of each DTensor
         fields["fragment sizes"] = self.frags.sizes()
         # the layout of the flat buffer: same names and shapes in another order would average
         # one parameter with another
@@ -302,7 +304,9 @@ class Strategy(abc.ABC):
         for p in params:
             st = self.inner_optimizer.state.get(p)
             if isinstance(st, dict):
-                out += [v for v in st.values() if isinstance(v, torch.Tensor) and v.is_floating_point()]
+                # a DTensor parameter's state is sharded like it: its local shard, no communication
+                out += [local(v) for v in st.values() if isinstance(v, torch.Tensor)]
+        out = [v for v in out if v.is_floating_point()]
         return [v for v in out if v.numel() > 0]
 
     def _hidden_nonfinite(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -637,6 +641,7 @@ class Strategy(abc.ABC):
     def save_checkpoint(self, path: str | os.PathLike) -> None:
         """Write strategy + model + inner-optimizer state of THIS rank to ``path`` atomically and
         with a checksum (see ``runtime.checkpoint``). One file per rank."""
+        refuse_sharded_checkpoint(self.model, "save_checkpoint")
         obj = {
             "format_version": FORMAT_VERSION,
             "shape": self.shape(),
@@ -651,6 +656,7 @@ class Strategy(abc.ABC):
         """Restore what ``save_checkpoint`` wrote. Refuses, with ``CheckpointError`` and nothing
         changed, a file that fails its checksum, belongs to another method, model or world size,
         holds a tensor of the wrong dtype or shape, or was written with another inner optimizer."""
+        refuse_sharded_checkpoint(self.model, "load_checkpoint")
         obj = read_checkpoint(path)
         self._check_shape(obj)
         self._validate(obj.get("strategy"))

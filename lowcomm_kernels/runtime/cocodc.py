@@ -32,6 +32,7 @@ from .checkpoint import CheckpointError, expect_int
 from .dense import DenseStrategy, Pending
 from .host import DeviceToHost
 from .schedule import LAM_MODES, SCORES, check_cocodc_schedule, cocodc_max_syncs, fragment_schedule
+from .sharding import check_sharded_cocodc
 
 
 class CoCoDC(DenseStrategy):
@@ -61,6 +62,7 @@ class CoCoDC(DenseStrategy):
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         self.score = score
+        check_sharded_cocodc(model, score, syncs_per_period, lam_mode)
         super().__init__(
             model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau,
             outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,

@@ -25,6 +25,8 @@ from typing import Union
 import torch
 from torch import nn
 
+from .sharding import attach, bind_fsdp, buffer_numel, extra_view_problem, viewing, views_slot
+
 FragmentSpec = Union[None, Sequence[object], Callable[[nn.Module], Sequence[object]]]  # noqa: UP007 (runtime alias)
 
 
@@ -122,6 +124,7 @@ class FlatFragments:
     """
 
     def __init__(self, model: nn.Module, num_fragments: int, fragments: FragmentSpec = None) -> None:
+        bind_fsdp(model)  # FSDP2: resharded, each parameter tagged with the padded shard it all-gathers
         groups = plan_fragments(model, num_fragments, fragments)
         in_model = {id(p) for p in model.parameters()}
         for f, grp in enumerate(groups):
@@ -149,21 +152,21 @@ class FlatFragments:
         self.params = groups
         bounds = [0]
         for grp in groups:
-            bounds.append(bounds[-1] + sum(p.numel() for p in grp))
+            bounds.append(bounds[-1] + sum(buffer_numel(p) for p in grp))
         self.bounds = bounds
         self.flat = torch.empty(bounds[-1], dtype=self.dtype, device=self.device)
         off = 0
         with torch.no_grad():
             for grp in groups:
                 for p in grp:
-                    view = self.flat[off : off + p.numel()].view_as(p)
-                    view.copy_(p.data)
-                    p.data = view  # same Parameter object: optimizer refs and state stay valid
-                    off += p.numel()
+                    # same Parameter object: optimizer refs and state stay valid; a DTensor's local
+                    # shard views the buffer instead (runtime/sharding.py)
+                    attach(p, self.flat[off : off + buffer_numel(p)])
+                    off += buffer_numel(p)
         self.offsets = torch.tensor(bounds, dtype=torch.int64, device=self.device)
         qual = {id(p): n for n, p in model.named_parameters()}
         self.names = [[qual[id(p)] for p in grp] for grp in groups]
-        self.shapes = [[p.shape for p in grp] for grp in groups]  # as wrapped: a view keeps these
+        self.shapes = [[viewing(p).shape for p in grp] for grp in groups]  # as wrapped: a view keeps these
 
     @property
     def num_fragments(self) -> int:
@@ -188,7 +191,7 @@ class FlatFragments:
         buffer; otherwise a sentence naming the first one that does not (``model.to()``,
         ``model.double()``, ``param.data = ...`` or ``load_state_dict(assign=True)`` after wrapping).
         A pointer comparison per parameter: cheap enough to run at every sync."""
-        base, size, off = self.flat.data_ptr(), self.flat.element_size(), 0
+        off = 0
         for f, grp in enumerate(self.params):
             for i, p in enumerate(grp):
                 name = self.names[f][i]
@@ -202,9 +205,10 @@ class FlatFragments:
                         "after wrapping (e.g. by load_state_dict(assign=True)); the strategy and the "
                         "inner optimizer still hold the old one"
                     )
-                d = p.data
+                d = viewing(p)
                 if (
-                    d.data_ptr() != base + off * size
+                    not views_slot(d, self.flat, off)
+                    or extra_view_problem(p) is not None
                     or d.dtype != self.flat.dtype
                     or d.device != self.flat.device
                     or d.shape != self.shapes[f][i]
@@ -215,7 +219,7 @@ class FlatFragments:
                         f"(it is now {d.dtype} on {d.device}): param.data was reassigned after wrapping "
                         "(by model.to(), model.double(), p.data = ... or the like)"
                     )
-                off += p.numel()
+                off += buffer_numel(p)
         return None
 
     def check_views(self, model: nn.Module) -> None:
