@@ -6,6 +6,7 @@ Loaded by file path on spawned ranks (``spawn_local``), so imports are absolute.
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 
@@ -34,13 +35,39 @@ def _sharded_model(mesh, rank: int, sc: dict):
     return model
 
 
+def _dtensor_model(mesh):
+    """distribute_tensor without FSDP (tensor-parallel style): Shard(0) everywhere but the output
+    layer, which is replicated (a (1, 8) Shard(0) weight gets a Shard(1) gradient, which DTensor's
+    in-place SGD update cannot take)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    model = make_model(torch.float64)
+    for mod in model.modules():
+        for n, p in list(mod.named_parameters(recurse=False)):
+            pl = [Replicate()] if mod is model.out else [Shard(0)]
+            setattr(mod, n, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, pl)))
+    return model
+
+
+def _loss(model, rank: int, t: int, dtensor: bool):
+    if not dtensor:
+        return loss_fn(model, *batch(rank, t, torch.float64))
+    from torch.distributed.tensor import DTensor, Replicate
+
+    # tensor-parallel: both ranks of a region compute on the region's batch (its first rank's)
+    x, y = batch(rank - rank % 2, t, torch.float64)
+    out = model(DTensor.from_local(x, model.inp.weight.device_mesh, [Replicate()]))
+    return ((out.full_tensor() - y) ** 2).mean()
+
+
 def sharded_run(rank: int, world: int, scenarios: list[dict]) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replica", "shard"))
     out = {}
     for sc in scenarios:
-        model = _sharded_model(mesh["shard"], rank, sc)
+        dtensor = bool(sc.get("dtensor"))
+        model = _dtensor_model(mesh["shard"]) if dtensor else _sharded_model(mesh["shard"], rank, sc)
         opt = make_opt(model)
         if sc.get("forward_first"):  # FSDP's lazy initialisation runs before the strategy wraps
             with torch.no_grad():
@@ -62,12 +89,15 @@ def sharded_run(rank: int, world: int, scenarios: list[dict]) -> dict:
             holder.append(st)
             with st:
                 for t in range(1, sc["T"] + 1):
-                    x, y = batch(rank, t, torch.float64)
-                    loss_fn(model, x, y).backward()
+                    _loss(model, rank, t, dtensor).backward()
                     opt.step()
                     opt.zero_grad()
             view_problem = st.frags.broken_view(model)
             sizes = st.frags.sizes()
+            buf = io.BytesIO()  # the strategy's own state: plain tensors, loadable with weights_only
+            torch.save(st.state_dict(), buf)
+            buf.seek(0)
+            st.load_state_dict(torch.load(buf, weights_only=True))
             try:
                 st.save_checkpoint(os.path.join(tempfile.gettempdir(), f"never_written_{os.getpid()}.pt"))
                 ckpt = "written"
