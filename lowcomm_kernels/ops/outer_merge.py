@@ -263,6 +263,7 @@ def outer_merge_(
             (then never read either).
         delta_avg: averaged pseudo-gradient Δ̄, g's numel, g's dtype or bfloat16 (the wire
             dtype), contiguous. Read only.
+            Or a ``Quantized`` (codes, scales, fmt, block) of g's numel, dequantized inside the merge.
         x: local parameters, g's numel/dtype/device, contiguous. Mutated (the merge).
         x_sent: snapshot of x at send time (pack's snapshot), g's numel/dtype, contiguous; required
             when beta or lam is non-zero, else unused. Read only.
@@ -280,6 +281,11 @@ def outer_merge_(
     Raises:
         TypeError / ValueError naming the argument, before anything is written.
     """
+    if not isinstance(delta_avg, torch.Tensor):  # a quantized Δ̄: ops/quantize.py merges it
+        from .quantize import outer_merge_quantized_
+
+        kw = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "alpha": alpha, "beta": beta, "lam": lam}
+        return outer_merge_quantized_(g, u, delta_avg, x, x_sent, **kw, lam_mode=lam_mode, backend=backend)
     args = (g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend)
     if compiling():
         traced_call("outer_merge_", *args)

@@ -191,6 +191,7 @@ def sparse_scatter_merge_(
         idx: (k,) int64 on x's device, contiguous, strictly increasing (as mask_indices returns
             it; with a duplicate the result would depend on write order), entries in [0, x.numel()).
         avg: (k,) of x's dtype or bfloat16 (the wire dtype), contiguous. Read only.
+            Or a ``Quantized`` (codes, scales, fmt, block) of k values, dequantized inside the merge.
         sent: (k,) of x's dtype, contiguous: x[idx] when it was sent. Read only.
         beta: finite, >= 0.
         backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
@@ -207,6 +208,11 @@ def sparse_scatter_merge_(
     Raises:
         TypeError / ValueError naming the argument, before anything is written.
     """
+    if not isinstance(avg, torch.Tensor):  # a quantized avg: ops/quantize.py merges it
+        from .quantize import sparse_scatter_merge_quantized_
+
+        kw = {"beta": beta, "backend": backend, "check_values": check_values}
+        return sparse_scatter_merge_quantized_(x, idx, avg, sent, **kw)
     if compiling():
         traced_call("sparse_scatter_merge_", x, idx, avg, sent, beta, backend, check_values)
     else:
