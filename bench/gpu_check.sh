@@ -8,7 +8,8 @@
 #               (bench/gpu_correctness.py)                                                     <= 120 s
 #   3. pytest   `pytest -m gpu tests` (the ops' tests parametrized on cuda)                     <= 90 s
 #   4. runtime  the four strategies on the GPU against the float64 simulator (one-rank NCCL group,
-#               two gloo ranks with CUDA tensors), host syncs under set_sync_debug_mode, overlap
+#               two gloo ranks with CUDA tensors; DiLoCo and Streaming DiLoCo also on an FSDP2-
+#               sharded model), host syncs under set_sync_debug_mode, overlap
 #               over an emulated WAN (bench/gpu_runtime.py)                                     <= 90 s
 #   5. bench    every op's result checked against the ref, then its bandwidth against a device
 #               copy of the same bytes at 64M elements (bench/gpu_bench.py)                     <= 90 s
@@ -38,7 +39,7 @@ bench_args=()
 for arg in "$@"; do
   case "$arg" in
     --dry-run) dry=1 ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) bench_args+=("$arg") ;;
   esac
 done

@@ -14,7 +14,10 @@ same thing it means in tests/runtime:
     where ``rt_sim`` ends with M = 1. ``torch.cuda._sleep`` is enqueued right before every pack
     (``ops.pack``; LOSCAR's ``ops.sparse_gather``), so a consumer that does not wait for the compute
     stream (the side-stream collective, the host mirror of the control vector, a score read) sees
-    data that is not written yet: a wrong result rather than a lucky one;
+    data that is not written yet: a wrong result rather than a lucky one. DiLoCo and Streaming
+    DiLoCo once more with the model sharded by FSDP2 ``fully_shard`` over the one-rank mesh: the
+    parameters are DTensors and FSDP all-gathers (on its own CUDA streams) from the strategy's
+    flat buffer (runtime/sharding.py); the gathered model must end where ``rt_sim`` ends;
 (b) two processes on the same GPU (NCCL refuses two ranks on one device), gloo with CUDA tensors,
     started by ``runtime.launch.spawn_local``: the four strategies against ``rt_sim`` with M = 2
     (configurations of tests/runtime/test_strategies.py), with the same delay before each pack; here
@@ -121,6 +124,25 @@ def train(sc: dict, rank: int, dev: torch.device, steps: int | None = None, **ex
         st.step()
     return {"params": {k: v.detach().cpu().clone() for k, v in model.named_parameters()},
             "syncs": st.metrics.num_syncs, "skipped": st.metrics.num_skipped}
+
+
+def train_fsdp2(sc: dict, dev: torch.device) -> dict:
+    """``train`` with the model sharded by FSDP2 over a one-rank mesh of the default group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(dev.type, (1,))
+    model = make_model(torch.float64).to(dev)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = make_opt(model)
+    st = CLASSES[sc["cls"]](model, opt, **sc["kw"])
+    for t in range(1, sc["T"] + 1):
+        inner_step(model, opt, 0, t, dev)
+        st.step()
+    full = {k: v.full_tensor().detach().cpu().clone() for k, v in model.named_parameters()}
+    return {"params": full, "syncs": st.metrics.num_syncs, "skipped": st.metrics.num_skipped}
 
 
 def simulate(sc: dict, M: int) -> list[dict]:
@@ -293,6 +315,10 @@ def one_rank(dev: torch.device, rows: list[dict], save) -> None:
             for sc in SIZE1:
                 run = guarded(lambda sc=sc: train(sc, 0, dev))
                 rows.append(verdict("a", f"{sc['name']} ({backend}, 1 rank)", run, simulate(sc, 1)[0]))
+                save()
+            for sc in SIZE1[:2]:  # DiLoCo, Streaming DiLoCo on FSDP2 DTensor parameters
+                run = guarded(lambda sc=sc: train_fsdp2(sc, dev))
+                rows.append(verdict("a", f"{sc['name']} ({backend}, 1 rank, FSDP2)", run, simulate(sc, 1)[0]))
                 save()
         if dev.type == "cuda":
             rows.extend(sync_debug(dev))
