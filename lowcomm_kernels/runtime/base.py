@@ -48,6 +48,7 @@ from ..profiling import nvtx_range
 from .agreement import agree, broadcast_buffers, broadcast_module_state, module_fields
 from .amp import GradScalerError, ScalerCounter, check_scaler, scaler_on_stack, unannounced_scaler_message
 from .checkpoint import CheckpointError, expect_tensor, read_checkpoint, write_checkpoint
+from .compression import DEFAULT_QUANT_BLOCK, QuantizedAllReduce, check_error_feedback, resolve_wire_format
 from .fragments import FlatFragments, FragmentSpec
 from .log import rank_logger
 from .metrics import RuntimeMetrics, SyncRecord
@@ -109,6 +110,8 @@ class Strategy(abc.ABC):
         metrics_callback: Callable[[SyncRecord], None] | None = None,
         guard_every: int = 0,
         grad_scaler: torch.amp.GradScaler | None = None,
+        quant_block: int = DEFAULT_QUANT_BLOCK,
+        error_feedback: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -138,6 +141,12 @@ class Strategy(abc.ABC):
             for p in grp:
                 setattr(p, _OWNER, weakref.ref(self))
         dtype = self.frags.dtype
+        # a name of schedule.WIRE_FORMATS or a dtype; a quantized format's averaged result arrives in
+        # the outer state's dtype, which wire_dtype then names (runtime.compression)
+        self.wire = resolve_wire_format(wire_dtype, quant_block, dtype, self.frags.dtype)
+        self.error_feedback = check_error_feedback(error_feedback, self.wire)
+        self.quantized: QuantizedAllReduce | None = None  # started once the ranks agreed (_join_group)
+        wire_dtype = self.wire.dtype
         if wire_dtype is None:
             wire_dtype = dtype
         if wire_dtype not in (dtype, torch.bfloat16):
@@ -175,6 +184,9 @@ class Strategy(abc.ABC):
             "method": self.method,
             "process group size": self.world,
             "wire_dtype": str(self.wire_dtype),
+            "wire format": self.wire.name,
+            "quant_block": self.wire.block,
+            "error_feedback": self.error_feedback,
             "on_nonfinite": self.on_nonfinite,
             "max_nonfinite_syncs": self.max_nonfinite_syncs,
             "guard_every": self.guard_every,
@@ -191,6 +203,8 @@ class Strategy(abc.ABC):
         agree(self.transport, fields, self.method)
         trainable = {id(p) for grp in self.frags.params for p in grp}
         broadcast_module_state(self.transport, self.frags.flat, self.model, trainable)
+        if self.wire.quant is not None:  # collective: a process group of its own (runtime.compression)
+            self.quantized = QuantizedAllReduce(self.transport, self.wire)
 
     @abc.abstractmethod
     def _config_fields(self) -> dict[str, Any]:
@@ -203,6 +217,8 @@ class Strategy(abc.ABC):
             self._hook = None
         self._remove_scaler_counter()
         self._close_compute_range()
+        if self.quantized is not None:
+            self.quantized.close()
         for grp in self.frags.params:
             for p in grp:
                 if getattr(p, _OWNER, None) is not None and getattr(p, _OWNER)() is self:

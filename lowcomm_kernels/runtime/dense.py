@@ -31,6 +31,7 @@ from .. import ops
 from .._checks import integer, scalar
 from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
+from .compression import pack_quantized
 from .schedule import check_streaming_schedule, fragment_schedule
 from .transport import Handle
 
@@ -97,6 +98,11 @@ class DenseStrategy(Strategy):
         self.u = self._outer_buffer()
         self.pending: list[Pending] = []
         self.metrics.extra_memory_bytes = 2 * self.g.numel() * self.g.element_size()
+        # error feedback: this worker's quantization error per fragment (runtime.compression)
+        self.residual = self._outer_buffer() if self.error_feedback else None
+        if self.residual is not None:
+            self.metrics.residual_bytes = self.residual.numel() * self.residual.element_size()
+            self.metrics.extra_memory_bytes += self.metrics.residual_bytes
         self.applied_count = 0
 
     # ----- schedule (subclasses) -----------------------------------------------------------------
@@ -159,21 +165,36 @@ class DenseStrategy(Strategy):
             g_p = self.frags.slice(self.g, p)
             x_p = self.frags.x(p)
             x_src = self.to_outer(x_p)
-            delta, snap, nonfinite = ops.pack(
-                g_p, x_src, wire_dtype=self.wire_dtype, snapshot_out=None if self.needs_snapshot else False
-            )
+            if self.quantized is not None:  # codes + scales (runtime.compression)
+                res = None if self.residual is None else self.frags.slice(self.residual, p)
+                codes, scales, snap, nonfinite = pack_quantized(
+                    g_p, x_src, self.wire, residual=res, snapshot=self.needs_snapshot
+                )
+            else:
+                snap_out = None if self.needs_snapshot else False
+                delta, snap, nonfinite = ops.pack(
+                    g_p, x_src, wire_dtype=self.wire_dtype, snapshot_out=snap_out
+                )
             # the fragment's inner-optimizer state and the model's buffers count too: a finite x
             # beside an inf Adam moment or a NaN running mean is a poisoned rank all the same
             nonfinite = nonfinite.to(self.device, torch.float64) + self._hidden_nonfinite(
                 self.frags.params[p]
             )
             control = self._control(nonfinite, t, *self._control_extras(p, t))
-            delta = self.to_model(delta)
+            if self.quantized is None:
+                delta = self.to_model(delta)
         pack_s = time.perf_counter() - t0
         name = f"{self.method} sync of fragment {p} sent at step {t}"
-        handle = self.transport.all_reduce(
-            [delta, control], name=name, host=control, payload_bytes=delta.numel() * delta.element_size()
-        )
+        if self.quantized is not None:  # averaged on arrival into handle.result, in the outer dtype
+            handle = self.quantized.start(
+                self.to_model(codes), self.to_model(scales), g_p.numel(), control=control, name=name,
+                out_dtype=self.wire_dtype,
+            )  # fmt: skip
+            delta = handle.result
+        else:
+            handle = self.transport.all_reduce(
+                [delta, control], name=name, host=control, payload_bytes=delta.numel() * delta.element_size()
+            )
         pd = Pending(
             p, t, t + self.tau, delta, snap, control, handle, reason, pack_s, wire_bytes=handle.wire_bytes
         )
@@ -206,12 +227,14 @@ class DenseStrategy(Strategy):
             g_p, u_p, x_p = self.frags.slice(self.g, p), self.frags.slice(self.u, p), self.frags.x(p)
             if skipped:
                 x_p.copy_(self.to_model(g_p))
+                if self.residual is not None:  # on every rank: carry no poisoned error forward
+                    self.frags.slice(self.residual, p).zero_()
                 self._heal_buffers([r for r in range(self.world) if control[r] > 0])
                 if self._poisoned():
                     self._restart_poisoned()
             else:
                 delta = pd.delta
-                if self.world > 1:
+                if self.world > 1 and self.quantized is None:  # a quantized result arrives averaged
                     delta.div_(self.world)  # gloo has no AVG; SUM then scale the received buffer
                 delta, x_work = self.to_outer(delta), self.to_outer(x_p)
                 self._on_result(pd, delta, self._extras(control))
@@ -234,6 +257,8 @@ class DenseStrategy(Strategy):
     def _restart_poisoned(self) -> None:
         """This rank holds non-finite values: restart it entirely from the last good global."""
         self.frags.flat.copy_(self.to_model(self.g))
+        if self.residual is not None:
+            self.residual.zero_()
         for pd in self.pending:
             if pd.x_sent is not None:
                 pd.x_sent.copy_(self.frags.slice(self.g, pd.fragment))
@@ -258,6 +283,7 @@ class DenseStrategy(Strategy):
                 for pd in self.pending
             ],
             "schedule": self._schedule_state(),
+            "residual": None if self.residual is None else self.residual.detach().cpu().clone(),
         }
 
     def _validate_state(self, sd: dict[str, Any]) -> None:
@@ -284,6 +310,8 @@ class DenseStrategy(Strategy):
                 expect_tensor(f"pending[{i}].x_sent", q.get("x_sent"), (size,), dt)
         if not isinstance(sd.get("schedule"), dict):
             raise CheckpointError("checkpoint entry schedule should be a dict")
+        if self.residual is not None:  # error feedback: this worker's residual, the outer state's dtype
+            expect_tensor("residual", sd.get("residual"), (n,), self.residual.dtype)
 
     def _load_state(self, sd: dict[str, Any]) -> None:
         self.g.copy_(sd["g"])
@@ -306,6 +334,8 @@ class DenseStrategy(Strategy):
                 )
             )
         self._load_schedule_state(sd["schedule"])
+        if self.residual is not None:
+            self.residual.copy_(sd["residual"])
 
     def _guard_values(self) -> list[tuple[str, int]]:
         vals = [

@@ -41,6 +41,7 @@ from .. import ops
 from .._checks import integer, scalar
 from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
+from .compression import quantize
 from .schedule import LOSCAR_MERGES
 from .transport import Handle, SyncError
 
@@ -96,6 +97,12 @@ class LOSCAR(Strategy):
             raise ValueError(f"merge must be one of {tuple(LOSCAR_MERGES)}, got {merge!r}")
         self.merge = merge
         self.seed = integer("seed", seed, lo=0)
+        if common.get("error_feedback"):
+            raise ValueError(
+                "error_feedback=True is not supported by LOSCAR: it sends parameter values on a fresh "
+                "random mask every round, so a residual would need d-sized state (LOSCAR keeps k-sized "
+                "buffers only)"
+            )
         super().__init__(model, inner_optimizer, num_fragments=1, **common)
         self.N_i, self.local_steps = _per_rank("local_steps", local_steps, self.world, self.rank, 1)
         self.Q_i, self.overlap_steps = _per_rank("overlap_steps", overlap_steps, self.world, self.rank, 0)
@@ -125,7 +132,10 @@ class LOSCAR(Strategy):
         with nvtx("pack"):
             idx = ops.mask_indices(self.seed, self.round, self.d, self.k, device=x.device)
             sent = ops.sparse_gather(x, idx, check_values=False)  # idx is ours: no host read
-            wire = sent.to(self.wire_dtype, copy=True)  # all-reduced in place; `sent` is kept for the merge
+            if self.quantized is not None:  # the k values as codes + scales (runtime.compression)
+                codes, scales = quantize(sent, self.wire)
+            else:
+                wire = sent.to(self.wire_dtype, copy=True)  # all-reduced in place; `sent` kept for the merge
             # poisoned anywhere in x: its L1 norm is not finite (one read of x, no d-sized temporary)
             whole = ops.fragment_norms(x, self.frags.offsets, ord=1, check_values=False)
             bad = (~torch.isfinite(sent)).sum() + (~torch.isfinite(whole)).sum()
@@ -133,9 +143,15 @@ class LOSCAR(Strategy):
             control = self._control(bad.to(torch.float64), self.round, [])
         pack_s = time.perf_counter() - t0
         name = f"LOSCAR sync of round {self.round} sent at step {t}"
-        handle = self.transport.all_reduce(
-            [wire, control], name=name, host=control, payload_bytes=wire.numel() * wire.element_size()
-        )
+        if self.quantized is not None:  # averaged on arrival into handle.result (wire dtype)
+            handle = self.quantized.start(
+                codes, scales, self.k, control=control, name=name, out_dtype=self.wire_dtype
+            )
+            wire = handle.result
+        else:
+            handle = self.transport.all_reduce(
+                [wire, control], name=name, host=control, payload_bytes=wire.numel() * wire.element_size()
+            )
         self.inflight = _SparsePending(
             self.round, t, idx, sent, wire, control, handle, pack_s, wire_bytes=handle.wire_bytes
         )
@@ -170,7 +186,7 @@ class LOSCAR(Strategy):
             self._heal([r for r in range(self.world) if control[r] > 0], pd.round)
         else:
             with nvtx("merge"):
-                if self.world > 1:
+                if self.world > 1 and self.quantized is None:  # a quantized result arrives averaged
                     pd.wire.div_(self.world)
                 ops.sparse_scatter_merge_(
                     self.frags.flat,

@@ -11,7 +11,8 @@ Definitions (all per worker, wall clock from ``time.perf_counter``):
 - in flight: from send to when the result was first known to be usable (polled every step).
 - staleness: inner steps between send and apply (= fragment_sync_delay for the dense methods,
   overlap_steps for LOSCAR).
-- bytes: what a ring all-reduce of the payload puts on the wire per worker, 2(M−1)/M × payload.
+- bytes: what a ring all-reduce of the payload puts on the wire per worker, 2(M−1)/M × payload;
+  for a quantized wire format the payload is codes + scales (runtime.compression).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class RuntimeMetrics:
     step_compute_s: list[float] = field(default_factory=list)
     device_step_s: list[float] = field(default_factory=list)  # CUDA: device time between hooks
     extra_memory_bytes: int = 0  # persistent buffers held over plain training (g, u, ...)
+    residual_bytes: int = 0  # error feedback's residual (part of extra_memory_bytes)
     peak_inflight_bytes: int = 0  # largest sum of transient buffers of in-flight syncs
     recovery_bytes: int = 0  # dense broadcasts that restarted a poisoned LOSCAR rank from a healthy one
 

@@ -14,10 +14,17 @@ import torch
 
 from .._checks import integer
 from ..ops.outer_merge import LAM_MODES
+from ..ops.quantize import FORMATS
 
 SCORES = ("l2_global", "l1_local", "round_robin")  # CoCoDC's fragment choice
 LOSCAR_MERGES = {"delay_corrected": 1.0, "overwrite": 0.0}  # merge name -> β of the scatter-merge
-WIRE_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # what users type -> the wire dtype
+# what users type -> the dense wire dtype, or the name of a quantized format (ops.quantize.FORMATS:
+# codes + one fp32 scale per quant_block elements, averaged by runtime.compression)
+WIRE_FORMATS: dict[str, torch.dtype | str] = {
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    **{name: name for name in FORMATS},
+}
 
 __all__ = [
     "LAM_MODES",

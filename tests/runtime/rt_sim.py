@@ -13,6 +13,7 @@ results due at t again (τ = 0 is blocking).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -83,6 +84,37 @@ def partition(model, K: int) -> list[list[torch.nn.Parameter]]:
     return frags
 
 
+@dataclass(frozen=True)
+class SimWire:
+    """A quantized wire format (ops.quantize): name, block, and error feedback on or off."""
+
+    fmt: str
+    block: int
+    error_feedback: bool = False
+
+
+def quantized_mean(wire: SimWire, deltas: list, residuals: list | None = None) -> torch.Tensor:
+    """The mean of the workers' payloads as the quantized all-reduce defines it (ops.quantize refs):
+    each worker quantizes its payload e_m (+ its residual r_m, then r_m <- e_m − dequant, except in
+    blocks with a non-finite scale); the M dequantized payloads are added in fp32 in worker order,
+    × 1/M, requantized (nearest even) and dequantized into the payload's dtype."""
+    from lowcomm_kernels.ops import dequantize_ref, quantize_ref, reduce_quantized_ref
+    n, dtype = deltas[0].numel(), deltas[0].dtype
+    codes, scales = [], []
+    for m, d in enumerate(deltas):
+        e = d + residuals[m] if residuals is not None else d
+        c, s = quantize_ref(e, wire.fmt, wire.block)
+        if residuals is not None:
+            bad = ~torch.isfinite(s.repeat_interleave(wire.block)[:n])
+            deq = dequantize_ref(c, s, wire.fmt, wire.block, n, out_dtype=dtype)
+            residuals[m] = torch.where(bad, residuals[m], e - deq)
+        codes.append(c)
+        scales.append(s)
+    rc, rs = reduce_quantized_ref(torch.stack(codes), torch.stack(scales), wire.fmt, wire.block, n,
+                                  scale=1.0 / len(deltas))
+    return dequantize_ref(rc, rs, wire.fmt, wire.block, n, out_dtype=dtype)
+
+
 def outer_sgd(g, u, dbar, lr, mu):
     """Nesterov outer step: u ← μu + Δ̄; g ← g − η(Δ̄ + μu)."""
     u = mu * u + dbar
@@ -90,6 +122,7 @@ def outer_sgd(g, u, dbar, lr, mu):
 
 
 def simulate_dense(method: str, M: int, T: int, *, H: int, K: int = 1, tau: int = 0, outer_lr=0.7,
+                   wire: SimWire | None = None,
                    outer_mu=0.9, alpha=0.0, lam=0.5, lam_mode="normalized", N: int | None = None,
                    dtype=torch.float64, data_ranks=None, inject_nan=None, model_kw=None,
                    round_robin: bool = False, skip=None) -> dict:
@@ -98,6 +131,7 @@ def simulate_dense(method: str, M: int, T: int, *, H: int, K: int = 1, tau: int 
     W = Workers(M, K, dtype, model_kw, data_ranks, skip)
     g = [W.get(0, p) for p in range(K)]
     u = [torch.zeros_like(v) for v in g]
+    res = [[torch.zeros_like(v) for v in g] for _ in range(M)]  # error feedback, per worker
     pending = []
     last_send, prev_send, scores = [-1] * K, [0] * K, [0.0] * K
     sends, skipped = [], []
@@ -108,6 +142,8 @@ def simulate_dense(method: str, M: int, T: int, *, H: int, K: int = 1, tau: int 
         dbar = pd["dbar"]
         if not torch.isfinite(dbar).all():  # every worker skips: g, u unchanged, x_p <- g_p
             skipped.append((p, pd["send"]))
+            for r in res:  # every worker clears its residual of a skipped sync
+                r[p] = torch.zeros_like(r[p])
             for m in range(M):
                 W.put(m, p, g[p])
             return
@@ -130,7 +166,13 @@ def simulate_dense(method: str, M: int, T: int, *, H: int, K: int = 1, tau: int 
 
     def send(p, t, reason):
         xs = [W.get(m, p) for m in range(M)]
-        dbar = sum(g[p] - x for x in xs) / M
+        if wire is None:
+            dbar = sum(g[p] - x for x in xs) / M
+        else:
+            mine = [r[p] for r in res] if wire.error_feedback else None
+            dbar = quantized_mean(wire, [g[p] - x for x in xs], mine)
+            for m in range(M if mine is not None else 0):
+                res[m][p] = mine[m]
         pending.append({"p": p, "send": t, "apply": t + tau, "dbar": dbar, "xsent": xs,
                         "prev": max(last_send[p], 0)})
         prev_send[p] = max(last_send[p], 0)
@@ -179,6 +221,7 @@ def simulate_dense(method: str, M: int, T: int, *, H: int, K: int = 1, tau: int 
 
 
 def simulate_loscar(M: int, rounds: int, *, density: float, local_steps, overlap_steps, merge: str,
+                    wire: SimWire | None = None,
                     seed: int, dtype=torch.float64, skip=None) -> dict:
     """LOSCAR-SGD with per-worker N_i, Q_i; every worker runs `rounds` full rounds."""
     from lowcomm_kernels.ops import mask_indices_ref
@@ -196,7 +239,7 @@ def simulate_loscar(M: int, rounds: int, *, density: float, local_steps, overlap
                 steps[m] += 1
                 W.step(m, steps[m])
             ys.append(W.get(m, 0)[S].clone())
-        mbar = sum(ys) / M
+        mbar = sum(ys) / M if wire is None else quantized_mean(wire, ys)
         for m in range(M):
             for _ in range(overlap_steps[m]):
                 steps[m] += 1

@@ -1,0 +1,395 @@
+"""Compressed wire formats for the strategies: the quantized all-reduce and error feedback.
+
+``wire_dtype`` names one of ``schedule.WIRE_FORMATS``: "fp32" / "bf16" send the pseudo-gradient as
+a dense tensor (``Transport.all_reduce``, summed in the wire dtype); "int8", "int4", "fp8_e4m3",
+"fp8_e5m2", "fp4_e2m1" send codes plus one fp32 scale per ``quant_block`` elements
+(``ops.quantize``) through :class:`QuantizedAllReduce`, which never sums in low precision:
+
+    phase 1  reduce-scatter as an all_to_all: the flat payload is cut into M contiguous chunks of
+             whole blocks; rank r receives chunk r of every rank (codes and scales in one uint8 row)
+    local    reduce_quantized: dequantize the M copies of chunk r, add them in fp32 in rank order,
+             × 1/M (the average), requantize (round to nearest even)
+    phase 2  all_gather of the requantized chunks; every rank dequantizes them into the average
+
+Every rank ends with the same averaged Δ̄ (fp32 arithmetic, identical inputs, identical order). Chunks
+are block-aligned, so the chunking changes nothing: the result is reduce_quantized of the whole
+payload. Bytes on the wire per worker: 2(M−1)/M × (codes + scales), what the WAN emulation charges.
+
+Overlap and ordering: gloo (and NCCL) match collectives by issue order within a process group.
+The quantized phases run on a dedicated process group (created collectively at construction) by
+one worker thread per strategy that takes the queued syncs FIFO; the strategy issues them in the
+same order on every rank, so both phases pair up. The tiny fp64 control vector still travels on
+the main group (``Transport.all_reduce``) and carries the WAN charge of the payload, so the
+emulated deadline, the timeout and ``host_values()`` behave as for a dense sync. A
+:class:`QuantHandle` completes when both have. Every wait is bounded by the transport's
+``timeout_s``: a dead peer is a ``SyncError`` on the survivors, never a hang; after a failure the
+thread fails every later sync at once (their collectives could no longer pair up).
+
+On CUDA the thread issues its collectives, the reduction and the dequantization on its own side
+stream (not the transport's: two communicators' collectives queued on one stream in different
+orders on different ranks could deadlock), after an event recorded on the compute stream at send;
+a completion event recorded there is polled by ``wait()`` within ``timeout_s``, then the compute
+stream waits on it, as in ``Transport.all_reduce``.
+
+Error feedback (``error_feedback=True``): a per-worker residual r_p (the outer state's dtype) per
+fragment; each send quantizes e = Δ_p + r_p and keeps r_p ← e − dequant(codes). A skipped sync
+(any rank non-finite) zeroes r_p on every rank, so no poisoned value is carried into the next one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..ops.quantize import FORMATS, QuantFormat, dequantize, reduce_quantized
+from ..ops.quantize import pack_quantized as _pack_quantized
+from ..ops.quantize import quantize as _quantize
+from ..profiling import nvtx_range
+from .schedule import WIRE_FORMATS
+from .transport import Handle, SyncError, Transport, wait_until
+
+DEFAULT_QUANT_BLOCK = 128
+
+__all__ = [
+    "DEFAULT_QUANT_BLOCK",
+    "QuantHandle",
+    "QuantizedAllReduce",
+    "WireFormat",
+    "check_error_feedback",
+    "check_quant_block",
+    "pack_quantized",
+    "quantize",
+    "resolve_wire_format",
+]
+
+
+def check_quant_block(quant_block: object, name: str = "quant_block") -> int:
+    """A power of two >= 2 (two 4-bit codes per byte need an even block)."""
+    if isinstance(quant_block, bool) or not isinstance(quant_block, int):
+        raise TypeError(f"{name} must be an int, got {type(quant_block).__name__}")
+    if quant_block < 2 or quant_block & (quant_block - 1):
+        raise ValueError(f"{name} must be a power of two >= 2, got {quant_block}")
+    return quant_block
+
+
+@dataclass(frozen=True)
+class WireFormat:
+    """What a sync puts on the wire: ``name`` (a key of ``WIRE_FORMATS``), ``dtype`` (the dense wire
+    dtype; for a quantized format the dtype of the averaged result, the outer state's) and, for a
+    quantized format, ``quant`` (its QuantFormat) and ``block``."""
+
+    name: str
+    dtype: torch.dtype
+    quant: QuantFormat | None = None
+    block: int = DEFAULT_QUANT_BLOCK
+
+    def payload_bytes(self, n: int) -> int:
+        """Bytes of one worker's payload for n elements (scales included)."""
+        if self.quant is None:
+            return n * torch.empty((), dtype=self.dtype).element_size()
+        return self.quant.wire_bytes(n, self.block)
+
+
+def resolve_wire_format(
+    wire_dtype: object,
+    quant_block: object,
+    master_dtype: torch.dtype,
+    param_dtype: torch.dtype,
+    name: Callable[[str], str] = str,
+) -> WireFormat:
+    """``wire_dtype`` as given to a strategy: None (the outer state's dtype ``master_dtype``), a
+    torch dtype (that one or torch.bfloat16) or a name of ``WIRE_FORMATS``; ``quant_block`` is
+    checked whatever the format (a power of two >= 2)."""
+    block = check_quant_block(quant_block, name("quant_block"))
+    if isinstance(wire_dtype, str):
+        if wire_dtype not in WIRE_FORMATS:
+            raise ValueError(f"{name('wire_dtype')} must be one of {tuple(WIRE_FORMATS)}, got {wire_dtype!r}")
+        target = WIRE_FORMATS[wire_dtype]
+        if isinstance(target, str):
+            return WireFormat(wire_dtype, master_dtype, FORMATS[target], block)
+        wire_dtype = target
+    if wire_dtype is None:
+        wire_dtype = master_dtype
+    if not isinstance(wire_dtype, torch.dtype):
+        raise TypeError(
+            f"{name('wire_dtype')} must be a name in {tuple(WIRE_FORMATS)}, a torch.dtype or None, "
+            f"got {type(wire_dtype).__name__}"
+        )
+    if wire_dtype not in (master_dtype, torch.bfloat16):
+        raise TypeError(
+            f"{name('wire_dtype')} must be {master_dtype} (the outer state's dtype for {param_dtype} "
+            f"parameters) or torch.bfloat16, got {wire_dtype}"
+        )
+    label = next(
+        (k for k, v in WIRE_FORMATS.items() if v == wire_dtype), str(wire_dtype).replace("torch.", "")
+    )
+    return WireFormat(label, wire_dtype, None, block)
+
+
+def check_error_feedback(error_feedback: object, wire: WireFormat) -> bool:
+    """A bool; True only with a quantized wire format (the dense formats keep no residual)."""
+    if not isinstance(error_feedback, bool):
+        raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
+    if error_feedback and wire.quant is None:
+        quantized = tuple(k for k, v in WIRE_FORMATS.items() if isinstance(v, str))
+        raise ValueError(
+            f"error_feedback=True needs a quantized wire_dtype (one of {quantized}), got {wire.name!r}"
+        )
+    return error_feedback
+
+
+def quantize(v: torch.Tensor, wire: WireFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of v in ``wire`` (round to nearest even)."""
+    assert wire.quant is not None
+    return _quantize(v, wire.quant.name, wire.block)
+
+
+def pack_quantized(
+    g: torch.Tensor, x: torch.Tensor, wire: WireFormat, *, residual: torch.Tensor | None, snapshot: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(codes, scales, snapshot or None, nonfinite) of Δ = g − x (+ residual, updated in place)."""
+    assert wire.quant is not None
+    return _pack_quantized(
+        g, x, wire.quant.name, wire.block, residual=residual, snapshot_out=None if snapshot else False
+    )
+
+
+# ----- the quantized all-reduce ------------------------------------------------------------------
+
+
+@dataclass
+class _Job:
+    codes: torch.Tensor
+    scales: torch.Tensor
+    n: int
+    result: torch.Tensor  # filled with the averaged, dequantized payload
+    name: str
+    ready: Any = None  # CUDA: compute-stream event recorded at send
+    done_event: Any = None  # CUDA: recorded on the thread's stream after the last kernel
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class QuantHandle:
+    """A quantized sync in flight: the thread's job plus the control vector's ``Handle`` (which
+    holds the WAN deadline). Same interface as ``Handle``; ``result`` holds Δ̄ after ``wait()``."""
+
+    def __init__(self, owner: QuantizedAllReduce, job: _Job, control: Handle) -> None:
+        self._owner = owner
+        self._job = job
+        self._control = control
+        self.name = control.name
+        self.t_send = control.t_send
+        self.deadline = control.deadline
+        self.wire_bytes = control.wire_bytes
+        self.result = job.result
+        self.t_complete: float | None = None
+        self.waited = False
+
+    def _job_finished(self) -> bool:
+        j = self._job
+        if not j.done.is_set() or j.error is not None:
+            return False
+        return j.done_event is None or bool(j.done_event.query())
+
+    def poll(self) -> bool:
+        if self.t_complete is not None:
+            return True
+        if not self._job_finished() or not self._control.poll():
+            return False
+        self.t_complete = max(time.perf_counter(), self.deadline)
+        return True
+
+    def wait(self) -> float:
+        if self.waited:
+            return 0.0
+        t0 = time.perf_counter()
+        timeout = self._owner.timeout_s
+        with nvtx_range("wait"):
+            j = self._job
+            if not j.done.wait(timeout):
+                raise SyncError(
+                    f"{self.name} did not complete within {timeout} s (quantized all-reduce; a peer "
+                    "died or the link broke)"
+                )
+            if j.error is not None:
+                if isinstance(j.error, SyncError):
+                    raise SyncError(str(j.error)) from j.error
+                raise SyncError(f"{self.name} failed: {type(j.error).__name__}: {j.error}") from j.error
+            if j.done_event is not None:
+                if not wait_until(j.done_event.query, timeout):
+                    self._owner.transport.abort()
+                    raise SyncError(f"{self.name} did not complete within {timeout} s; NCCL aborted")
+                torch.cuda.current_stream(self.result.device).wait_event(j.done_event)
+            self._control.wait()  # the control vector, and the emulated WAN deadline
+        t1 = time.perf_counter()
+        if self.t_complete is None:
+            self.t_complete = max(t1 if t1 - t0 > 1e-4 else t0, self.deadline)
+        self.waited = True
+        return t1 - t0
+
+    def host_values(self) -> list[float]:
+        if not self.waited:
+            raise RuntimeError(f"{self.name}: host_values() before wait()")
+        return self._control.host_values()
+
+    @property
+    def in_flight_s(self) -> float:
+        end = self.t_complete if self.t_complete is not None else time.perf_counter()
+        return max(0.0, end - self.t_send)
+
+
+class QuantizedAllReduce:
+    """Averages quantized payloads over ``transport.group`` (see the module docstring). Collective
+    to construct (every rank of the group, same order relative to other group creations)."""
+
+    def __init__(self, transport: Transport, wire: WireFormat) -> None:
+        if wire.quant is None:
+            raise ValueError(f"wire format {wire.name!r} is not a quantized format")
+        self.transport = transport
+        self.fmt = wire.quant
+        self.block = wire.block
+        self.world, self.rank = transport.world, transport.rank
+        self.timeout_s = transport.timeout_s
+        self.group: dist.ProcessGroup | None = None
+        if self.world > 1:
+            ranks = dist.get_process_group_ranks(transport.group)
+            self.group = dist.new_group(
+                ranks,
+                backend=dist.get_backend(transport.group),
+                timeout=datetime.timedelta(seconds=self.timeout_s),
+                use_local_synchronization=True,
+            )
+        dev = transport.device
+        self._stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
+        self._jobs: queue.Queue[_Job | None] = queue.Queue()
+        self._failed: str | None = None
+        self._thread = threading.Thread(target=self._run, name="lowcomm-quantized-allreduce", daemon=True)
+        self._thread.start()
+
+    # ----- the caller's side ---------------------------------------------------------------------
+    def start(
+        self, codes: torch.Tensor, scales: torch.Tensor, n: int, *, control: torch.Tensor, name: str,
+        out_dtype: torch.dtype,
+    ) -> QuantHandle:  # fmt: skip
+        """Queue the average of (codes, scales) of n elements; the control vector is all-reduced
+        now on the main group, charged with the quantized payload's bytes."""
+        if not self._thread.is_alive():
+            raise RuntimeError(f"{name}: the quantized all-reduce was closed")
+        payload = codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
+        ctl = self.transport.all_reduce([control], name=name, host=control, payload_bytes=payload)
+        job = _Job(codes, scales, n, torch.empty(n, dtype=out_dtype, device=codes.device), name)
+        if self._stream is not None:
+            job.ready = torch.cuda.Event()
+            job.ready.record(torch.cuda.current_stream(codes.device))
+        self._jobs.put(job)
+        return QuantHandle(self, job, ctl)
+
+    def close(self) -> None:
+        """Stop the thread once the queued syncs are done (or failed); bounded by the timeout."""
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join(timeout=2 * self.timeout_s + 1)
+
+    # ----- the thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if self._failed is not None:
+                job.error = SyncError(
+                    f"{job.name} not started: an earlier quantized sync failed ({self._failed})"
+                )
+                job.done.set()
+                continue
+            try:
+                if self._stream is not None:
+                    with torch.cuda.device(self._stream.device), torch.cuda.stream(self._stream):
+                        self._stream.wait_event(job.ready)
+                        self._reduce(job)
+                        job.done_event = torch.cuda.Event()
+                        job.done_event.record(self._stream)
+                else:
+                    self._reduce(job)
+            except BaseException as e:  # noqa: BLE001 (handed to the waiting caller)
+                self._failed = f"{type(e).__name__}: {e}"
+                job.error = e
+            job.done.set()
+
+    def layout(self, n: int) -> tuple[int, list[tuple[int, int]]]:
+        """(elements per chunk, [(lo, hi) per rank]): whole blocks per chunk, the last ones short
+        or empty."""
+        nblocks = -(-n // self.block)
+        chunk = -(-nblocks // self.world) * self.block
+        return chunk, [(min(n, c * chunk), min(n, (c + 1) * chunk)) for c in range(self.world)]
+
+    def _wait_work(self, work: Any, job: _Job, phase: str) -> None:
+        try:
+            ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            raise SyncError(
+                f"{job.name}: {phase} failed (a peer died or the link broke; timeout {self.timeout_s} s): "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        if ok is False:
+            raise SyncError(f"{job.name}: {phase} did not complete within {self.timeout_s} s")
+
+    def _reduce(self, job: _Job) -> None:
+        f, blk, M, n = self.fmt, self.block, self.world, job.n
+        chunk, spans = self.layout(n)
+        pb, ns = f.payload_bytes(chunk), f.num_scales(chunk, blk)
+        row = pb + 4 * ns  # one uint8 row per chunk: codes, then the fp32 scales' bytes
+        dev = job.codes.device
+        send = torch.zeros(M, row, dtype=torch.uint8, device=dev)
+        codes, scales = job.codes.reshape(-1), job.scales.reshape(-1)
+        for c, (lo, hi) in enumerate(spans):
+            if hi > lo:
+                b0, nb = f.payload_bytes(lo), f.payload_bytes(hi - lo)
+                s0, nsc = lo // blk, f.num_scales(hi - lo, blk)
+                send[c, :nb] = codes[b0 : b0 + nb]
+                send[c, pb : pb + 4 * nsc] = scales[s0 : s0 + nsc].view(torch.uint8)
+        if self.group is not None:
+            recv = torch.empty_like(send)
+            self._wait_work(
+                dist.all_to_all_single(recv, send, group=self.group, async_op=True), job, "reduce-scatter"
+            )
+        else:
+            recv = send
+        lo, hi = spans[self.rank]
+        mine = torch.zeros(row, dtype=torch.uint8, device=dev)
+        if hi > lo:
+            L = hi - lo
+            nb, nsc = f.payload_bytes(L), f.num_scales(L, blk)
+            in_codes = recv[:, :nb].contiguous()
+            in_scales = recv[:, pb : pb + 4 * nsc].contiguous().view(torch.float32)
+            rc, rs = reduce_quantized(in_codes, in_scales, f.name, blk, L, scale=1.0 / M)
+            mine[:nb] = rc
+            mine[pb : pb + 4 * nsc] = rs.view(torch.uint8)
+        if self.group is not None:
+            gathered = torch.empty(M, row, dtype=torch.uint8, device=dev)
+            self._wait_work(
+                dist.all_gather(list(gathered.unbind(0)), mine, group=self.group, async_op=True),
+                job,
+                "all-gather",
+            )
+        else:
+            gathered = mine.view(1, row)
+        for c, (lo, hi) in enumerate(spans):
+            if hi > lo:
+                L = hi - lo
+                nb, nsc = f.payload_bytes(L), f.num_scales(L, blk)
+                rc = gathered[c, :nb]
+                rs = gathered[c, pb : pb + 4 * nsc].contiguous().view(torch.float32)
+                dequantize(rc, rs, f.name, blk, L, out=job.result[lo:hi])
+        if self._stream is not None:
+            for t in (job.codes, job.scales, job.result, send, recv, mine, gathered):
+                t.record_stream(self._stream)
