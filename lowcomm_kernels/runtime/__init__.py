@@ -4,9 +4,11 @@ around a model and its inner optimizer (see ``base`` for the loop API, docs/algo
 Modules, one concept each: ``fragments`` (flat buffers), ``transport`` (async collectives, WAN
 emulation, timeouts), ``metrics``, ``sinks`` (metrics_callback targets: TensorBoard, logging),
 ``base`` (hooking, checkpoints, guard), ``dense`` (DiLoCo, Streaming DiLoCo), ``cocodc``,
-``loscar``, ``topology`` (regions x data-parallel groups).
+``loscar``, ``topology`` (regions x data-parallel groups), ``amp`` (GradScaler: counting skipped
+steps), ``sharding`` (DTensor / FSDP2 parameters: local shards, replica groups).
 """
 
+from .amp import GradScalerError
 from .base import CheckpointError, ConsistencyError, Strategy
 from .cocodc import CoCoDC
 from .dense import DiLoCo, StreamingDiLoCo
@@ -23,6 +25,7 @@ __all__ = [
     "ConsistencyError",
     "DiLoCo",
     "FlatFragments",
+    "GradScalerError",
     "LOSCAR",
     "LoggingSink",
     "MultiSink",
