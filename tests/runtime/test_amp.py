@@ -28,6 +28,8 @@ SCENARIOS = [
     {"name": "cocodc", "cls": "cocodc", "T": 48, "inf_at": {(0, 2), (1, 11)},
      "kw": {**STREAMING, "syncs_per_period": 4, "lam": 0.5, "lam_mode": "normalized"}},
     {"name": "loscar", "cls": "loscar", "T": 32, "kw": LOSCAR, "inf_at": {(1, 2), (1, 7), (0, 8), (0, 14)}},
+    {"name": "fused_adam", "cls": "streaming", "T": 24, "kw": STREAMING, "fused": True,
+     "inf_at": {(0, 5), (1, 6), (1, 7)}},
     {"name": "manual", "cls": "diloco", "T": 18, "kw": {"sync_every": 6}, "mode": "manual",
      "inf_at": {(1, 2), (1, 3)}},
     {"name": "unannounced", "cls": "diloco", "T": 12, "kw": {"sync_every": 6}, "mode": "unannounced",
@@ -120,3 +122,12 @@ def test_ranks_disagreeing_on_grad_scaler_stop_at_construction(runs):
     for m in range(M):
         err = runs[m]["given_on_rank0"]["error"]
         assert err is not None and err.startswith("ConfigMismatchError") and "grad_scaler given" in err, err
+
+
+def test_fused_optimizer_counts_each_iteration_once(runs):
+    """A fused optimizer is stepped by the scaler every iteration (it skips inside its kernel), so
+    its hook runs every iteration and the wrapper adds nothing: T steps, not T + skips."""
+    r0, r1 = _check_in_step(runs, "fused_adam")
+    assert [(r[0], r[2]) for r in r0["records"]] == [(1, 4), (0, 8), (1, 12), (0, 16), (1, 20)]
+    for m in range(M):
+        assert all(g == x for *_, (g, x) in runs[m]["fused_adam"]["records"])
