@@ -127,7 +127,18 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     knob(o, "--local-steps", "local_steps", "LOSCAR steps before sending")
     knob(o, "--overlap-steps", "overlap_steps", "LOSCAR steps while in flight")
     o.add_argument("--merge", choices=MERGES, help="LOSCAR merge")
-    o.add_argument("--wire-dtype", choices=WIRE_DTYPE_NAMES)
+    o.add_argument(
+        "--wire-dtype",
+        choices=WIRE_DTYPE_NAMES,
+        help="what a sync sends: fp32, bf16, or codes + an fp32 scale per block (int8, int4, fp8, fp4)",
+    )
+    o.add_argument("--quant-block", type=_positive_int, help="values per scale, quantized wire (default 128)")
+    o.add_argument(
+        "--error-feedback",
+        action="store_true",
+        default=None,
+        help="quantized wire: carry each worker's quantization error into its next sync",
+    )
     o.add_argument("--worker-speeds", type=_speeds, help="relative step times, e.g. 1,2,3,6")
     w = p.add_argument_group("emulated WAN")
     knob(w, "--latency-ms", "latency_s", "one-way latency per collective (default 50)", same_units=False)

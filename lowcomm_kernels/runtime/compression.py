@@ -65,6 +65,7 @@ __all__ = [
     "WireFormat",
     "check_error_feedback",
     "check_quant_block",
+    "check_wire_choice",
     "pack_quantized",
     "quantize",
     "resolve_wire_format",
@@ -134,16 +135,27 @@ def resolve_wire_format(
     return WireFormat(label, wire_dtype, None, block)
 
 
-def check_error_feedback(error_feedback: object, wire: WireFormat) -> bool:
+def check_error_feedback(error_feedback: object, wire: WireFormat, name: Callable[[str], str] = str) -> bool:
     """A bool; True only with a quantized wire format (the dense formats keep no residual)."""
     if not isinstance(error_feedback, bool):
-        raise TypeError(f"error_feedback must be a bool, got {type(error_feedback).__name__}")
+        raise TypeError(f"{name('error_feedback')} must be a bool, got {type(error_feedback).__name__}")
     if error_feedback and wire.quant is None:
         quantized = tuple(k for k, v in WIRE_FORMATS.items() if isinstance(v, str))
         raise ValueError(
-            f"error_feedback=True needs a quantized wire_dtype (one of {quantized}), got {wire.name!r}"
+            f"{name('error_feedback')}=True needs a quantized {name('wire_dtype')} (one of {quantized}), "
+            f"got {wire.name!r}"
         )
     return error_feedback
+
+
+def check_wire_choice(
+    wire_dtype: str, quant_block: object, error_feedback: object, name: Callable[[str], str] = str
+) -> WireFormat:
+    """What a caller's user typed (a name of ``WIRE_FORMATS``, the block, error feedback on or off),
+    checked by the strategies' own rules before any strategy exists."""
+    wire = resolve_wire_format(wire_dtype, quant_block, torch.float32, torch.float32, name)
+    check_error_feedback(error_feedback, wire, name)
+    return wire
 
 
 def quantize(v: torch.Tensor, wire: WireFormat) -> tuple[torch.Tensor, torch.Tensor]:

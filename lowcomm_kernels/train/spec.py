@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from ..runtime import schedule
+from ..runtime import compression, schedule
 from .errors import SpecError
 from .model import ModelConfig
 from .presets import DEFAULT
@@ -138,6 +138,8 @@ class TrainSpec:
     merge: str = "delay_corrected"
     worker_speeds: tuple[float, ...] | None = None  # relative step times (heterogeneous LOSCAR)
     wire_dtype: str = "fp32"
+    quant_block: int = compression.DEFAULT_QUANT_BLOCK  # elements per scale of a quantized wire_dtype
+    error_feedback: bool = False  # quantized wire_dtype: feed each worker's quantization error back
     # emulated WAN
     latency_s: float = 0.05
     bandwidth_bytes_per_s: float = 12.5e6  # 100 Mbit/s
@@ -192,6 +194,17 @@ class TrainSpec:
         need(
             self.wire_dtype in WIRE_DTYPE_NAMES,
             f"<wire_dtype> must be one of {WIRE_DTYPE_NAMES}, got {self.wire_dtype!r}",
+        )
+        try:  # the strategies' own rules for the block and error feedback
+            compression.check_wire_choice(
+                self.wire_dtype, self.quant_block, self.error_feedback, name=_marked
+            )
+        except (TypeError, ValueError) as exc:
+            raise SpecError(str(exc)) from None
+        need(
+            not (self.error_feedback and self.method == "loscar"),
+            "<error_feedback> is not supported by LOSCAR (its mask changes every round); leave it out "
+            "of the methods",
         )
         need(
             self.syncs_per_period == "auto"

@@ -58,7 +58,9 @@ def build_strategy(
         "metrics_callback": metrics_callback,
         "process_group": group,
         "wan": rt.WAN(spec.latency_s, spec.bandwidth_bytes_per_s),
-        "wire_dtype": _WIRE[spec.wire_dtype],
+        "wire_dtype": _WIRE.get(spec.wire_dtype, spec.wire_dtype),  # a quantized format by its name
+        "quant_block": spec.quant_block,
+        "error_feedback": spec.error_feedback,
     }
     outer: dict[str, Any] = {"outer_lr": spec.outer_lr, "outer_momentum": spec.outer_momentum}
     if spec.method == "diloco":
