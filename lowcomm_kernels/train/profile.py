@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 ROWS = ("compute", "pack", "comm in flight", "wait", "merge")
-COLORS = dict(zip(ROWS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")))  # one per row
+COLORS = dict(zip(ROWS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3"), strict=True))
 
 
 def load_intervals(trace_path: Path, syncs_path: Path | None) -> dict[str, list[tuple[float, float]]]:
