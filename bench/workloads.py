@@ -243,6 +243,65 @@ def _mask_workload() -> Workload:
         compile_dynamic=False)
 
 
+# ------------------------------------------------------------------------- quantized wire formats
+QBLOCK = 128  # elements per fp32 scale in the quantized rows
+
+
+def _qpack_workload(fmt: str) -> Workload:
+    from lowcomm_kernels.ops import FORMATS, pack_quantized, pack_quantized_ref  # noqa: PLC0415
+
+    f = FORMATS[fmt]
+
+    def setup(n: int, device: torch.device) -> Buffers:
+        gen = torch.Generator(device=device).manual_seed(n + 7)
+        g = _rand(n, device, gen=gen)
+        return dict(g=g, x=g + _rand(n, device, 0.01, gen), res=torch.zeros_like(g), snap=torch.empty_like(g))
+
+    def target(g, x, res, snap):  # the unfused reference, writing the same outputs
+        codes, scales, s, nonfinite = pack_quantized_ref(g, x, fmt, QBLOCK, residual=res, snapshot=True)
+        snap.copy_(s)
+        return codes, scales, nonfinite
+
+    return Workload(
+        name=f"pack_quantized/{fmt}-ef", op="pack_quantized", entry="lc_pack_quantized", setup=setup,
+        # read g, x, residual; write codes, scales, snapshot, residual
+        nbytes=lambda n: n * (4 * 3 + 4 * 2) + f.wire_bytes(n, QBLOCK),
+        ref=lambda b: pack_quantized_ref(b["g"], b["x"], fmt, QBLOCK, residual=b["res"]),
+        compile_target=target,
+        compile_args=lambda b: dict(g=b["g"], x=b["x"], res=b["res"], snap=b["snap"]),
+        fused=lambda b, backend: pack_quantized(b["g"], b["x"], fmt, QBLOCK, residual=b["res"],
+                                                snapshot_out=b["snap"], backend=backend),
+        note=f"{fmt}, block {QBLOCK}, error feedback: read g, x, residual; write codes, scales, snapshot, "
+             "residual", target=True, extra=dict(fmt=fmt, block=QBLOCK))
+
+
+def _qmerge_workload(fmt: str) -> Workload:
+    from lowcomm_kernels.ops import FORMATS, Quantized, dequantize_ref, quantize_ref  # noqa: PLC0415
+
+    f = FORMATS[fmt]
+    kw = MERGE_TAYLOR
+
+    def setup(n: int, device: torch.device) -> Buffers:
+        b = _merge_setup(n, device)
+        b["codes"], b["scales"] = quantize_ref(b.pop("d"), fmt, QBLOCK)
+        return b
+
+    def compiled(g, u, codes, scales, x, xs):  # the unfused reference: dequantize, then merge
+        outer_merge_ref(g, u, dequantize_ref(codes, scales, fmt, QBLOCK, g.numel()), x, xs, **kw)
+
+    args = lambda b: dict(g=b["g"], u=b["u"], codes=b["codes"], scales=b["scales"], x=b["x"], xs=b["xs"])  # noqa: E731
+    return Workload(
+        name=f"outer_merge/{fmt}-avg", op="outer_merge_", entry="lc_outer_merge_quantized", setup=setup,
+        # read g, u, x, x_sent, codes, scales; write g, u, x
+        nbytes=lambda n: n * 4 * (4 + 3) + f.wire_bytes(n, QBLOCK),
+        ref=lambda b: compiled(**args(b)),
+        compile_target=compiled, compile_args=args,
+        fused=lambda b, backend: outer_merge_(b["g"], b["u"], Quantized(b["codes"], b["scales"], fmt, QBLOCK),
+                                              b["x"], b["xs"], backend=backend, **kw),
+        note=f"taylor merge with the average as {fmt} codes (block {QBLOCK}), dequantized inside the merge",
+        target=True, extra=dict(kw, fmt=fmt, block=QBLOCK))
+
+
 WORKLOADS: list[Workload] = [
     _pack_workload(torch.float32, "fp32-wire"),
     _pack_workload(torch.bfloat16, "bf16-wire"),
@@ -254,6 +313,9 @@ WORKLOADS: list[Workload] = [
     _scatter_workload(0.01), _scatter_workload(0.1),
     _norms_workload(),
     _mask_workload(),
+    _qpack_workload("int8"),
+    _qpack_workload("int4"),
+    _qmerge_workload("int8"),
 ]
 
 

@@ -36,6 +36,7 @@ Wire bytes per fragment: ``fmt.wire_bytes(n, block)`` = payload + 4 · ceil(n / 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 
 import torch
@@ -45,7 +46,7 @@ from .. import _checks, _dispatch
 from ..profiling import nvtx_range
 from . import outer_merge as _outer_merge
 from . import sparse as _sparse
-from ._common import code, compiling, declare, launch, launcher, native, traced_call, triton
+from ._common import code, compiling, declare, launch, launcher, native, traced_call
 
 _M64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: the stride of the per-element counter
@@ -452,9 +453,46 @@ native(
         out_scales,
     ),
 )
-triton("pack_quantized", "quantize", "launch_pack_quantized")
-triton("dequantize", "quantize", "launch_dequantize")
-triton("reduce_quantized", "quantize", "launch_reduce_quantized")
+
+
+def _triton_module():
+    """Imported at each launch, as ``_common.triton`` does (Triton decides interpretation then)."""
+    return importlib.import_module("lowcomm_kernels.triton_kernels.quantize")
+
+
+_TABLES: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _triton_fmt(fmt: str, device: torch.device) -> tuple[torch.Tensor, dict[str, object]]:
+    """The decoding table on `device` (cached) and the kernels' constants of the format."""
+    f = FORMATS[fmt]
+    if (fmt, device) not in _TABLES:
+        _TABLES[(fmt, device)] = code_values(f).to(device)
+    consts = {"BITS": f.bits, "IS_FLOAT": f.kind == "float", "M": f.man_bits, "EMIN": f.emin, "QMAX": f.qmax}
+    return _TABLES[(fmt, device)], {**consts, "SUB_POW": float(2.0 ** (f.man_bits - f.emin))}
+
+
+@launcher("pack_quantized", "triton")
+def _(g, x, residual, snapshot, codes, scales, nonfinite, fmt, block, sr, seed, round):
+    table, consts = _triton_fmt(fmt, g.device)
+    key = _signed(sr_key(seed, round)) if sr else 0
+    _triton_module().launch_pack_quantized(
+        g, x, residual, snapshot, codes, scales, nonfinite, table, consts, block, sr, key
+    )
+
+
+@launcher("dequantize", "triton")
+def _(codes, scales, out, fmt, block):
+    table, consts = _triton_fmt(fmt, out.device)
+    _triton_module().launch_dequantize(codes, scales, out, table, consts, block)
+
+
+@launcher("reduce_quantized", "triton")
+def _(codes, scales, out_codes, out_scales, fmt, block, n, scale):
+    table, consts = _triton_fmt(fmt, codes.device)
+    _triton_module().launch_reduce_quantized(
+        codes, scales, out_codes, out_scales, table, consts, block, n, scale
+    )
 
 
 def _merge_c_args(
