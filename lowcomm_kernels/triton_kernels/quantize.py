@@ -38,9 +38,23 @@ def _hash_uniform(offs, key):
 
 
 @triton.jit
-def _quantize_tile(w, offs, mask, rows, nb, scales, key, u_key_offs, SR: tl.constexpr, BITS: tl.constexpr,
-                   IS_FLOAT: tl.constexpr, M: tl.constexpr, EMIN: tl.constexpr, QMAX: tl.constexpr,
-                   SUB_POW: tl.constexpr):  # fmt: skip
+def _quantize_tile(
+    w,
+    offs,
+    mask,
+    rows,
+    nb,
+    scales,
+    key,
+    u_key_offs,
+    SR: tl.constexpr,
+    BITS: tl.constexpr,
+    IS_FLOAT: tl.constexpr,
+    M: tl.constexpr,
+    EMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    SUB_POW: tl.constexpr,
+):
     """Codes (int32, one per element) of the (ROWS, BLOCK) tile w, its rows' scales (stored), and
     whether each row's scale is positive and finite."""
     abits = w.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
@@ -94,11 +108,31 @@ def _store_codes(codes, c, rows, n, ROWS: tl.constexpr, BLOCK: tl.constexpr, BIT
 
 
 @triton.jit
-def _pack_quantized_kernel(g, x, res, snap, codes, scales, nonfinite, table, n, nb, key,
-                           HAS_X: tl.constexpr, HAS_RES: tl.constexpr, HAS_SNAP: tl.constexpr,
-                           SR: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr,
-                           IS_FLOAT: tl.constexpr, M: tl.constexpr, EMIN: tl.constexpr, QMAX: tl.constexpr,
-                           SUB_POW: tl.constexpr):  # fmt: skip
+def _pack_quantized_kernel(
+    g,
+    x,
+    res,
+    snap,
+    codes,
+    scales,
+    nonfinite,
+    table,
+    n,
+    nb,
+    key,
+    HAS_X: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_SNAP: tl.constexpr,
+    SR: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    IS_FLOAT: tl.constexpr,
+    M: tl.constexpr,
+    EMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    SUB_POW: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = offs < n
@@ -114,11 +148,15 @@ def _pack_quantized_kernel(g, x, res, snap, codes, scales, nonfinite, table, n, 
         e = tl.load(g + offs, mask=mask, other=0.0)
     w = e.to(tl.float32)
     inf_or_nan = mask & ((w.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000)
-    bad = tl.reduce(tl.reduce(tl.where(inf_or_nan, 1, 0), 1, tl.standard._sum_combine), 0, tl.standard._sum_combine)
+    bad = tl.reduce(
+        tl.reduce(tl.where(inf_or_nan, 1, 0), 1, tl.standard._sum_combine), 0, tl.standard._sum_combine
+    )
     if bad > 0:
         tl.atomic_add(nonfinite, bad.to(tl.int64))
     k64 = key.to(tl.int64).to(tl.uint64, bitcast=True)  # a small key arrives as int32
-    c, s, ok = _quantize_tile(w, offs, mask, rows, nb, scales, k64, offs, SR, BITS, IS_FLOAT, M, EMIN, QMAX, SUB_POW)
+    c, s, ok = _quantize_tile(
+        w, offs, mask, rows, nb, scales, k64, offs, SR, BITS, IS_FLOAT, M, EMIN, QMAX, SUB_POW
+    )
     _store_codes(codes, c, rows, n, ROWS, BLOCK, BITS)
     if HAS_RES:
         deq = (tl.load(table + c) * s[:, None]).to(e.dtype)
@@ -148,9 +186,27 @@ def _dequantize_kernel(
 
 
 @triton.jit
-def _reduce_kernel(codes, scales, table, out_codes, out_scales, n, nb, nrows, pstride, sstride, scale,
-                   ROWS: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr, IS_FLOAT: tl.constexpr,
-                   M: tl.constexpr, EMIN: tl.constexpr, QMAX: tl.constexpr, SUB_POW: tl.constexpr):  # fmt: skip
+def _reduce_kernel(
+    codes,
+    scales,
+    table,
+    out_codes,
+    out_scales,
+    n,
+    nb,
+    nrows,
+    pstride,
+    sstride,
+    scale,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BITS: tl.constexpr,
+    IS_FLOAT: tl.constexpr,
+    M: tl.constexpr,
+    EMIN: tl.constexpr,
+    QMAX: tl.constexpr,
+    SUB_POW: tl.constexpr,
+):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = offs < n
@@ -158,8 +214,9 @@ def _reduce_kernel(codes, scales, table, out_codes, out_scales, n, nb, nrows, ps
     for j in range(nrows):
         acc = acc + _dequant(codes + j * pstride, scales + j * sstride, table, offs, mask, BLOCK, BITS)
     acc = acc * scale
-    c, s, ok = _quantize_tile(acc, offs, mask, rows, nb, out_scales, 0, offs, False, BITS, IS_FLOAT, M, EMIN, QMAX,
-                              SUB_POW)  # fmt: skip
+    c, s, ok = _quantize_tile(
+        acc, offs, mask, rows, nb, out_scales, 0, offs, False, BITS, IS_FLOAT, M, EMIN, QMAX, SUB_POW
+    )
     _store_codes(out_codes, c, rows, n, ROWS, BLOCK, BITS)
 
 
@@ -184,11 +241,26 @@ def launch_pack_quantized(
     rows = _rows(g, block)
     with on_device(g):
         _pack_quantized_kernel[(triton.cdiv(nb, rows),)](
-            g, x if x is not None else g, residual if residual is not None else g,
-            snapshot if snapshot is not None else g, codes, scales, nonfinite, table, n, nb, key,
-            HAS_X=x is not None, HAS_RES=residual is not None, HAS_SNAP=snapshot is not None, SR=bool(sr),
-            ROWS=rows, BLOCK=block, **fmt, **launch_options(g),
-        )  # fmt: skip
+            g,
+            x if x is not None else g,
+            residual if residual is not None else g,
+            snapshot if snapshot is not None else g,
+            codes,
+            scales,
+            nonfinite,
+            table,
+            n,
+            nb,
+            key,
+            HAS_X=x is not None,
+            HAS_RES=residual is not None,
+            HAS_SNAP=snapshot is not None,
+            SR=bool(sr),
+            ROWS=rows,
+            BLOCK=block,
+            **fmt,
+            **launch_options(g),
+        )
 
 
 def launch_dequantize(codes, scales, out, table, fmt, block) -> None:
@@ -196,8 +268,16 @@ def launch_dequantize(codes, scales, out, table, fmt, block) -> None:
     tile = INTERPRET_TILE if interpreted(out) else GPU_TILE
     with on_device(out):
         _dequantize_kernel[(triton.cdiv(n, tile),)](
-            codes, scales, table, out, n, QBLOCK=block, BITS=fmt["BITS"], TILE=tile, **launch_options(out),
-        )  # fmt: skip
+            codes,
+            scales,
+            table,
+            out,
+            n,
+            QBLOCK=block,
+            BITS=fmt["BITS"],
+            TILE=tile,
+            **launch_options(out),
+        )
 
 
 def launch_reduce_quantized(codes, scales, out_codes, out_scales, table, fmt, block, n, scale) -> None:
@@ -205,6 +285,19 @@ def launch_reduce_quantized(codes, scales, out_codes, out_scales, table, fmt, bl
     rows = _rows(codes, block)
     with on_device(codes):
         _reduce_kernel[(triton.cdiv(nb, rows),)](
-            codes, scales, table, out_codes, out_scales, n, nb, codes.shape[0], codes.shape[1], scales.shape[1],
-            float(scale), ROWS=rows, BLOCK=block, **fmt, **launch_options(codes),
-        )  # fmt: skip
+            codes,
+            scales,
+            table,
+            out_codes,
+            out_scales,
+            n,
+            nb,
+            codes.shape[0],
+            codes.shape[1],
+            scales.shape[1],
+            float(scale),
+            ROWS=rows,
+            BLOCK=block,
+            **fmt,
+            **launch_options(codes),
+        )
