@@ -29,6 +29,8 @@ DTYPE_CODE = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}  # LC_F32, 
 ERRORS = {1: "unsupported dtype combination", 2: "bad argument", 3: "CUDA error"}
 
 _c_int, _c_i64, _c_dbl, _vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p
+# One letter each in SIGNATURES, so every entry point's argument list reads on one line.
+I, N, D, P = _c_int, _c_i64, _c_dbl, _vp  # noqa: E741 (int, int64_t, double, pointer)
 
 # name -> argtypes; every entry point returns RESTYPE, and the CUDA variants (``lc_cuda_<name>``)
 # append CUDA_EXTRA.
@@ -36,67 +38,33 @@ RESTYPE = _c_int
 CUDA_EXTRA = [_vp]  # cudaStream_t
 SIGNATURES: dict[str, list] = {
     # dtype, wire_dtype, g, x, delta, snapshot|NULL, n, nonfinite*
-    "lc_pack": [_c_int, _c_int, _vp, _vp, _vp, _vp, _c_i64, _vp],
+    "lc_pack": [I, I, P, P, P, P, N, P],
     # dtype, avg_dtype, g, u, delta_avg, x, x_sent|NULL, n, lr, momentum, nesterov, alpha, beta, lam,
     # lam_sums|NULL (double[2] of lc_taylor_norms: lam is then normalized by the kernel)
-    "lc_outer_merge": [
-        _c_int,
-        _c_int,
-        _vp,
-        _vp,
-        _vp,
-        _vp,
-        _vp,
-        _c_i64,
-        _c_dbl,
-        _c_dbl,
-        _c_int,
-        _c_dbl,
-        _c_dbl,
-        _c_dbl,
-        _vp,
-    ],
+    "lc_outer_merge": [I, I, P, P, P, P, P, N, D, D, I, D, D, D, P],
     # dtype, avg_dtype, g, u, delta_avg, x, x_sent, n, lr, momentum, nesterov, out(double[2])
-    "lc_taylor_norms": [_c_int, _c_int, _vp, _vp, _vp, _vp, _vp, _c_i64, _c_dbl, _c_dbl, _c_int, _vp],
+    "lc_taylor_norms": [I, I, P, P, P, P, P, N, D, D, I, P],
     # n, k, adds(int64[4]), muls(int64[4]), shift, bitmask, out(int64[k])
-    "lc_mask_perm": [_c_i64, _c_i64, _vp, _vp, _c_int, _c_i64, _vp],
+    "lc_mask_perm": [N, N, P, P, I, N, P],
     # dtype, x, idx, k, out
-    "lc_sparse_gather": [_c_int, _vp, _vp, _c_i64, _vp],
+    "lc_sparse_gather": [I, P, P, N, P],
     # dtype, avg_dtype, x, idx, k, avg, sent, beta
-    "lc_sparse_scatter_merge": [_c_int, _c_int, _vp, _vp, _c_i64, _vp, _vp, _c_dbl],
+    "lc_sparse_scatter_merge": [I, I, P, P, N, P, P, D],
     # dtype, buf, offsets(int64[nseg+1]), nseg, ord, out(double[nseg])
-    "lc_fragment_norms": [_c_int, _vp, _vp, _c_i64, _c_int, _vp],
+    "lc_fragment_norms": [I, P, P, N, I, P],
     # dst, src, nbytes: memcpy with non-temporal stores (the benchmarks' roofline row)
-    "lc_copy_nt": [_vp, _vp, _c_i64],
+    "lc_copy_nt": [P, P, N],
     # dtype, fmt, g, x|NULL, residual|NULL, snapshot|NULL, n, block, sr, key, codes, scales, nonfinite|NULL
-    "lc_pack_quantized": [_c_int, _c_int, _vp, _vp, _vp, _vp, _c_i64, _c_i64, _c_int, _c_i64, _vp, _vp, _vp],
+    "lc_pack_quantized": [I, I, P, P, P, P, N, N, I, N, P, P, P],
     # fmt, codes, scales, n, block, out_dtype, out
-    "lc_dequantize": [_c_int, _vp, _vp, _c_i64, _c_i64, _c_int, _vp],
+    "lc_dequantize": [I, P, P, N, N, I, P],
     # fmt, codes(m x payload), scales(m x nscales), m, n, block, scale, out_codes, out_scales
-    "lc_reduce_quantized": [_c_int, _vp, _vp, _c_i64, _c_i64, _c_i64, _c_dbl, _vp, _vp],
+    "lc_reduce_quantized": [I, P, P, N, N, N, D, P, P],
     # dtype, fmt, g, u, codes, scales, block, x, x_sent|NULL, n, lr, momentum, nesterov, alpha, beta,
     # lam, lam_sums|NULL
-    "lc_outer_merge_quantized": [
-        _c_int,
-        _c_int,
-        _vp,
-        _vp,
-        _vp,
-        _vp,
-        _c_i64,
-        _vp,
-        _vp,
-        _c_i64,
-        _c_dbl,
-        _c_dbl,
-        _c_int,
-        _c_dbl,
-        _c_dbl,
-        _c_dbl,
-        _vp,
-    ],
+    "lc_outer_merge_quantized": [I, I, P, P, P, P, N, P, P, N, D, D, I, D, D, D, P],
     # dtype, fmt, x, idx, k, codes, scales, block, sent, beta
-    "lc_sparse_scatter_merge_quantized": [_c_int, _c_int, _vp, _vp, _c_i64, _vp, _vp, _c_i64, _vp, _c_dbl],
+    "lc_sparse_scatter_merge_quantized": [I, I, P, P, N, P, P, N, P, D],
 }
 #: entry points without arguments that return a C string (not kernels; the CUDA library's are
 #: lc_cuda_<name>): the library's identity, and the calling thread's last failure message.
