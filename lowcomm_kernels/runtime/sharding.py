@@ -82,6 +82,13 @@ def bind_fsdp(model: nn.Module) -> None:
                 f"strategy uses to view sharded parameters ({e}); see runtime/sharding.py"
             ) from e
         for fp in fsdp_params:
+            if getattr(fp, "pin_memory", False):  # checked before any parameter is rewired
+                raise ValueError(
+                    "model: FSDP2 CPU offload into pinned memory (CPUOffloadPolicy(pin_memory=True)) "
+                    "would copy each shard out of the strategy's unpinned buffer at its first forward, "
+                    "and the strategy would stop seeing the parameters; use "
+                    "CPUOffloadPolicy(pin_memory=False)"
+                )
             setattr(fp.sharded_param, _FSDP, fp)
 
 
