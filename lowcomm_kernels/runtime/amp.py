@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from types import FrameType
 
 import torch
 
@@ -52,7 +53,7 @@ def scaler_on_stack() -> torch.amp.GradScaler | None:
     """The GradScaler whose ``step`` is calling the inner optimizer right now, or None. Called from
     the optimizer's post-hook; compares code objects (cheap), reads locals only on a match."""
     target = torch.amp.GradScaler._maybe_opt_step.__code__
-    f = sys._getframe(1)
+    f: FrameType | None = sys._getframe(1)
     for _ in range(_SEARCH_FRAMES):
         if f is None:
             return None
@@ -107,7 +108,7 @@ class ScalerCounter:
             return out
 
         self._wrapper = step
-        self.scaler.step = step  # type: ignore[method-assign]
+        self.scaler.step = step  # type: ignore[method-assign,assignment]
 
     def uninstall(self) -> None:
         if self._wrapper is not None and vars(self.scaler).get("step") is self._wrapper:
