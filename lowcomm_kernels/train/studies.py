@@ -15,11 +15,19 @@ seeds), ``<study>.png`` (validation loss vs steps, mean with a +-1 std band) and
   how many syncs the measured T_c, T_s and gamma give, and what they buy.
 - ``overlap``: overlap depth tau in {1, 5, 10} for Streaming DiLoCo and CoCoDC (N = K syncs so the
   count does not change with tau).
+- ``wire``: compressed wire formats. Streaming DiLoCo and CoCoDC with every ``--wire-dtype`` (fp32,
+  bf16, and each quantized format with and without error feedback, ``--quant-block`` values per
+  scale): final loss and bytes to the target; ``wire_bytes.png`` plots loss against bytes sent.
+
+Every study is resumable: each configuration's runs are saved to ``<out>/runs/`` as soon as they
+finish, and a later command with the same ``--out`` and the same flags reuses them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import time
 from collections.abc import Callable
@@ -80,12 +88,113 @@ def overlap(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
     return configs
 
 
+def wire(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
+    from ..runtime.schedule import WIRE_FORMATS
+
+    configs = []
+    for method, label in (("streaming", "Streaming DiLoCo"), ("cocodc", "CoCoDC")):
+        b = base.with_(method=method, error_feedback=False)
+        if method == "cocodc":
+            b = b.with_(syncs_per_period=base.num_fragments)  # N = K: the same syncs as Streaming DiLoCo
+        for name, target in WIRE_FORMATS.items():
+            configs.append((f"{label} {name}", b.with_(wire_dtype=name)))
+            if isinstance(target, str):  # a quantized format: also with error feedback
+                configs.append((f"{label} {name}+EF", b.with_(wire_dtype=name, error_feedback=True)))
+    return configs
+
+
 STUDIES: dict[str, Callable[[TrainSpec], list[tuple[str, TrainSpec]]]] = {
     "matched": matched,
     "lambda": lam,
     "gamma": gamma,
     "overlap": overlap,
+    "wire": wire,
 }
+
+
+def wire_table(labels: list[str], results: list[RunResult], target: float) -> str:
+    """Markdown for the wire study: loss and bytes, against the fp32 configuration of each method."""
+    lines = [
+        f"target validation loss {target:.4f} (the lowest loss every run reached)",
+        "",
+        "| configuration | seeds | final val loss | bytes/worker to target (MB) | bytes sent/worker (MB) "
+        "| fp32 bytes / these |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label in labels:
+        runs = [r for r in results if r.name == label]
+        ref_label = label.rsplit(" ", 1)[0] + " fp32"
+        ref = [r.bytes_sent for r in results if r.name == ref_label]
+
+        def ms(values: list, fmt: str = "{:.4f}") -> str:
+            m, s = mean_std([v for v in values if v is not None])
+            return "n/a" if math.isnan(m) else f"{fmt.format(m)} ± {fmt.format(s)}"
+
+        hits = [r.first_reaching(target) for r in runs]
+        sent = [r.bytes_sent for r in runs]
+        ratio = sum(ref) / sum(sent) if ref and sum(sent) else float("nan")
+        lines.append(
+            f"| {label} | {len(runs)} | {ms([r.final_loss for r in runs])} | "
+            f"{ms([h.bytes_sent / 1e6 if h else None for h in hits], '{:.3f}')} | "
+            f"{ms([b / 1e6 for b in sent], '{:.3f}')} | {ratio:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def wire_plot(labels: list[str], results: list[RunResult], path: Path) -> None:
+    """Validation loss against bytes sent per worker, mean over seeds, one panel per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    methods = list(dict.fromkeys(label.rsplit(" ", 1)[0] for label in labels))  # in order
+    fig, axes = plt.subplots(1, len(methods), figsize=(6.5 * len(methods), 4.6), squeeze=False)
+    for ax, method in zip(axes[0], methods, strict=True):
+        for label in [lb for lb in labels if lb.rsplit(" ", 1)[0] == method]:
+            runs = [r for r in results if r.name == label and r.points]
+            if not runs:
+                continue
+            n = min(len(r.points) for r in runs)
+            x = np.array([[p.bytes_sent for p in r.points[:n]] for r in runs]).mean(0) / 1e6
+            y = np.array([[p.val_loss for p in r.points[:n]] for r in runs]).mean(0)
+            fmt = label.rsplit(" ", 1)[1]
+            ax.plot(x[1:], y[1:], label=fmt, linestyle="--" if fmt.endswith("+EF") else "-")
+        ax.set_xscale("log")
+        ax.set_xlabel("bytes sent per worker (MB, log scale)")
+        ax.set_ylabel("validation loss (nats/byte), mean over seeds")
+        ax.set_title(method)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_resumable(
+    configs: list[tuple[str, list[TrainSpec]]], corpus: object, folder: Path, progress: bool
+) -> list[RunResult]:
+    """Run each configuration's specs in one launch and save its results to ``folder`` at once; a
+    configuration whose file holds results of exactly these specs is read back instead of run."""
+    from .report import write_json
+    from .runner import run_specs
+
+    folder.mkdir(parents=True, exist_ok=True)
+    results: list[RunResult] = []
+    for i, (label, specs) in enumerate(configs):
+        key = [json.dumps(dataclasses.asdict(s), sort_keys=True, default=str) for s in specs]
+        path = folder / f"{i:03d}.json"
+        if path.exists():
+            saved = json.loads(path.read_text())
+            if saved.get("specs") == key:
+                results += [RunResult.from_dict(d) for d in saved["runs"]]
+                print(f"reusing {label} ({len(specs)} runs) from {path}")
+                continue
+        done = run_specs(specs, corpus, progress=progress)  # type: ignore[arg-type]
+        write_json(path, {"label": label, "specs": key, "runs": [r.to_dict() for r in done]})
+        results += done
+    return results
 
 
 def study_table(name: str, labels: list[str], results: list[RunResult], target: float) -> str:
@@ -165,7 +274,7 @@ def run_study(args: argparse.Namespace) -> int:
     from .errors import SpecError, UsageError
     from .presets import LM, STUDY_SEEDS
     from .report import write_json
-    from .runner import report_failure, run_specs
+    from .runner import report_failure
 
     if args.study not in STUDIES:
         raise UsageError(f"unknown study {args.study!r}; choose from {', '.join(STUDIES)}")
@@ -187,20 +296,27 @@ def run_study(args: argparse.Namespace) -> int:
     corpus = load_checked_corpus(args.data, specs)
     out = out_dir(args, f"study-{args.study}")
     t0 = time.perf_counter()
+    groups = [(label, [s for s in specs if s.name == label]) for label in labels]
     try:
-        results = run_specs(specs, corpus, progress=not args.no_progress)
+        results = run_resumable(groups, corpus, out / "runs", progress=not args.no_progress)
     except WorkerError as exc:
         return report_failure(exc, out, "study")
     target = args.target if args.target is not None else auto_target(results)
-    table = study_table(args.study, labels, results, target)
+    if args.study == "wire":
+        table = wire_table(labels, results, target)
+        wire_plot(labels, results, out / "wire_bytes.png")
+    else:
+        table = study_table(args.study, labels, results, target)
     cmd = (
         f"lowcomm compare --study {args.study}"
         + (" --quick" if args.quick else "")
         + (f" --seeds {args.seeds}" if args.seeds else "")
     )
+    mc = base.model
     header = (
         f"study `{args.study}`: {base.workers} workers, {base.steps} steps, H={base.sync_every}, "
-        f"K={base.num_fragments}, tau={base.fragment_sync_delay}, {seeds} seeds; {corpus.describe()}"
+        f"K={base.num_fragments}, tau={base.fragment_sync_delay}, {seeds} seeds, model dim={mc.dim} "
+        f"layers={mc.n_layers} seq_len={mc.seq_len}, quant_block={base.quant_block}; {corpus.describe()}"
     )
     (out / f"{args.study}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{table}\n")
     study_plot(args.study, labels, results, out / f"{args.study}.png")

@@ -1,0 +1,43 @@
+"""`lowcomm compare --study wire`: its configurations, and the saving and reuse of finished runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from lowcomm_kernels.ops import FORMATS
+from lowcomm_kernels.train.corpus import load_corpus
+from lowcomm_kernels.train.model import ModelConfig
+from lowcomm_kernels.train.spec import TrainSpec
+from lowcomm_kernels.train.studies import STUDIES, run_resumable
+
+BASE = TrainSpec(steps=300, sync_every=50, num_fragments=4, fragment_sync_delay=5)
+
+
+def test_wire_study_runs_every_format_with_and_without_error_feedback():
+    configs = STUDIES["wire"](BASE)
+    for method in ("streaming", "cocodc"):
+        mine = [(label, s) for label, s in configs if s.method == method]
+        dense = {s.wire_dtype for _, s in mine if not s.error_feedback}
+        with_ef = {s.wire_dtype for _, s in mine if s.error_feedback}
+        assert dense == {"fp32", "bf16", *FORMATS} and with_ef == set(FORMATS)
+        assert len({label for label, _ in mine}) == len(mine) == 2 + 2 * len(FORMATS)
+    cocodc = [s for _, s in configs if s.method == "cocodc"]
+    assert {s.syncs_per_period for s in cocodc} == {BASE.num_fragments}  # as many syncs as streaming
+
+
+@pytest.mark.slow
+def test_finished_runs_are_saved_and_reused(tmp_path: Path, capsys):
+    tiny = TrainSpec(method="streaming", workers=2, steps=6, batch_size=2, sync_every=4, num_fragments=2,
+                     fragment_sync_delay=1, eval_every=3, eval_batches=1, warmup_steps=1, latency_s=0.001,
+                     wire_dtype="int4", quant_block=16, error_feedback=True, name="int4+EF",
+                     model=ModelConfig(dim=16, n_layers=2, n_heads=2, mlp_hidden=32, seq_len=16))
+    corpus = load_corpus(None, max_train_bytes=200_000, max_val_bytes=50_000)
+    first = run_resumable([("int4+EF", [tiny])], corpus, tmp_path, progress=False)
+    saved = tmp_path / "000.json"
+    stamp = saved.stat().st_mtime_ns
+    again = run_resumable([("int4+EF", [tiny])], corpus, tmp_path, progress=False)
+    assert "reusing int4+EF (1 runs)" in capsys.readouterr().out
+    assert saved.stat().st_mtime_ns == stamp  # read back, not run again
+    assert [r.to_dict() for r in again] == [r.to_dict() for r in first] and first[0].bytes_sent > 0
