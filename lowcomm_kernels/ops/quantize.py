@@ -724,22 +724,7 @@ def _(codes, scales, out_codes, out_scales, fmt, block, n, scale, backend):
 
 
 def _outer_merge_quantized_impl(
-    g: torch.Tensor,
-    u: torch.Tensor,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    fmt: str,
-    block: int,
-    x: torch.Tensor,
-    x_sent: torch.Tensor | None,
-    lr: float,
-    momentum: float,
-    nesterov: bool,
-    alpha: float,
-    beta: float,
-    lam: float,
-    lam_mode: str,
-    backend: str | None,
+    g, u, codes, scales, fmt, block, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend
 ) -> None:
     """outer_merge_'s checks with Δ̄ as (codes, scales); then one fused pass (cpu), or dequantize
     into a temporary and the dense merge (the normalized Taylor mode, and the GPU backends)."""
@@ -773,25 +758,8 @@ def _outer_merge_quantized_impl(
     with nvtx_range("outer_merge"):
         fused = (b in ("ref", "cpu")) and not (lam_mode == "normalized" and lam != 0.0)
         if fused:
-            launch(
-                "outer_merge_quantized",
-                b,
-                g,
-                u,
-                codes,
-                scales,
-                f.name,
-                block,
-                x,
-                x_sent,
-                lr,
-                momentum,
-                nesterov,
-                alpha,
-                beta,
-                lam,
-                None,
-            )
+            merge = (lr, momentum, nesterov, alpha, beta, lam)
+            launch("outer_merge_quantized", b, g, u, codes, scales, f.name, block, x, x_sent, *merge, None)
             return
         # The normalized mode's scale is a reduction over Δ̄ that the merge needs before its first
         # element, and the GPU backends have no fused kernel yet: Δ̄ is dequantized once here.
@@ -802,8 +770,14 @@ def _outer_merge_quantized_impl(
         )
 
 
+# outer_merge_'s schema with Δ̄ as (codes, scales, fmt, block), written out (the impl is unannotated).
 _outer_merge_quantized_op = torch.library.custom_op(
-    "lowcomm::outer_merge_quantized_", _outer_merge_quantized_impl, mutates_args=("g", "u", "x")
+    "lowcomm::outer_merge_quantized_",
+    _outer_merge_quantized_impl,
+    mutates_args=("g", "u", "x"),
+    schema="(Tensor(a0!) g, Tensor(a1!) u, Tensor codes, Tensor scales, str fmt, SymInt block, "
+    "Tensor(a6!) x, Tensor? x_sent, float lr, float momentum, bool nesterov, float alpha, float beta, "
+    "float lam, str lam_mode, str? backend) -> ()",
 )
 
 
@@ -885,6 +859,11 @@ def _call(name: str, impl, *args: object) -> object:
     return traced_call(name, *args) if compiling() else impl(*args)
 
 
+def _pack_call(*args: object) -> torch.Tensor:
+    """lowcomm::pack_quantized on `args` (its schema's order): quantize and pack_quantized."""
+    return _call("pack_quantized", _pack_quantized_impl, *args)
+
+
 @torch.no_grad()
 def quantize(
     v: torch.Tensor,
@@ -914,22 +893,7 @@ def quantize(
     f, block = _check_fmt_block(fmt, block)
     sr, seed, round = _sr_args(seed, round)
     codes, scales = _wire_out(f, block, _checks.is_tensor("v", v).numel(), v.device)
-    _call(
-        "pack_quantized",
-        _pack_quantized_impl,
-        v,
-        None,
-        None,
-        None,
-        codes,
-        scales,
-        f.name,
-        block,
-        sr,
-        seed,
-        round,
-        backend,
-    )
+    _pack_call(v, None, None, None, codes, scales, f.name, block, sr, seed, round, backend)
     return codes, scales
 
 
@@ -1015,22 +979,7 @@ def pack_quantized(
         snapshot = torch.empty(g.shape, dtype=g.dtype, device=g.device)
     else:
         snapshot = _checks.is_tensor("snapshot_out", snapshot_out)
-    nonfinite = _call(
-        "pack_quantized",
-        _pack_quantized_impl,
-        g,
-        x,
-        residual,
-        snapshot,
-        codes,
-        scales,
-        f.name,
-        block,
-        sr,
-        seed,
-        round,
-        backend,
-    )
+    nonfinite = _pack_call(g, x, residual, snapshot, codes, scales, f.name, block, sr, seed, round, backend)
     return codes, scales, snapshot, nonfinite
 
 
@@ -1101,26 +1050,9 @@ def outer_merge_quantized_(
     once into a temporary). Arguments and results as ``outer_merge_``'s."""
     q = as_quantized(delta_avg, "delta_avg")
     f = as_format(q.fmt)
-    _call(
-        "outer_merge_quantized_",
-        _outer_merge_quantized_impl,
-        g,
-        u,
-        q.codes,
-        q.scales,
-        f.name,
-        q.block,
-        x,
-        x_sent,
-        lr,
-        momentum,
-        nesterov,
-        alpha,
-        beta,
-        lam,
-        lam_mode,
-        backend,
-    )
+    wire = (q.codes, q.scales, f.name, q.block)
+    merge = (lr, momentum, nesterov, alpha, beta, lam, lam_mode)
+    _call("outer_merge_quantized_", _outer_merge_quantized_impl, g, u, *wire, x, x_sent, *merge, backend)
 
 
 @torch.no_grad()

@@ -39,22 +39,10 @@ def _hash_uniform(offs, key):
 
 @triton.jit
 def _quantize_tile(
-    w,
-    offs,
-    mask,
-    rows,
-    nb,
-    scales,
-    key,
-    u_key_offs,
-    SR: tl.constexpr,
-    BITS: tl.constexpr,
-    IS_FLOAT: tl.constexpr,
-    M: tl.constexpr,
-    EMIN: tl.constexpr,
-    QMAX: tl.constexpr,
-    SUB_POW: tl.constexpr,
-):
+    w, offs, mask, rows, nb, scales, key, u_key_offs, SR: tl.constexpr,
+    BITS: tl.constexpr, IS_FLOAT: tl.constexpr, M: tl.constexpr,  # the format (ops/quantize.py)
+    EMIN: tl.constexpr, QMAX: tl.constexpr, SUB_POW: tl.constexpr,
+):  # fmt: skip
     """Codes (int32, one per element) of the (ROWS, BLOCK) tile w, its rows' scales (stored), and
     whether each row's scale is positive and finite."""
     abits = w.to(tl.uint32, bitcast=True) & 0x7FFFFFFF
@@ -108,34 +96,22 @@ def _store_codes(codes, c, rows, n, ROWS: tl.constexpr, BLOCK: tl.constexpr, BIT
 
 
 @triton.jit
-def _pack_quantized_kernel(
-    g,
-    x,
-    res,
-    snap,
-    codes,
-    scales,
-    nonfinite,
-    table,
-    n,
-    nb,
-    key,
-    HAS_X: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    HAS_SNAP: tl.constexpr,
-    SR: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BITS: tl.constexpr,
-    IS_FLOAT: tl.constexpr,
-    M: tl.constexpr,
-    EMIN: tl.constexpr,
-    QMAX: tl.constexpr,
-    SUB_POW: tl.constexpr,
-):
+def _tile(n, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's ROWS quantization blocks: their indices, element offsets and in-range mask."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = offs < n
+    return rows, offs, offs < n
+
+
+@triton.jit
+def _pack_quantized_kernel(
+    g, x, res, snap, codes, scales, nonfinite, table, n, nb, key,
+    HAS_X: tl.constexpr, HAS_RES: tl.constexpr, HAS_SNAP: tl.constexpr, SR: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BITS: tl.constexpr, IS_FLOAT: tl.constexpr, M: tl.constexpr,  # the format (ops/quantize.py)
+    EMIN: tl.constexpr, QMAX: tl.constexpr, SUB_POW: tl.constexpr,
+):  # fmt: skip
+    rows, offs, mask = _tile(n, ROWS, BLOCK)
     if HAS_X:
         gv = tl.load(g + offs, mask=mask, other=0.0)
         xv = tl.load(x + offs, mask=mask, other=0.0).to(gv.dtype)
@@ -187,29 +163,12 @@ def _dequantize_kernel(
 
 @triton.jit
 def _reduce_kernel(
-    codes,
-    scales,
-    table,
-    out_codes,
-    out_scales,
-    n,
-    nb,
-    nrows,
-    pstride,
-    sstride,
-    scale,
-    ROWS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BITS: tl.constexpr,
-    IS_FLOAT: tl.constexpr,
-    M: tl.constexpr,
-    EMIN: tl.constexpr,
-    QMAX: tl.constexpr,
-    SUB_POW: tl.constexpr,
-):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    mask = offs < n
+    codes, scales, table, out_codes, out_scales, n, nb, nrows, pstride, sstride, scale,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    BITS: tl.constexpr, IS_FLOAT: tl.constexpr, M: tl.constexpr,  # the format (ops/quantize.py)
+    EMIN: tl.constexpr, QMAX: tl.constexpr, SUB_POW: tl.constexpr,
+):  # fmt: skip
+    rows, offs, mask = _tile(n, ROWS, BLOCK)
     acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     for j in range(nrows):
         acc = acc + _dequant(codes + j * pstride, scales + j * sstride, table, offs, mask, BLOCK, BITS)
