@@ -18,6 +18,11 @@ from collections.abc import Iterable
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float64)
+#: Parameter dtypes stored below the compute precision. Their outer state (g, u, snapshots: the
+#: master copy) is float32, the ops compute in float32 and round x to nearest even once on write.
+LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
+#: Every dtype the parameters x may have.
+PARAM_DTYPES = FLOAT_DTYPES + LOW_PRECISION_DTYPES
 #: What a buffer that crosses the network (pack's delta, outer_merge_'s delta_avg, the scatter's
 #: avg) may hold besides the data's own dtype. Another wire format is an entry here, a dtype code
 #: in ``_native.DTYPE_CODE``, and the kernels' support for it.
@@ -27,6 +32,22 @@ NARROW_WIRE_DTYPES = (torch.bfloat16,)
 def wire_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:
     """The dtypes a wire buffer may have for data of `dtype`."""
     return (dtype, *NARROW_WIRE_DTYPES)
+
+
+def master_dtype(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the outer state (g, u, snapshots) and of the arithmetic for parameters of
+    `param_dtype`: float32 for bf16 / fp16 parameters, the parameters' own dtype otherwise."""
+    return torch.float32 if param_dtype in LOW_PRECISION_DTYPES else param_dtype
+
+
+def params_of(x_name: str, x: torch.Tensor, g_name: str, g: torch.Tensor) -> None:
+    """x (parameters) goes with g (their outer state): x has g's dtype, or is bf16 / fp16 with a
+    float32 g (``master_dtype``). Otherwise a TypeError naming x."""
+    if x.dtype == g.dtype or (x.dtype in LOW_PRECISION_DTYPES and g.dtype == master_dtype(x.dtype)):
+        return
+    low = " or ".join(str(d) for d in LOW_PRECISION_DTYPES)
+    also = f" ({low} parameters need a float32 {g_name})" if x.dtype in LOW_PRECISION_DTYPES else ""
+    raise TypeError(f"{x_name} has dtype {x.dtype} but {g_name} has {g.dtype}; expected {g.dtype}{also}")
 
 
 def is_tensor(name: str, t: object) -> torch.Tensor:

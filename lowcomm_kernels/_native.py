@@ -25,7 +25,9 @@ import torch
 
 from . import _config
 
-DTYPE_CODE = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2}  # LC_F32, LC_F64, LC_BF16
+# LC_F32, LC_F64, LC_BF16, LC_F16. A kernel's `dtype` argument is the parameters' (x's) dtype: the
+# outer state of bf16 / fp16 parameters is float32 (abi.h).
+DTYPE_CODE = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
 ERRORS = {1: "unsupported dtype combination", 2: "bad argument", 3: "CUDA error"}
 
 _c_int, _c_i64, _c_dbl, _vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, ctypes.c_void_p

@@ -64,7 +64,7 @@ def _norms_impl(
 ) -> torch.Tensor:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     fragment_norms."""
-    _checks.tensor("buf", buf, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor("buf", buf, dtypes=_checks.PARAM_DTYPES)
     _checks.flag("check_values", check_values)
     _checks.tensor("offsets", offsets, dtypes=(torch.int64,), dim=1)
     _checks.same_device("buf", buf, offsets=offsets)

@@ -137,7 +137,7 @@ def _c_args(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, *rest) -> tuple:
     """Both entry points' C arguments: dtype codes, the five buffers, n, the outer step, then the
     rest as given (taylor_norms: out; outer_merge: alpha, beta, lam, lam_sums)."""
     return (
-        code(g),
+        code(x),  # the parameters' dtype; g's, u's and x_sent's are implied (abi.h)
         code(delta_avg),
         g,
         u,
@@ -163,10 +163,12 @@ def _check(
 ) -> tuple[float, float, float, float, float]:
     """Every check of an outer_merge_ call, before anything is written; returns the scalars
     (lr, momentum, alpha, beta, lam) as floats."""
-    for name, t in (("g", g), ("u", u), ("x", x)):
+    for name, t in (("g", g), ("u", u)):
         _checks.tensor(name, t, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor("x", x, dtypes=_checks.PARAM_DTYPES)
+    _checks.params_of("x", x, "g", g)
     _checks.tensor("delta_avg", delta_avg, dtypes=_checks.wire_dtypes(g.dtype))
-    _checks.same_dtype("g", g, u=u, x=x)
+    _checks.same_dtype("g", g, u=u)
     _checks.same_device("g", g, u=u, delta_avg=delta_avg, x=x, x_sent=x_sent)
     _checks.same_numel("g", g, u=u, delta_avg=delta_avg, x=x, x_sent=x_sent)
     lr = _checks.scalar("lr", lr, lo=0.0)

@@ -1,7 +1,10 @@
 """pack: the send side of a dense fragment sync, in one pass over memory.
 
     delta    = g - x          written in the wire dtype (fp32, fp64 or bf16, round-to-nearest-even)
-    snapshot = x              (x_sent, kept for the delay-corrected merge; optional)
+    snapshot = x              (x_sent, kept for the delay-corrected merge; optional; g's dtype)
+
+x may be bf16 / fp16 with its float32 master g: g − x is then formed in float32 from x widened
+exactly (docs/algorithms.md, "Low-precision parameters").
     nonfinite = #{i : delta[i] is not finite}   (of the value written, 0-d int64)
 
 Reads g, x; writes delta (+ snapshot). Bytes: n*(2*s + s_wire [+ s]) for element size s.
@@ -20,11 +23,14 @@ def pack_ref(
     g: torch.Tensor, x: torch.Tensor, *, wire_dtype: torch.dtype | None = None, snapshot: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The specification, in plain torch (float64-capable): (delta, snapshot or None, nonfinite),
-    all newly allocated; delta has g's shape, the snapshot is a contiguous copy of x."""
+    all newly allocated; delta has g's shape, the snapshot is a contiguous copy of x in g's dtype.
+    A bf16 / fp16 x (with its float32 master g) is widened exactly: torch's type promotion forms
+    g − x in float32, rounded once to the wire dtype."""
     # Flat, like every op: g and x need only the same number of elements.
     delta = (g.reshape(-1) - x.reshape(-1)).to(wire_dtype or g.dtype).reshape(g.shape)
     nonfinite = (~torch.isfinite(delta)).sum(dtype=torch.int64)
-    return delta, (x.clone(memory_format=torch.contiguous_format) if snapshot else None), nonfinite
+    snap = x.to(g.dtype, memory_format=torch.contiguous_format, copy=True) if snapshot else None
+    return delta, snap, nonfinite
 
 
 # ---- launchers (n >= 1, checked arguments): fill delta (and snapshot), and leave the non-finite
@@ -44,7 +50,7 @@ native(
     "pack",
     "lc_pack",
     lambda g, x, delta, snapshot, nonfinite: (
-        code(g),
+        code(x),  # the parameters' dtype; g's is implied (abi.h)
         code(delta),
         g,
         x,
@@ -60,15 +66,15 @@ triton("pack", "pack", "launch_pack")
 def _check(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None) -> None:
     """Every check of pack's tensors (named as pack's arguments), before anything is written."""
     _checks.tensor("g", g, dtypes=_checks.FLOAT_DTYPES)
-    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor("x", x, dtypes=_checks.PARAM_DTYPES)
     _checks.same_device("g", g, x=x)
-    _checks.same_dtype("g", g, x=x)
+    _checks.params_of("x", x, "g", g)
     _checks.same_numel("g", g, x=x)
     _checks.tensor("delta_out", delta, dtypes=_checks.wire_dtypes(g.dtype))
     _checks.same_device("g", g, delta_out=delta)
     _checks.same_numel("g", g, delta_out=delta)
     if snapshot is not None:
-        _checks.tensor("snapshot_out", snapshot, dtypes=(x.dtype,))
+        _checks.tensor("snapshot_out", snapshot, dtypes=(g.dtype,))
         _checks.same_device("g", g, snapshot_out=snapshot)
         _checks.same_numel("g", g, snapshot_out=snapshot)
     # g and x may alias each other (delta = 0); outputs may alias nothing.
@@ -124,11 +130,12 @@ def pack(
 
     Args:
         g: global parameters, fp32/fp64, any shape, contiguous. Read only.
-        x: local parameters, same numel/dtype/device as g, contiguous; may alias g. Read only.
+        x: local parameters, same numel/device as g, contiguous: g's dtype (then it may alias g), or
+            bf16 / fp16 with a float32 g (its master copy). Read only.
         wire_dtype: dtype of delta (g.dtype, or bfloat16). Defaults to delta_out's dtype or g.dtype.
         delta_out: optional preallocated delta (same numel as g, wire dtype, contiguous); must not
             alias g, x or the snapshot. Written.
-        snapshot_out: a preallocated snapshot buffer (same numel and dtype as x, contiguous, aliasing
+        snapshot_out: a preallocated snapshot buffer (same numel as x, g's dtype, contiguous, aliasing
             nothing; written), None to allocate one, or False to skip it.
         backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
     Returns:
@@ -153,7 +160,8 @@ def pack(
     if snapshot_out is False:
         snapshot = None
     elif snapshot_out is None or snapshot_out is True:
-        snapshot = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # contiguous, whatever x's strides
+        # contiguous, whatever x's strides; the master's dtype (float32 for a bf16 / fp16 x)
+        snapshot = torch.empty(x.shape, dtype=_checks.master_dtype(x.dtype), device=x.device)
     else:
         snapshot = _checks.is_tensor("snapshot_out", snapshot_out)
     if compiling():

@@ -3,6 +3,9 @@
     gather:         y = x[S]                                   reads k idx + k x; writes k
     scatter-merge:  x[S] <- m̄ + β·(x[S] − y)                   reads k idx, x, m̄, y; writes k
 
+x may be bf16 / fp16: `sent` (and the arithmetic) is then its float32 master dtype, and the merged
+value is rounded once into x.
+
 β = 1 is the delay-corrected merge (keep the local progress made while the average was in
 flight), β = 0 the overwrite baseline. Only k-sized buffers are touched: no dense copy of x.
 """
@@ -57,7 +60,7 @@ def _checked_x_idx(
     x: torch.Tensor, idx: torch.Tensor, check_values: bool, strictly_increasing: bool
 ) -> torch.Tensor:
     """The checks both sparse ops make of x and idx (idx's entries only if check_values)."""
-    _checks.tensor("x", x, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor("x", x, dtypes=_checks.PARAM_DTYPES)
     _checks.flag("check_values", check_values)
     return _checks.index(
         "idx",
@@ -97,8 +100,9 @@ def _scatter_merge_impl(
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     sparse_scatter_merge_. Every check runs before anything is written."""
     idx = _checked_x_idx(x, idx, check_values, strictly_increasing=True)
-    _checks.tensor("avg", avg, dtypes=_checks.wire_dtypes(x.dtype))
-    _checks.tensor("sent", sent, dtypes=(x.dtype,))
+    master = _checks.master_dtype(x.dtype)
+    _checks.tensor("avg", avg, dtypes=_checks.wire_dtypes(master))
+    _checks.tensor("sent", sent, dtypes=(master,))
     _checks.same_device("x", x, avg=avg, sent=sent)
     _checks.same_numel("idx", idx, avg=avg, sent=sent)
     beta = _checks.scalar("beta", beta, lo=0.0)

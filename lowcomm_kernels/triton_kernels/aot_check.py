@@ -24,8 +24,8 @@ not every combination; each pointer's aligned and unaligned code is compiled.) T
 programs per segment and their finishing kernels run over every power-of-two block they can
 take. ``--quick`` (CI) compiles one variant per kernel and dtype pairing, spread so that every
 alignment pattern, size kind and DiLoCo's default merge (momentum, Nesterov, α = β = λ = 0) is
-among them: about 70 compilations, ~15 s on two cores. The full mode is about 3100 (~20 min on
-two cores; ``--jobs``, ``-k`` to pick cases).
+among them, and each bf16 / fp16 parameter pairing: about 110 compilations. The full mode is about
+3240 (~20 min on two cores; ``--jobs``, ``-k`` to pick cases).
 
 For each compiled variant it prints the registers per thread (from the cubin) and the number of
 128-bit global loads/stores in the PTX (the elementwise kernels vectorise fully on aligned data),
@@ -314,6 +314,92 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
             mask_indices.launch_mask_perm(n, k, *keys, _tensor(k, torch.int64, "fresh", "aligned"))
 
         yield f"mask_perm n={n_size} k={k_size}", call
+
+    # bf16 / fp16 parameters x beside their float32 master (g, u, x_sent, snapshot, sent): every
+    # kernel that reads or writes x, each wire dtype, the merge's main modes, sizes and alignments
+    # (quick: each (x, wire) pairing once, the merge's Taylor mode, one unaligned int64 view)
+    f16 = torch.float16
+    low = {bf16: "bf16", f16: "fp16"}
+    wires = (f32, bf16)
+    taylor = (0.9, True, 0.25, 1.0, 0.3, True)
+    modes = [diloco, taylor, (0.0, False, 0.5, 0.0, 0.0, False)]
+    at = [("i32", "runtime"), ("i64/16", "unaligned")]
+    for xdt, wire, (size, align) in full_or(
+        [(x, w, at[0]) for x in low for w in wires] + [(bf16, bf16, at[1])], low, wires, at
+    ):
+        n = SIZES[size]
+
+        def call(xdt=xdt, wire=wire, n=n, align=align):
+            pack.launch_pack(
+                _tensor(n, f32, "view", align),
+                _tensor(n, xdt, "view", align),
+                _tensor(n, wire, "out", align),
+                _tensor(n, f32, "out", align),
+                _tensor(1, torch.int64, "fresh", align)[0],
+            )
+
+        yield f"pack x={low[xdt]} wire={name[wire]} {size} {align}", call
+    for xdt, wire, mode, (size, align) in full_or(
+        [(x, w, diloco, at[0]) for x in low for w in wires]
+        + [(x, bf16, taylor, at[0]) for x in low]
+        + [(f16, f32, diloco, at[1])],
+        low,
+        wires,
+        modes,
+        at,
+    ):
+        n = SIZES[size]
+
+        def call(xdt=xdt, wire=wire, mode=mode, n=n, align=align):
+            mom, nest, alpha, beta, lam, lam_dev = mode
+            g, u, sent = (_tensor(n, f32, "view", align) for _ in range(3))
+            x, avg = _tensor(n, xdt, "view", align), _tensor(n, wire, "out", align)
+            sums = _tensor(2, f64, "fresh", align).contiguous() if lam_dev else None
+            outer_merge.launch_outer_merge(g, u, avg, x, sent, 0.7, mom, nest, alpha, beta, lam, sums)
+
+        yield f"outer_merge x={low[xdt]} avg={name[wire]} mode={mode} {size} {align}", call
+    for xdt, wire, (size, align) in full_or([(x, bf16, at[0]) for x in low], low, wires, at):
+        n = SIZES[size]
+
+        def call(xdt=xdt, wire=wire, n=n, align=align):
+            g, u, sent = (_tensor(n, f32, "view", align) for _ in range(3))
+            x, avg = _tensor(n, xdt, "view", align), _tensor(n, wire, "out", align)
+            sums = _tensor(2, f64, "fresh", align).contiguous()
+            outer_merge.launch_taylor_norms(g, u, avg, x, sent, 0.7, 0.9, True, sums)
+
+        yield f"taylor_norms x={low[xdt]} avg={name[wire]} {size} {align}", call
+    for xdt, wire, (size, align) in full_or([(x, f32, at[0]) for x in low], low, wires, at):
+        k = SIZES[size]
+
+        def call(xdt=xdt, wire=wire, k=k, align=align):
+            sparse.launch_sparse_scatter_merge(
+                _tensor(k, xdt, "view", align),
+                _tensor(k, torch.int64, "out", align),
+                _tensor(k, wire, "out", align),
+                _tensor(k, f32, "out", align),
+                0.7,
+            )
+
+        yield f"sparse_scatter_merge x={low[xdt]} avg={name[wire]} k={size} {align}", call
+    for xdt in low:
+
+        def call(xdt=xdt):
+            k = SIZES["i32"]
+            sparse.launch_sparse_gather(
+                _tensor(k, xdt, "view", "runtime"),
+                _tensor(k, torch.int64, "out", "runtime"),
+                _tensor(k, xdt, "out", "runtime"),
+            )
+
+        yield f"sparse_gather x={low[xdt]}", call
+
+        def call(xdt=xdt):
+            buf = _tensor(SIZES["i64/16"], xdt, "view", "runtime")
+            offsets = _tensor(5, torch.int64, "out", "runtime")
+            out = _tensor(4, f64, "fresh", "runtime").contiguous()
+            fragment_norms.launch_fragment_norms(buf, offsets, 2, out)
+
+        yield f"fragment_norms x={low[xdt]}", call
 
 
 # ---- specialise like JITFunction.run, compile like triton.compile ----------------------------

@@ -40,6 +40,7 @@ from ._launch import (
     block_size,
     block_sum,
     gpu_programs,
+    hardware_bf16,
     interpreted,
     launch_elementwise,
     launch_options,
@@ -47,6 +48,19 @@ from ._launch import (
     on_device,
     store_block,
 )
+from .pack import _to_bf16
+
+
+@triton.jit
+def _to_param(v, x_ptr, HW_BF16: tl.constexpr):
+    """v (x's compute dtype) as x's dtype: unchanged for fp32 / fp64 x; a bf16 x as torch converts
+    on the device (pack's ``_to_bf16``); an fp16 x rounded to nearest even (cvt.rn.f16.f32)."""
+    if x_ptr.dtype.element_ty == tl.bfloat16:
+        return _to_bf16(v, HW_BF16)
+    elif x_ptr.dtype.element_ty == tl.float16:
+        return v.to(tl.float16, fp_downcast_rounding="rtne")
+    else:
+        return v
 
 
 @triton.jit
@@ -130,6 +144,7 @@ def _outer_merge_kernel(
     HAS_SENT: tl.constexpr,
     HAS_ALPHA: tl.constexpr,
     LAM_ON_DEVICE: tl.constexpr,
+    HW_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """In place on (n,) g, u, x:
@@ -142,6 +157,8 @@ def _outer_merge_kernel(
     one_minus_alpha is 1 − α formed in fp64 by the caller, as the reference's ``(1.0 - alpha)``.
     LAM_ON_DEVICE: λ is normalized here, λ_eff = ``_lam_effective(λ, lam_sums)`` (float64 [s0, s1]
     from ``_taylor_norms_kernel``); otherwise lam_sums_ptr is not read. Full blocks run unmasked.
+    x may be bf16 / fp16 beside float32 g, u, x_sent: widened exactly on load, the merge computed in
+    float32, the result rounded once to nearest even on store (``_to_param``; HW_BF16 as in pack).
     """
     if LAM_ON_DEVICE:
         lam = _lam_effective(lam, lam_sums_ptr)
@@ -160,7 +177,7 @@ def _outer_merge_kernel(
                 store_block(u_ptr, offs, u_new, n, MASKED)
             target = g_new
             if HAS_SENT or HAS_ALPHA:
-                x = load_block(x_ptr, offs, n, MASKED)
+                x = load_block(x_ptr, offs, n, MASKED).to(dt)  # exact
                 if HAS_SENT:
                     sent = load_block(sent_ptr, offs, n, MASKED)
                     v = x - sent
@@ -174,7 +191,7 @@ def _outer_merge_kernel(
                     else:
                         target = merged
                 target = tl.cast(one_minus_alpha, dt) * target + tl.cast(alpha, dt) * x
-            store_block(x_ptr, offs, target, n, MASKED)
+            store_block(x_ptr, offs, _to_param(target, x_ptr, HW_BF16), n, MASKED)
 
 
 #: Elements per program and loop step of ``_taylor_norms_kernel`` on a GPU: 8 per thread with 4
@@ -223,7 +240,7 @@ def _taylor_norms_kernel(
                 g_new, _ = _load_and_step(
                     g_ptr, u_ptr, avg_ptr, offs, n, lr, momentum, HAS_MOMENTUM, NESTEROV, MASKED
                 )
-                x = load_block(x_ptr, offs, n, MASKED)
+                x = load_block(x_ptr, offs, n, MASKED).to(g_new.dtype)  # exact
                 sent = load_block(sent_ptr, offs, n, MASKED)
                 v = (x - sent).to(tl.float64)
                 corr = v * v * (g_new - sent).to(tl.float64)
@@ -302,6 +319,7 @@ def launch_outer_merge(
         HAS_SENT=has_sent,
         HAS_ALPHA=alpha != 0.0,
         LAM_ON_DEVICE=lam_on_device,
+        HW_BF16=x.dtype == torch.bfloat16 and hardware_bf16(g),
     )
 
 

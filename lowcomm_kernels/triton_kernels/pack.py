@@ -1,7 +1,9 @@
 """Triton pack: the send side of a dense fragment sync, one pass over g and x.
 
     delta[i]  = wire(g[i] − x[i])          (wire = g's dtype, or bf16)
-    snapshot[i] = x[i]                     (optional)
+    snapshot[i] = x[i]                     (optional; g's dtype)
+
+x may be bf16 / fp16 beside a float32 g (its master): it is widened exactly to g's dtype on load.
     nonfinite += #{ i : delta[i] is ±inf or NaN }   (the value as written: a bf16 overflow counts)
 
 The bf16 wire value is what ``(g - x).to(torch.bfloat16)`` gives on the data's device, NaNs
@@ -88,7 +90,7 @@ def _pack_kernel(
     for MASKED in tl.static_range(2):  # full blocks unmasked (vector access), the partial one masked
         if (start + BLOCK > n) == MASKED:
             g = load_block(g_ptr, offs, n, MASKED)
-            x = load_block(x_ptr, offs, n, MASKED)
+            x = load_block(x_ptr, offs, n, MASKED).to(g.dtype)  # exact (a no-op unless x is bf16 / fp16)
             if delta_ptr.dtype.element_ty == tl.bfloat16:
                 delta = _to_bf16(g - x, HW_BF16)
             else:

@@ -20,6 +20,7 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 FLOATS = (torch.float32, torch.float64)
+PARAMS = (*FLOATS, torch.bfloat16, torch.float16)  # what x may be (bf16 / fp16 with a float32 master)
 NAN, INF = float("nan"), float("inf")
 
 

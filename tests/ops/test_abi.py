@@ -59,7 +59,7 @@ def test_signatures_match_the_header():
 
 def test_dtype_codes_match_the_header():
     defines = dict(re.findall(r"#define\s+(LC_\w+)\s+(\d+)", HEADER.read_text()))
-    names = {"float32": "LC_F32", "float64": "LC_F64", "bfloat16": "LC_BF16"}
+    names = {"float32": "LC_F32", "float64": "LC_F64", "bfloat16": "LC_BF16", "float16": "LC_F16"}
     assert {str(dt).removeprefix("torch."): code for dt, code in _native.DTYPE_CODE.items()} == {
         dt: int(defines[macro]) for dt, macro in names.items()}
     assert set(_native.ERRORS) == {int(defines[m]) for m in ("LC_EBADTYPE", "LC_EARG", "LC_ECUDA")}

@@ -128,6 +128,33 @@ def test_pack_misaligned_same_bits(n, off, wire, dtype, rng):
         assert bool((buf[:off] == 7).all()) and bool((buf[off + n:] == 7).all()), "wrote outside"
 
 
+@pytest.mark.parametrize("xdt", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("n", [1, 3, 5, 33, 4099, 1_000_003])
+@pytest.mark.parametrize("offsets", [(0,) * 5, (1,) * 5, (3,) * 5, (5,) * 5, (1, 2, 3, 5, 7)],
+                         ids=["aligned", "all+1", "all+3", "all+5", "mixed"])
+def test_low_precision_x_misaligned_same_bits(n, offsets, xdt, rng):
+    """A bf16 / fp16 x beside float32 g, u, x_sent (its master): the vector path moves 8 bytes of x
+    per 4 elements; views sharing a misalignment (and mixed ones, scalar) give the aligned bits,
+    write nothing outside, and x is the float32 merge rounded once (within one ulp of the CPU
+    spec, which may differ in where an fp32 product is fused)."""
+    g, u, d, x, xs = _state(n, torch.float32, rng)
+    state = [g, u, d, x.to(xdt), xs]
+    aligned = [t.clone() for t in state]
+    outer_merge_(*aligned, backend="cuda", **FULL)
+    bufs, views = _views(state, offsets)
+    outer_merge_(*views, backend="cuda", **FULL)
+    for i in (0, 1, 3):
+        assert torch.equal(views[i].view(torch.uint8), aligned[i].view(torch.uint8))
+    for buf, off, m in bufs:
+        assert bool((buf[:off] == 7).all()) and bool((buf[off + m:] == 7).all()), "wrote outside"
+    spec = [t.cpu() for t in state]
+    outer_merge_ref(*spec, **FULL)
+    eps = torch.finfo(xdt).eps
+    torch.testing.assert_close(aligned[3].cpu().double(), spec[3].double(), rtol=eps, atol=2.0**-24)
+    d0, s0, nf0 = pack(g, x.to(xdt), wire_dtype=torch.bfloat16, backend="cuda")
+    assert s0.dtype == torch.float32 and torch.equal(s0, x.to(xdt).float())
+
+
 # ---- the normalized merge stays on the device ------------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["cuda", "triton"])

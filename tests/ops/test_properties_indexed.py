@@ -17,6 +17,7 @@ import lowcomm_kernels.ops as lk
 from ._contract import (
     DATA,
     FLOATS,
+    PARAMS,
     SETTINGS,
     alias_violations,
     cleaned,
@@ -82,7 +83,7 @@ IDX_KINDS = st.sampled_from(
     clean=st.booleans(),
 )
 def test_sparse_gather(backend, n, k, seed, dtype, layout, kind, out_kind, clean):
-    dtype = cleaned(clean, dtype, torch.float32, lambda d: d not in FLOATS)
+    dtype = cleaned(clean, dtype, torch.float32, lambda d: d not in PARAMS)
     layout = cleaned(clean, layout, "contiguous", lambda v: not contiguous_layout(v))
     kind = cleaned(clean, kind, "dup", lambda k: k not in ("sorted", "unsorted", "dup"))
     out_kind = cleaned(clean, out_kind, "ok", lambda k: k not in ("none", "ok"))
@@ -98,7 +99,7 @@ def test_sparse_gather(backend, n, k, seed, dtype, layout, kind, out_kind, clean
         "alias_x": lambda: x.reshape(-1)[:kk] if x.is_contiguous() else x,
     }[out_kind]
     out = out() if callable(out) else out
-    v = tensor_violations("x", x, FLOATS) + index_violations(idx, x.numel(), False)
+    v = tensor_violations("x", x, PARAMS) + index_violations(idx, x.numel(), False)
     if isinstance(out, torch.Tensor):
         v += tensor_violations("out", out, (x.dtype,))
         if out.numel() != idx.numel():
@@ -122,7 +123,7 @@ def test_sparse_gather(backend, n, k, seed, dtype, layout, kind, out_kind, clean
     clean=st.booleans(),
 )
 def test_sparse_scatter_merge(backend, n, k, seed, dtype, layout, kind, avg_kind, sent_kind, beta, clean):
-    dtype = cleaned(clean, dtype, torch.float64, lambda d: d not in FLOATS)
+    dtype = cleaned(clean, dtype, torch.float64, lambda d: d not in PARAMS)
     layout, kind, sent_kind = (
         cleaned(clean, layout, "contiguous", lambda v: not contiguous_layout(v)),
         cleaned(clean, kind, "sorted"),
@@ -149,9 +150,10 @@ def test_sparse_scatter_merge(backend, n, k, seed, dtype, layout, kind, avg_kind
         "alias_x": lambda: x.reshape(-1)[:kk] if x.is_contiguous() else x,
         "alias_sent": lambda: sent,
     }[avg_kind]()
-    v = tensor_violations("x", x, FLOATS) + index_violations(idx, x.numel(), True)
-    v += tensor_violations("avg", avg, (x.dtype, torch.bfloat16)) + tensor_violations(
-        "sent", sent, (x.dtype,)
+    v = tensor_violations("x", x, PARAMS) + index_violations(idx, x.numel(), True)
+    master = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype  # x's outer state
+    v += tensor_violations("avg", avg, (master, torch.bfloat16)) + tensor_violations(
+        "sent", sent, (master,)
     )
     for name, t in (("avg", avg), ("sent", sent)):
         if t.numel() != idx.numel():
@@ -184,7 +186,7 @@ def test_sparse_scatter_merge(backend, n, k, seed, dtype, layout, kind, avg_kind
     clean=st.booleans(),
 )
 def test_fragment_norms(backend, n, seed, dtype, layout, cuts, sort, off_dtype, off_2d, ord, clean):
-    dtype = cleaned(clean, dtype, torch.float32, lambda d: d not in FLOATS)
+    dtype = cleaned(clean, dtype, torch.float32, lambda d: d not in PARAMS)
     layout, sort, off_dtype, off_2d = (
         cleaned(clean, layout, "contiguous", lambda v: not contiguous_layout(v)),
         cleaned(clean, sort, True),
@@ -198,7 +200,7 @@ def test_fragment_norms(backend, n, seed, dtype, layout, cuts, sort, off_dtype, 
     offs = torch.tensor(sorted(cuts) if sort else cuts, dtype=torch.int64).to(off_dtype)
     if off_2d:
         offs = offs.view(1, -1)
-    v = tensor_violations("buf", buf, FLOATS) + tensor_violations("offsets", offs, (torch.int64,), dim=1)
+    v = tensor_violations("buf", buf, PARAMS) + tensor_violations("offsets", offs, (torch.int64,), dim=1)
     if isinstance(ord, bool) or not isinstance(ord, int):
         v.append(("ord", TypeError))
     elif ord not in (1, 2):
