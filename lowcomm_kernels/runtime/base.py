@@ -112,6 +112,8 @@ class Strategy(abc.ABC):
         grad_scaler: torch.amp.GradScaler | None = None,
         quant_block: int = DEFAULT_QUANT_BLOCK,
         error_feedback: bool = False,
+        manager: Any = None,
+        num_replicas: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -131,7 +133,13 @@ class Strategy(abc.ABC):
         self._scaler_counter: ScalerCounter | None = None
         self.max_nonfinite_syncs = integer("max_nonfinite_syncs", max_nonfinite_syncs, lo=1)
         integer("num_fragments", num_fragments, lo=1)
-        self.group = resolve_group(process_group)
+        # a torchft.Manager in place of a fixed process group: replicas come and go (runtime.ft)
+        self.manager = manager
+        if manager is not None or num_replicas is not None:
+            from .ft import check_ft_args
+
+            check_ft_args(manager, num_replicas, process_group, wan)
+        self.group = resolve_group(process_group) if manager is None else None
         self.model = model
         self.inner_optimizer = inner_optimizer
         _refuse_second_wrap(model)
@@ -140,7 +148,7 @@ class Strategy(abc.ABC):
         for grp in self.frags.params:
             for p in grp:
                 setattr(p, _OWNER, weakref.ref(self))
-        dtype = self.frags.dtype
+        dtype = self.frags.master_dtype  # the outer state's: float32 for bf16 / fp16 parameters
         # a name of schedule.WIRE_FORMATS or a dtype; a quantized format's averaged result arrives in
         # the outer state's dtype, which wire_dtype then names (runtime.compression)
         self.wire = resolve_wire_format(wire_dtype, quant_block, dtype, self.frags.dtype)
@@ -151,14 +159,20 @@ class Strategy(abc.ABC):
             wire_dtype = dtype
         if wire_dtype not in (dtype, torch.bfloat16):
             raise TypeError(
-                f"wire_dtype must be {dtype} (the parameters' dtype) or torch.bfloat16, got {wire_dtype}"
+                f"wire_dtype must be {dtype} (the outer state's dtype for {self.frags.dtype} parameters) "
+                f"or torch.bfloat16, got {wire_dtype}"
             )
         self.wire_dtype = wire_dtype
         self.on_nonfinite = on_nonfinite
         self.device = self.frags.device
         # g and u may live on the CPU to save accelerator memory; ops then run on the CPU.
         self.outer_dev = torch.device("cpu") if outer_device == "cpu" else self.device
-        self.transport = Transport(self.group, device=self.device, wan=wan, timeout_s=timeout_s)
+        if manager is None:
+            self.transport = Transport(self.group, device=self.device, wan=wan, timeout_s=timeout_s)
+        else:
+            from .ft import FTTransport
+
+            self.transport = FTTransport(manager, num_replicas, device=self.device, timeout_s=timeout_s)
         self.world = self.transport.world
         self.rank = self.transport.rank
         self.log = rank_logger(self.rank)
@@ -187,6 +201,8 @@ class Strategy(abc.ABC):
             "wire format": self.wire.name,
             "quant_block": self.wire.block,
             "error_feedback": self.error_feedback,
+            "parameter dtype": str(self.frags.dtype),
+            "outer state dtype": str(self.frags.master_dtype),
             "on_nonfinite": self.on_nonfinite,
             "max_nonfinite_syncs": self.max_nonfinite_syncs,
             "guard_every": self.guard_every,
@@ -200,6 +216,10 @@ class Strategy(abc.ABC):
         # the layout of the flat buffer: same names and shapes in another order would average
         # one parameter with another
         fields["parameter order in the flat buffer"] = [n for grp in self.frags.names for n in grp]
+        if self.manager is not None:  # no fixed group: agreed and healed at quorums (runtime.ft)
+            from .ft import register
+
+            return register(self, fields)
         agree(self.transport, fields, self.method)
         trainable = {id(p) for grp in self.frags.params for p in grp}
         broadcast_module_state(self.transport, self.frags.flat, self.model, trainable)
@@ -267,6 +287,9 @@ class Strategy(abc.ABC):
         """Act on the per-rank facts of one sync (identical on every rank): raise on every rank if
         a rank's parameter views broke or a rank stayed non-finite too long; warn and return True
         (skip) if any rank sent non-finite values; False when the sync is good."""
+        if getattr(control, "failed_round", False):  # runtime.ft: the round did not commit
+            self.log.warning(f"{what}: the fault-tolerant round did not commit; every replica skips it")
+            return True
         w = self.world
         points = [int(v) for v in control[2 * w : 3 * w]]
         if any(v != points[0] for v in points):
@@ -340,6 +363,8 @@ class Strategy(abc.ABC):
         """After a skipped sync, on every rank (collective): ranks that sent non-finite values take
         the floating buffers of the lowest rank that did not (buffers are not in g, so the last good
         global cannot restore them). Nothing to do without floating buffers or a healthy rank."""
+        if self.manager is not None:  # runtime.ft: no fixed group to broadcast over
+            return
         healthy = [r for r in range(self.world) if r not in bad]
         if self.world == 1 or not healthy or not any(b.is_floating_point() for b in self.model.buffers()):
             return
@@ -376,7 +401,33 @@ class Strategy(abc.ABC):
         model is on a GPU)."""
         # g and u never cross PCIe (the ops run where they live), so they are not pinned; the buffers
         # that do cross go through ``to_outer`` / ``to_model`` below.
-        return torch.zeros(self.frags.numel, dtype=self.frags.dtype, device=self.outer_dev)
+        return torch.zeros(self.frags.numel, dtype=self.frags.master_dtype, device=self.outer_dev)
+
+    def memory_per_param(self) -> dict[str, float]:
+        """Bytes per trainable parameter, measured from the buffers held now (each storage counted
+        once, its allocated bytes): ``params``, the flat buffer the model's parameters view;
+        ``outer_state``, the persistent state (g and u: the master copy and outer momentum);
+        ``in_flight``, the buffers of the syncs in flight now (wire payloads, snapshots, control
+        vectors); ``extra`` = outer_state + in_flight, what the strategy adds to plain training."""
+        n = max(self.frags.numel, 1)
+
+        def nbytes(ts: Iterable[Any]) -> int:
+            seen: dict[tuple[str, int], int] = {}
+            for t in ts:
+                if isinstance(t, torch.Tensor) and t.numel():
+                    s = t.untyped_storage()
+                    seen[(str(t.device), s.data_ptr())] = s.nbytes()
+            return sum(seen.values())
+
+        outer = nbytes(getattr(self, name, None) for name in ("g", "u", "residual"))
+        pending = [*getattr(self, "pending", []), getattr(self, "inflight", None)]
+        in_flight = nbytes(v for pd in pending if pd is not None for v in vars(pd).values())
+        return {
+            "params": nbytes([self.frags.flat]) / n,
+            "outer_state": outer / n,
+            "in_flight": in_flight / n,
+            "extra": (outer + in_flight) / n,
+        }
 
     def to_outer(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (on the model's device) on the outer device. GPU -> CPU goes through pinned memory;
@@ -457,6 +508,8 @@ class Strategy(abc.ABC):
     def _on_step(self) -> None:
         t0 = time.perf_counter()
         self._close_compute_range()
+        if self.manager is not None and not self.transport.joined:  # runtime.ft: first quorum
+            self.transport.join(self)
         compute = t0 - self._last_end
         self.step_count += 1
         self.metrics.steps = self.step_count

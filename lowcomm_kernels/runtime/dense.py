@@ -287,7 +287,7 @@ class DenseStrategy(Strategy):
         }
 
     def _validate_state(self, sd: dict[str, Any]) -> None:
-        n, dt = self.frags.numel, self.frags.dtype
+        n, dt = self.frags.numel, self.frags.master_dtype  # the master copy's (float32 for bf16 / fp16 x)
         for key in ("g", "u"):
             expect_tensor(key, sd.get(key), (n,), dt)
         expect_int("applied_count", sd.get("applied_count"), 0)

@@ -1,7 +1,8 @@
 """Flat fragments: the model's parameters regrouped into K contiguous buffers.
 
-All trainable parameters move into ONE flat buffer ``x`` of the parameters' dtype (fp32 or fp64),
-ordered fragment by fragment, so fragment p is the contiguous slice ``x[offsets[p]:offsets[p+1]]``
+All trainable parameters move into ONE flat buffer ``x`` of the parameters' dtype (fp32, fp64, or
+bf16 / fp16, whose outer state the strategies keep in a float32 master: ``master_dtype``), ordered
+fragment by fragment, so fragment p is the contiguous slice ``x[offsets[p]:offsets[p+1]]``
 and every fused op runs as one launch per fragment (or one launch for all, as ``fragment_norms``).
 
 Each module parameter becomes a view of that buffer by swapping ``param.data``: the Parameter
@@ -25,6 +26,7 @@ from typing import Union
 import torch
 from torch import nn
 
+from .._checks import PARAM_DTYPES, master_dtype
 from .sharding import attach, bind_fsdp, buffer_numel, extra_view_problem, viewing, views_slot
 
 FragmentSpec = Union[None, Sequence[object], Callable[[nn.Module], Sequence[object]]]  # noqa: UP007 (runtime alias)
@@ -117,6 +119,8 @@ class FlatFragments:
 
     Attributes:
         flat: (n,) contiguous buffer, the model's parameter dtype; the parameters are views of it.
+        dtype: the parameters' dtype; master_dtype: the dtype of the outer state that goes with
+            them (g, u, snapshots): float32 for bf16 / fp16 parameters, else ``dtype``.
         offsets: (K+1,) int64 on flat's device, fragment p = flat[offsets[p]:offsets[p+1]].
         bounds: the same offsets as Python ints.
         params: per fragment, the Parameters in buffer order.
@@ -142,13 +146,16 @@ class FlatFragments:
                 "move the model to one device before wrapping"
             )
         dtypes = {p.dtype for grp in groups for p in grp}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in (torch.float32, torch.float64):
+        if len(dtypes) != 1 or next(iter(dtypes)) not in PARAM_DTYPES:
             raise TypeError(
-                f"trainable parameters must all be float32 (or all float64), got "
-                f"{sorted(str(d) for d in dtypes)}; keep master weights in fp32 and use autocast"
+                "trainable parameters must all have one dtype of "
+                f"{', '.join(str(d).replace('torch.', '') for d in PARAM_DTYPES)}, got "
+                f"{sorted(str(d) for d in dtypes)}; convert the model (e.g. model.to(torch.bfloat16)) "
+                "before wrapping it"
             )
         self.device = next(iter(devices))
         self.dtype = next(iter(dtypes))
+        self.master_dtype = master_dtype(self.dtype)
         self.params = groups
         bounds = [0]
         for grp in groups:

@@ -132,6 +132,7 @@ class LOSCAR(Strategy):
         with nvtx("pack"):
             idx = ops.mask_indices(self.seed, self.round, self.d, self.k, device=x.device)
             sent = ops.sparse_gather(x, idx, check_values=False)  # idx is ours: no host read
+            sent = sent.to(self.frags.master_dtype)  # kept in the master dtype (float32 for a bf16 / fp16 x)
             if self.quantized is not None:  # the k values as codes + scales (runtime.compression)
                 codes, scales = quantize(sent, self.wire)
             else:
@@ -294,7 +295,7 @@ class LOSCAR(Strategy):
                 raise CheckpointError("checkpoint entry inflight should be a dict or None")
             expect_int("inflight.round", q.get("round"), 0)
             expect_int("inflight.send_step", q.get("send_step"), 0)
-            expect_tensor("inflight.sent", q.get("sent"), (self.k,), self.frags.dtype)
+            expect_tensor("inflight.sent", q.get("sent"), (self.k,), self.frags.master_dtype)
             expect_tensor("inflight.wire", q.get("wire"), (self.k,), self.wire_dtype)
             expect_tensor("inflight.control", q.get("control"), (self.FACTS * self.world,), torch.float64)
 

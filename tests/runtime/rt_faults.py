@@ -60,7 +60,7 @@ def train(rank: int, sc: dict) -> dict:
     """Train one scenario; faults: ``nan`` {(rank, step)} multiplies that loss by NaN (so gradients,
     optimizer state and parameters all become NaN), ``nan_from`` (rank, step) does it at every step
     from then on, ``break_views`` (rank, step, how) reassigns the parameters after wrapping."""
-    dtype = sc.get("dtype", torch.float64)
+    dtype = sc.get("dtype_by_rank", {}).get(rank, sc.get("dtype", torch.float64))
     model = MODELS[sc.get("model", "tiny")](dtype, rank, **sc.get("model_kw", {}).get(rank, {}))
     other = make_model(dtype) if sc.get("opt_of_other") else None
     opt = make_optimizer(sc.get("opt", "sgd_momentum"), other if other is not None else model)

@@ -24,7 +24,11 @@ class Workers:
     """M model copies (identical init) with their inner optimizers, and fragment access."""
 
     def __init__(self, M: int, K: int, dtype=torch.float64, model_kw=None, data_ranks=None,
-                 skip=None) -> None:
+                 skip=None, outer_dtype=None) -> None:
+        # outer_dtype: the dtype fragments are read in (get) and so the outer state's; a bf16 /
+        # fp16 model with outer_dtype=float64 is the fp32-master rule in float64: x is widened
+        # exactly on read and rounded to nearest even when a merge writes it back (put)
+        self.outer_dtype = outer_dtype or dtype
         # skip: (worker, step) pairs whose inner step computes gradients but does not step (a
         # GradScaler that found inf/NaN): parameters and optimizer state unchanged
         self.skip = set(skip or ())
@@ -52,7 +56,7 @@ class Workers:
         self.opts[m].zero_grad()
 
     def get(self, m: int, p: int) -> torch.Tensor:
-        return torch.cat([q.detach().reshape(-1) for q in self.frag_params[m][p]]).clone()
+        return torch.cat([q.detach().reshape(-1) for q in self.frag_params[m][p]]).to(self.outer_dtype)
 
     def put(self, m: int, p: int, v: torch.Tensor) -> None:
         o = 0
@@ -125,10 +129,10 @@ def simulate_dense(method: str, M: int, T: int, *, H: int, K: int = 1, tau: int 
                    wire: SimWire | None = None,
                    outer_mu=0.9, alpha=0.0, lam=0.5, lam_mode="normalized", N: int | None = None,
                    dtype=torch.float64, data_ranks=None, inject_nan=None, model_kw=None,
-                   round_robin: bool = False, skip=None) -> dict:
+                   round_robin: bool = False, skip=None, outer_dtype=None) -> dict:
     """DiLoCo ('diloco', K=1, τ=0), Streaming DiLoCo ('streaming'), CoCoDC ('cocodc', l2_global,
     fixed N). Returns per-worker named params, the chosen fragment sequence, skipped syncs."""
-    W = Workers(M, K, dtype, model_kw, data_ranks, skip)
+    W = Workers(M, K, dtype, model_kw, data_ranks, skip, outer_dtype)
     g = [W.get(0, p) for p in range(K)]
     u = [torch.zeros_like(v) for v in g]
     res = [[torch.zeros_like(v) for v in g] for _ in range(M)]  # error feedback, per worker
@@ -222,10 +226,10 @@ def simulate_dense(method: str, M: int, T: int, *, H: int, K: int = 1, tau: int 
 
 def simulate_loscar(M: int, rounds: int, *, density: float, local_steps, overlap_steps, merge: str,
                     wire: SimWire | None = None,
-                    seed: int, dtype=torch.float64, skip=None) -> dict:
+                    seed: int, dtype=torch.float64, skip=None, outer_dtype=None) -> dict:
     """LOSCAR-SGD with per-worker N_i, Q_i; every worker runs `rounds` full rounds."""
     from lowcomm_kernels.ops import mask_indices_ref
-    W = Workers(M, 1, dtype, skip=skip)
+    W = Workers(M, 1, dtype, skip=skip, outer_dtype=outer_dtype)
     d = W.get(0, 0).numel()
     k = max(1, math.ceil(density * d))
     steps = [0] * M

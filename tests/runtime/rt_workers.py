@@ -103,7 +103,8 @@ def run_one(rank: int, sc: dict, group=None, start: int = 0, model=None, opt=Non
             "max_alloc": alloc.max_numel if alloc else None, "k": getattr(strategy, "k", None),
             "d": strategy.frags.numel, "num_syncs": m.num_syncs, "num_skipped": m.num_skipped,
             "bytes_sent": m.bytes_sent, "n_history": list(getattr(strategy, "n_history", [])),
-            "_strategy": (model, opt, strategy)}
+            "g": strategy.g.detach().cpu().clone() if hasattr(strategy, "g") else None,
+            "memory": strategy.memory_per_param(), "_strategy": (model, opt, strategy)}
 
 
 def _nan_step(model, opt, rank, t, sc, strategy) -> None:
@@ -248,6 +249,11 @@ def config_errors(rank: int, world: int, scenarios: list[dict]) -> dict:
         other = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         return CLASSES["diloco"](model, other, sync_every=4)
 
+    def mixed_dtypes():
+        model = make_model(torch.float32)
+        model.out.to(torch.bfloat16)
+        return CLASSES["diloco"](model, make_opt(model), sync_every=4)
+
     cases = {
         "too_many_fragments": mk("streaming", sync_every=20, num_fragments=5, fragment_sync_delay=1),
         "delay_ge_period": mk("streaming", sync_every=8, num_fragments=2, fragment_sync_delay=4),
@@ -260,7 +266,8 @@ def config_errors(rank: int, world: int, scenarios: list[dict]) -> dict:
         "local_steps_wrong_len": mk("loscar", density=0.5, local_steps=[2, 3], overlap_steps=1),
         "mixed_devices": mixed,
         "no_trainable": frozen,
-        "fp16_params": mk("diloco", dtype=torch.float16, sync_every=4),
+        "mixed_dtype_params": mixed_dtypes,
+        "bf16_params_f16_wire": mk("diloco", dtype=torch.bfloat16, sync_every=4, wire_dtype=torch.float16),
         "bad_wire_dtype": mk("diloco", sync_every=4, wire_dtype=torch.float16),
         "bad_on_nonfinite": mk("diloco", sync_every=4, on_nonfinite="ignore"),
         "sync_every_zero": mk("diloco", sync_every=0),

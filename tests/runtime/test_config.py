@@ -35,7 +35,9 @@ EXPECTED = {  # case -> (exception type, words the message must contain)
     "local_steps_wrong_len": ("ValueError", "local_steps"),
     "mixed_devices": ("ValueError", "mixed devices"),
     "no_trainable": ("ValueError", "no trainable parameters"),
-    "fp16_params": ("TypeError", "float32"),
+    "mixed_dtype_params": ("TypeError", "one dtype of float32, float64, bfloat16, float16"),
+    "bf16_params_f16_wire": ("TypeError", "wire_dtype must be torch.float32 (the outer state's dtype for "
+                             "torch.bfloat16 parameters)"),
     "bad_wire_dtype": ("TypeError", "wire_dtype"),
     "bad_on_nonfinite": ("ValueError", "on_nonfinite"),
     "sync_every_zero": ("ValueError", "sync_every"),

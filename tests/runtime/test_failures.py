@@ -51,6 +51,8 @@ SCENARIOS = (
         {"name": "mismatch_wire", **DILOCO, "T": 12, "dtype": torch.float32,
          "kw_by_rank": {1: {"wire_dtype": torch.bfloat16}}},
         {"name": "mismatch_loscar_steps", **LOSCAR, "T": 12, "kw_by_rank": {0: {"local_steps": 2}}},
+        {"name": "mismatch_param_dtype", **DILOCO, "T": 12, "dtype": torch.float32,
+         "dtype_by_rank": {1: torch.bfloat16}},
         # found by a red-team pass: same names and shapes in another order; a transposed view
         # (same pointer and shape); an optimizer over another model; a finite loss spike that
         # overflows Adam's second moment; NaN reaching BatchNorm's statistics
@@ -131,6 +133,7 @@ MISMATCH = {  # scenario -> words of the error, the same on both ranks
     "mismatch_method": "method (rank 0: 'diloco', rank 1: 'cocodc')",
     "mismatch_wire": "wire_dtype (rank 0: 'torch.float32', rank 1: 'torch.bfloat16')",
     "mismatch_loscar_steps": "local_steps (per rank) (rank 0: [2, 2], rank 1: [3, 3])",
+    "mismatch_param_dtype": "parameter dtype (rank 0: 'torch.float32', rank 1: 'torch.bfloat16')",
 }
 
 
