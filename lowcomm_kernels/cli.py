@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from .train.args import add_tensorboard_flag
 from .train.errors import UsageError
-from .train.spec import INT_FIELDS, LAM_MODES, MERGES, METHODS, RANGES, SCORES, WIRE_DTYPE_NAMES
+from .train.spec import INT_FIELDS, LAM_MODES, MERGES, METHODS, PARAM_DTYPES, RANGES, SCORES, WIRE_DTYPE_NAMES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -138,6 +138,11 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="quantized wire: carry each worker's quantization error into its next sync",
+    )
+    o.add_argument(
+        "--param-dtype",
+        choices=tuple(PARAM_DTYPES),
+        help="model parameters' dtype (bf16/fp16: fp32 outer master)",
     )
     o.add_argument("--worker-speeds", type=_speeds, help="relative step times, e.g. 1,2,3,6")
     w = p.add_argument_group("emulated WAN")

@@ -10,6 +10,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import torch
+
 from ..runtime import compression, schedule
 from .errors import SpecError
 from .model import ModelConfig
@@ -30,6 +32,8 @@ LAM_MODES = tuple(schedule.LAM_MODES)
 MERGES = tuple(schedule.LOSCAR_MERGES)
 SCORES = tuple(schedule.SCORES)
 WIRE_DTYPE_NAMES = tuple(schedule.WIRE_FORMATS)
+#: the model's parameter dtype (bf16 / fp16: the strategies keep a float32 outer master)
+PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _marked(field: str) -> str:
@@ -140,6 +144,7 @@ class TrainSpec:
     wire_dtype: str = "fp32"
     quant_block: int = compression.DEFAULT_QUANT_BLOCK  # elements per scale of a quantized wire_dtype
     error_feedback: bool = False  # quantized wire_dtype: feed each worker's quantization error back
+    param_dtype: str = "fp32"
     # emulated WAN
     latency_s: float = 0.05
     bandwidth_bytes_per_s: float = 12.5e6  # 100 Mbit/s
@@ -205,6 +210,10 @@ class TrainSpec:
             not (self.error_feedback and self.method == "loscar"),
             "<error_feedback> is not supported by LOSCAR (its mask changes every round); leave it out "
             "of the methods",
+        )
+        need(
+            self.param_dtype in PARAM_DTYPES,
+            f"<param_dtype> must be one of {tuple(PARAM_DTYPES)}, got {self.param_dtype!r}",
         )
         need(
             self.syncs_per_period == "auto"

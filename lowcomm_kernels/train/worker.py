@@ -25,7 +25,7 @@ from ..runtime.launch import send
 from .corpus import eval_batches, sample_batch, worker_shard
 from .model import TinyLlama, num_parameters
 from .report import EvalPoint, RunResult
-from .spec import TrainSpec
+from .spec import PARAM_DTYPES, TrainSpec
 from .strategies import CommTotals, build_strategy
 
 
@@ -86,7 +86,8 @@ class GradAllReduce:
 
 
 def _average_params(model: torch.nn.Module, group: Any, world: int) -> torch.Tensor:
-    vec = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    # averaged and evaluated in float32 whatever the parameters' dtype (--param-dtype bf16 / fp16)
+    vec = torch.nn.utils.parameters_to_vector(model.parameters()).detach().to(torch.float32, copy=True)
     dist.all_reduce(vec, group=group)
     return vec.div_(world)
 
@@ -169,7 +170,7 @@ class RankRun:
         self.t_setup = time.perf_counter()
         self.cpu0 = time.process_time()
         torch.manual_seed(spec.seed)  # identical initial model on every rank
-        self.model = TinyLlama(spec.model)
+        self.model = TinyLlama(spec.model).to(PARAM_DTYPES[spec.param_dtype])
         self.eval_model = TinyLlama(spec.model)
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay

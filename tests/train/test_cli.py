@@ -68,6 +68,19 @@ ROW_FIELDS = {
 }
 
 
+def test_train_with_bf16_parameters(tmp_path: Path):
+    """--param-dtype bf16: a bf16 TinyLlama under Streaming DiLoCo (float32 outer master) trains,
+    syncs and reports a finite validation loss; the choice is recorded in the run's config."""
+    out = tmp_path / "bf16"
+    argv = ["train", "--method", "streaming", "--fragments", "2", "--sync-every", "4", "--delay", "1"]
+    rc = main([*argv, "--param-dtype", "bf16", *TINY, "--out", str(out)])
+    assert rc == 0
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    assert run["config"]["param_dtype"] == "bf16" and run["syncs"] > 0
+    losses = [p["val_loss"] for p in run["points"]]
+    assert losses and all(0 < v < 10 for v in losses), losses
+
+
 @pytest.mark.slow
 def test_compare_smoke_all_methods(tmp_path: Path, capsys):
     out = tmp_path / "cmp"
