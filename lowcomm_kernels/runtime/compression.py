@@ -306,10 +306,11 @@ class QuantizedAllReduce:
         return QuantHandle(self, job, ctl)
 
     def close(self) -> None:
-        """Stop the thread once the queued syncs are done (or failed); bounded by the timeout."""
+        """Stop the thread after the syncs queued before (a daemon: a thread still blocked on a dead
+        peer ends with its own timeout and never holds the process). Waits at most a second."""
         if self._thread.is_alive():
             self._jobs.put(None)
-            self._thread.join(timeout=2 * self.timeout_s + 1)
+            self._thread.join(timeout=1.0)
 
     # ----- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:
