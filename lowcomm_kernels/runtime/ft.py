@@ -1,0 +1,298 @@
+"""Fault tolerance on torchft: a ``torchft.Manager`` in place of a fixed process group.
+
+``DiLoCo(model, opt, ..., manager=manager, num_replicas=N)`` (likewise Streaming DiLoCo, CoCoDC and
+LOSCAR) runs every sync as one torchft *round* (``FTTransport.all_reduce``):
+
+1. ``manager.start_quorum()`` (synchronous quorum: ``Manager(use_async_quorum=False)``), so a replica
+   that joins or returns is healed before any collective of the round;
+2. SUM all-reduces of the payload, the control vector and a *presence* vector (one slot per replica
+   slot, 1 from every replica that contributes) through ``manager.allreduce`` (torchft's managed
+   process group: an error is reported to the manager instead of raised);
+3. ``manager.should_commit()``. Only a committed round is ever applied: the payload is rescaled so
+   that the strategy's division by ``num_replicas`` yields the average over the replicas present
+   (``N / present``), and so are the control vector's extras (CoCoDC's timings). A round that did not
+   commit (a peer died mid-round, a replica reported an error, too few replicas) comes back as a
+   ``FailedRound``: the strategy skips it on every replica (g and u unchanged, the fragment restarts
+   from g) and training goes on; the next quorum no longer holds the dead replica.
+
+The control vector keeps one slot per replica *slot* (``num_replicas``, a fixed upper bound; the
+replica's slot is the trailing digits of its torchft ``replica_id``); slots of absent replicas are
+zero and their schedule point is filled in, so the base rules (non-finite skips, schedule check) hold.
+
+Agreement and healing. There is no fixed group to agree over at construction. Instead every replica
+registers ``state_dict`` / ``load_state_dict`` with the manager (``register_state_dict_fn``) and
+joins at its first hook (``FTTransport.join``): one quorum round. A replica that is behind (a fresh
+start's non-primary replicas under ``init_sync``, or a replica that returns after a crash) receives a
+healthy peer's g, u, schedule, pending results (CoCoDC's statistics among them) and a digest of the
+configuration and model fields that the fixed group agrees on; a different digest raises. It then
+sets its parameters to g, clears its inner-optimizer state and replays the rest of the peers' current
+step without contributing (presence 0, payload 0), so it holds exactly the others' global state.
+
+Fragments in flight across a membership change: with ``manager=`` each round completes (and commits)
+when it is sent, and its result is applied ``fragment_sync_delay`` steps later as usual; a healed
+replica receives these pending results in the state. So nothing is in flight across a quorum change:
+the price is that communication is not overlapped with compute under ``manager=``.
+
+Not supported with ``manager=`` (refused with an error naming the argument): ``process_group``,
+``wan``, quantized wire formats, ``guard_every`` (they need a fixed group). Healing a LOSCAR replica
+mid-run is not implemented (a LOSCAR replica can join only at the start).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from .._checks import integer
+from .transport import Handle, Transport, ring_wire_bytes
+
+INSTALL_HINT = "pip install 'lowcomm-kernels[ft]'"
+JOIN_ATTEMPTS = 20
+STATE_KEY = "lowcomm"  # the key of the strategy's state among the manager's state-dict functions
+
+
+def require_torchft() -> Any:
+    try:
+        import torchft
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError(f"manager= needs torchft, which is not installed: {INSTALL_HINT}") from e
+    return torchft
+
+
+def check_ft_args(manager: Any, num_replicas: Any, process_group: Any, wan: Any) -> None:
+    """The strategy's arguments that go with ``manager=``."""
+    torchft = require_torchft()
+    if not isinstance(manager, torchft.Manager):
+        raise TypeError(
+            f"manager must be a torchft.Manager (num_replicas= goes with it), got {type(manager).__name__}"
+        )
+    integer("num_replicas", num_replicas, lo=1)
+    if process_group is not None:
+        raise ValueError("process_group: pass either process_group= or manager=, not both")
+    if wan is not None:
+        raise ValueError("wan: the emulated WAN is not supported with manager=")
+    if getattr(manager, "_use_async_quorum", False):
+        raise ValueError(
+            "manager: build it with Manager(use_async_quorum=False); a returning replica must be healed "
+            "before the collectives of its first round"
+        )
+
+
+class FailedRound(list):
+    """The control values of a round that did not commit: ``Strategy._sync_outcome`` skips it."""
+
+    failed_round = True
+
+
+class FTHandle(Handle):
+    """A round that already completed (and committed or not) when it was sent."""
+
+    def __init__(
+        self, transport: FTTransport, name: str, t_send: float, wire: int, values: list, blocked: float
+    ) -> None:
+        super().__init__(transport, [], name, t_send, t_send, wire, None, None)
+        self._values = values
+        self._blocked = blocked
+        self.t_complete = time.perf_counter()
+
+    def poll(self) -> bool:
+        return True
+
+    def wait(self) -> float:
+        """The round blocked when it was sent: that time is reported here as the exposed time."""
+        if self.waited:
+            return 0.0
+        self.waited = True
+        return self._blocked
+
+    def host_values(self) -> list[float]:
+        return self._values
+
+
+class FTTransport(Transport):
+    """Each ``all_reduce`` is one torchft round (see the module docstring)."""
+
+    def __init__(
+        self, manager: Any, num_replicas: int | None, *, device: torch.device, timeout_s: float
+    ) -> None:
+        from torchft.manager import extract_trailing_digits
+
+        assert num_replicas is not None  # check_ft_args
+        replica_id = getattr(manager, "_replica_id", None)
+        if not replica_id:
+            raise ValueError(
+                "manager: build it with replica_id='<name><index>' (the index is the replica's slot)"
+            )
+        index = extract_trailing_digits(str(replica_id).split(":")[0])
+        if not 0 <= index < num_replicas:
+            raise ValueError(
+                f"num_replicas is {num_replicas} but the manager's replica_id {replica_id!r} names slot "
+                f"{index}; "
+                "replica ids must end in 0 .. num_replicas - 1"
+            )
+        self.manager = manager
+        self.group = None  # type: ignore[assignment]
+        self.world = int(num_replicas)
+        self.rank = index
+        self.device = device
+        self.wan = None
+        self.timeout_s = float(timeout_s)
+        self._link_free_at = 0.0
+        self._cuda = False  # torchft's process group orders its own streams
+        self._side = None
+        self.joined = False
+        self._open_round = False  # a quorum whose collectives the next all_reduce runs (join)
+        self.contribute = True
+        self.rounds = 0
+        self.failed_rounds = 0
+        self.participants: list[int] = []  # how many replicas contributed to each committed round
+        self.round_s: list[float] = []  # wall time of each round: quorum + collectives + commit
+
+    def abort(self) -> None:
+        pass
+
+    def blocking_all_gather(self, t: torch.Tensor, *, name: str) -> list[torch.Tensor]:
+        raise RuntimeError(
+            f"{name}: the consistency guard needs a fixed process group; with manager= replicas "
+            "hold the same state by healing (runtime.ft)"
+        )
+
+    def all_reduce(
+        self,
+        tensors: list[torch.Tensor],
+        *,
+        name: str,
+        payload_bytes: int | None = None,
+        host: torch.Tensor | None = None,
+    ) -> Handle:
+        from torch.distributed import ReduceOp
+
+        from .base import Strategy
+
+        t0 = time.perf_counter()
+        if host is None:
+            raise ValueError(f"{name}: a fault-tolerant round needs the control vector (host=)")
+        if payload_bytes is None:
+            payload_bytes = sum(t.numel() * t.element_size() for t in tensors)
+        w, head = self.world, Strategy.FACTS * self.world
+        point = float(host[2 * w + self.rank].item())
+        if not self._open_round:
+            self.manager.start_quorum()
+        self._open_round = False
+        presence = torch.zeros(w, dtype=torch.float64, device=host.device)
+        if self.contribute:
+            presence[self.rank] = 1.0
+        else:
+            for t in tensors:
+                t.zero_()
+        works = [self.manager.allreduce(t, reduce_op=ReduceOp.SUM) for t in [*tensors, presence]]
+        for work in works:
+            work.wait()  # errors are reported to the manager (should_commit then says False)
+        committed = bool(self.manager.should_commit())
+        present = presence.cpu().tolist()
+        n = sum(present)
+        self.rounds += 1
+        if not committed or n < 1:
+            self.failed_rounds += 1
+            values: list = FailedRound([0.0] * host.numel())
+            for r in range(w):
+                values[2 * w + r] = point
+        else:
+            scale = w / n
+            for t in tensors:
+                if t is not host and scale != 1.0:
+                    t.mul_(scale)
+            values = host.cpu().tolist()
+            values[head:] = [v * scale for v in values[head:]]
+            for r in range(w):
+                if present[r] == 0:
+                    values[2 * w + r] = point
+            self.participants.append(int(n))
+        blocked = time.perf_counter() - t0
+        self.round_s.append(blocked)
+        wire = ring_wire_bytes(payload_bytes, max(int(n), 1))
+        return FTHandle(self, name, t0, wire, values, blocked)
+
+    # ----- joining: the first quorum of this replica -----------------------------------------------
+    def join(self, strategy: Any) -> None:
+        """At the first hook: one quorum round. A replica that is behind is healed in it (its
+        ``load_state_dict`` runs inside ``start_quorum``) and then replays the peers' current step."""
+        for _ in range(JOIN_ATTEMPTS):
+            strategy._ft_healed_at = None
+            self.manager.start_quorum()
+            self._open_round = True
+            healed = strategy._ft_healed_at
+            if healed is not None and healed > 0:
+                _replay(strategy, healed, self)  # runs the open round and the rest of step `healed`
+            ok = True
+            if self._open_round:  # nothing to replay: a round with no collectives
+                self._open_round = False
+                ok = bool(self.manager.should_commit())
+            if ok:
+                self.joined = True
+                return
+            strategy.log.warning("the joining round did not commit (a failed heal?): joining again")
+        raise RuntimeError(f"could not join the replicas in {JOIN_ATTEMPTS} quorum rounds")
+
+
+def _replay(strategy: Any, t: int, tr: FTTransport) -> None:
+    """The rest of step t as the healthy peers run it (``DenseStrategy._advance``), sent without
+    contributing: the sends of step t not yet pending, then the results due."""
+    from .dense import DenseStrategy
+
+    if not isinstance(strategy, DenseStrategy):
+        raise NotImplementedError(
+            f"healing a {strategy.method} replica mid-run is not supported with manager= "
+            "(a LOSCAR replica can join only at the start)"
+        )
+    sent = {pd.fragment for pd in strategy.pending if pd.send_step == t}
+    todo = [(p, r) for p, r in strategy._sends_at(t) if p not in sent]
+    tr.contribute = False
+    try:
+        for p, reason in todo:
+            strategy._send(p, t, reason)
+    finally:
+        tr.contribute = True
+    strategy._apply_due(t)
+
+
+def register(strategy: Any, fields: dict[str, Any]) -> None:
+    """Replaces the fixed group's agreement (``Strategy._join_group``) under ``manager=``: refuse what
+    needs a fixed group and register the strategy's state with the manager for healing."""
+    from .agreement import _digest
+
+    if strategy.wire.quant is not None:
+        raise ValueError(
+            f"wire_dtype: the quantized wire format {strategy.wire.name!r} uses a process group of its "
+            "own and is not supported with manager="
+        )
+    if strategy.guard_every:
+        raise ValueError("guard_every: the consistency guard needs a fixed process group (not with manager=)")
+    fields = dict(fields)
+    fields.pop("process group size", None)
+    strategy._ft_digest = _digest(fields)
+    strategy._ft_healed_at = None
+    manager = strategy.manager
+
+    def state_dict() -> dict[str, Any]:
+        return {"digest": strategy._ft_digest, "strategy": strategy.state_dict()}
+
+    def load_state_dict(sd: dict[str, Any]) -> None:
+        if sd.get("digest") != strategy._ft_digest:
+            raise ValueError(
+                f"{strategy.method}: this replica's configuration or model differs from the healthy "
+                "peer it heals from (every replica must run the same strategy knobs and model)"
+            )
+        strategy.load_state_dict(sd["strategy"])
+        with torch.no_grad():
+            strategy.frags.flat.copy_(strategy.to_model(strategy.g))
+        strategy._clear_inner_state(p for grp in strategy.frags.params for p in grp)
+        strategy._ft_healed_at = strategy.step_count
+        strategy.log.warning(
+            f"healed from a peer at step {strategy.step_count}: parameters set to the global, "
+            "inner-optimizer state cleared"
+        )
+
+    manager.register_state_dict_fn(STATE_KEY, load_state_dict, state_dict)

@@ -1,0 +1,92 @@
+"""One fault-tolerant replica for tests/runtime/test_ft.py (run as a script, one process each).
+
+Trains a small regression model with DiLoCo or Streaming DiLoCo under a torchft Manager and appends
+one JSON line per step to ``--out``: step, loss, a hash of g, and the rounds that did not commit.
+"""
+
+import argparse
+import json
+import os
+import time
+from datetime import timedelta
+
+import torch
+from torch import nn
+from torch.distributed import TCPStore
+from torchft import Manager, ProcessGroupGloo
+
+from lowcomm_kernels.runtime import DiLoCo, StreamingDiLoCo
+from lowcomm_kernels.runtime.base import tensor_hash
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lighthouse", required=True)
+    ap.add_argument("--replica", type=int, required=True)
+    ap.add_argument("--replicas", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--method", default="diloco")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--fail-commit-at", type=int, default=-1, help="report an error in this round")
+    a = ap.parse_args()
+    torch.manual_seed(0)  # the same initial model; each replica has its own data
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)),
+        min_replica_size=2,
+        load_state_dict=None,
+        state_dict=None,
+        replica_id=f"replica_{a.replica}",
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=a.lighthouse,
+        use_async_quorum=False,
+        timeout=timedelta(seconds=5),
+        quorum_timeout=timedelta(seconds=60),
+        connect_timeout=timedelta(seconds=10),
+    )
+    common = dict(outer_lr=0.7, outer_momentum=0.9, manager=manager, num_replicas=a.replicas)
+    if a.method == "diloco":
+        strat = DiLoCo(model, opt, sync_every=5, **common)
+    else:
+        strat = StreamingDiLoCo(model, opt, sync_every=6, num_fragments=2, fragment_sync_delay=1, **common)
+    if a.fail_commit_at >= 0:  # a replica that reports an error in one round: nobody may apply it
+        orig = strat.transport.all_reduce
+
+        def failing(*args, **kw):
+            if strat.transport.rounds == a.fail_commit_at:
+                manager.report_error(RuntimeError("injected commit failure"))
+            return orig(*args, **kw)
+
+        strat.transport.all_reduce = failing
+    gen = torch.Generator().manual_seed(100 + a.replica)
+    w_true = torch.linspace(-1, 1, 8)
+    with open(a.out, "a") as f, strat:
+        for _ in range(a.steps):
+            x = torch.randn(32, 8, generator=gen)
+            y = torch.tanh(x @ w_true).unsqueeze(1)
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            tr = strat.transport
+            rec = {
+                "step": strat.step_count, "loss": loss.item(), "g": tensor_hash(strat.g),
+                "failed": tr.failed_rounds, "rounds": tr.rounds, "pid": os.getpid(),
+                "participants": tr.participants[-1] if tr.participants else 0,
+                "skipped": strat.metrics.num_skipped, "applied": strat.applied_count,
+            }  # fmt: skip
+            f.write(json.dumps(rec) + "\n")
+            f.flush()
+            if a.step_sleep:
+                time.sleep(a.step_sleep)
+    manager.shutdown(wait=False)
+
+
+if __name__ == "__main__":
+    main()
