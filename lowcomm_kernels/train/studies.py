@@ -150,6 +150,8 @@ def wire_plot(labels: list[str], results: list[RunResult], path: Path) -> None:
     import numpy as np
 
     methods = list(dict.fromkeys(label.rsplit(" ", 1)[0] for label in labels))  # in order
+    formats = list(dict.fromkeys(label.rsplit(" ", 1)[1].removesuffix("+EF") for label in labels))
+    colors = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(formats)}  # +EF: same colour, dashed
     fig, axes = plt.subplots(1, len(methods), figsize=(6.5 * len(methods), 4.6), squeeze=False)
     for ax, method in zip(axes[0], methods, strict=True):
         for label in [lb for lb in labels if lb.rsplit(" ", 1)[0] == method]:
@@ -160,7 +162,8 @@ def wire_plot(labels: list[str], results: list[RunResult], path: Path) -> None:
             x = np.array([[p.bytes_sent for p in r.points[:n]] for r in runs]).mean(0) / 1e6
             y = np.array([[p.val_loss for p in r.points[:n]] for r in runs]).mean(0)
             fmt = label.rsplit(" ", 1)[1]
-            ax.plot(x[1:], y[1:], label=fmt, linestyle="--" if fmt.endswith("+EF") else "-")
+            style = "--" if fmt.endswith("+EF") else "-"
+            ax.plot(x[1:], y[1:], label=fmt, color=colors[fmt.removesuffix("+EF")], linestyle=style)
         ax.set_xscale("log")
         ax.set_xlabel("bytes sent per worker (MB, log scale)")
         ax.set_ylabel("validation loss (nats/byte), mean over seeds")
