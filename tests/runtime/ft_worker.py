@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--fail-commit-at", type=int, default=-1, help="report an error in this round")
+    ap.add_argument("--ready-file", default="", help="touched just before the training loop")
+    ap.add_argument("--hold-at", type=int, default=-1, help="after this step, wait for --hold-for")
+    ap.add_argument("--hold-for", default="")
     a = ap.parse_args()
     torch.manual_seed(0)  # the same initial model; each replica has its own data
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -66,8 +69,10 @@ def main() -> None:
         strat.transport.all_reduce = failing
     gen = torch.Generator().manual_seed(100 + a.replica)
     w_true = torch.linspace(-1, 1, 8)
+    if a.ready_file:
+        open(a.ready_file, "w").close()
     with open(a.out, "a") as f, strat:
-        for _ in range(a.steps):
+        while strat.step_count < a.steps:  # the step, not the iteration: a healed replica jumps ahead
             x = torch.randn(32, 8, generator=gen)
             y = torch.tanh(x @ w_true).unsqueeze(1)
             loss = nn.functional.mse_loss(model(x), y)
@@ -80,9 +85,13 @@ def main() -> None:
                 "failed": tr.failed_rounds, "rounds": tr.rounds, "pid": os.getpid(),
                 "participants": tr.participants[-1] if tr.participants else 0,
                 "skipped": strat.metrics.num_skipped, "applied": strat.applied_count,
+                "round_s": tr.round_s[-1] if tr.round_s else 0.0, "t": time.time(),
             }  # fmt: skip
             f.write(json.dumps(rec) + "\n")
             f.flush()
+            if strat.step_count == a.hold_at:
+                while not os.path.exists(a.hold_for):
+                    time.sleep(0.05)
             if a.step_sleep:
                 time.sleep(a.step_sleep)
     manager.shutdown(wait=False)

@@ -70,29 +70,35 @@ def _last(recs: list[dict]) -> dict[int, dict]:
 def test_kill_then_heal(lighthouse, tmp_path):
     """3 replicas; SIGKILL one mid-run: the others go on (loss decreasing, no hang); restarted, it
     heals and then holds exactly the others' g at every step."""
-    steps = 160
-    procs = [_start(lighthouse, i, tmp_path, steps, "--step-sleep", "0.1") for i in range(3)]
-    _wait_step(tmp_path, 2, 25)
+    steps, hold = 100, 50
+    ready = tmp_path / "ready"
+    # the survivors pause after step `hold` until the restarted replica is up (a slow restart must
+    # not find them finished); they train through the outage before that
+    procs = [
+        _start(lighthouse, i, tmp_path, steps, "--hold-at", str(hold), "--hold-for", str(ready))
+        for i in range(3)
+    ]
+    _wait_step(tmp_path, 2, 12)
     procs[2].send_signal(signal.SIGKILL)
     procs[2].wait()
     killed_at = _records(tmp_path, 2)[-1]["step"]
-    _wait_step(tmp_path, 0, killed_at + 25)
-    survivors_mid = _records(tmp_path, 0)[-1]["step"]
-    # it stops before the others (a replica alone would wait for a quorum of two)
-    procs[2] = _start(lighthouse, 2, tmp_path, steps - survivors_mid - 30, "--step-sleep", "0.1")
+    _wait_step(tmp_path, 0, hold)
+    # it stops at step 80, before the others (a replica alone would wait for a quorum of two)
+    procs[2] = _start(lighthouse, 2, tmp_path, 80, "--ready-file", str(ready))
     _finish(procs)
     r0, r1, r2 = (_last(_records(tmp_path, i)) for i in range(3))
     # the survivors trained through the failure: every step recorded, same g, loss went down
-    assert sorted(r0) == list(range(1, steps + 1))
-    assert all(r0[s]["g"] == r1[s]["g"] for s in r0)
-    losses = [r0[s]["loss"] for s in range(1, steps + 1)]
+    # (a replica that started late healed at the first sync: no records before it)
+    common = sorted(set(r0) & set(r1))
+    assert common[-1] == steps and len(common) >= steps - 10
+    assert all(r0[s]["g"] == r1[s]["g"] for s in common)
+    losses = [r0[s]["loss"] for s in common]
     assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
-    # after the kill, rounds ran with the two survivors only
-    assert any(r0[s]["participants"] == 2 for s in r0 if s > killed_at)
+    # the round in flight at the kill failed everywhere, then rounds ran with the two survivors
+    assert any(r0[s]["participants"] == 2 for s in r0 if killed_at < s <= hold)
     # the restarted replica healed (its steps continue the others') and then matches g exactly
-    healed = [s for s in r2 if s > killed_at]
-    assert healed, "the restarted replica recorded nothing"
-    assert min(healed) > survivors_mid
+    healed = [s for s in r2 if s > hold]
+    assert healed, "the restarted replica recorded nothing after the heal"
     assert all(r2[s]["g"] == r0[s]["g"] for s in healed)
     assert any(r0[s]["participants"] == 3 for s in healed)  # it contributes again after healing
 
