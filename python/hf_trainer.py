@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bandwidth-mbps", type=float, default=100.0)
     p.add_argument("--out", default="hf_trainer_out", help="Trainer output_dir (checkpoints)")
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: never)")
+    p.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32", help="the model's parameters")
+    p.add_argument("--eval-every", type=int, default=0, help="validation every N steps (0: only at the ends)")
+    p.add_argument("--log-json", help="rank 0 writes the Trainer's log history (losses by step) here")
     a = p.parse_args(argv)
     if "RANK" not in os.environ:
         print("error: run me under torchrun (RANK/WORLD_SIZE are not set)", file=sys.stderr)
@@ -96,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         num_key_value_heads=4,
         max_position_embeddings=SEQ,
     )
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg).to({"fp32": torch.float32, "bf16": torch.bfloat16}[a.param_dtype])
     cuda = torch.cuda.is_available()
     args = TrainingArguments(
         output_dir=a.out,
@@ -108,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         use_cpu=not cuda,
         ddp_backend="nccl" if cuda else "gloo",
         logging_steps=max(1, a.steps // 5),
+        eval_strategy="steps" if a.eval_every else "no",
+        eval_steps=a.eval_every or None,
         save_strategy="steps" if a.save_steps else "no",
         save_steps=a.save_steps or 500,
         report_to=[],
@@ -129,6 +134,13 @@ def main(argv: list[str] | None = None) -> int:
             f"exposed comm {m.exposed_comm_s:.2f} s; val loss {before:.3f} -> {after:.3f}",
             flush=True,
         )
+        if a.log_json:
+            import json
+
+            with open(a.log_json, "w") as f:
+                json.dump(
+                    {"args": vars(a), "before": before, "after": after, "log": trainer.state.log_history}, f
+                )
     return 0
 
 
