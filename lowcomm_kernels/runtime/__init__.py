@@ -2,7 +2,8 @@
 around a model and its inner optimizer (see ``base`` for the loop API, docs/algorithms.md for the maths).
 
 Modules, one concept each: ``fragments`` (flat buffers), ``transport`` (async collectives, WAN
-emulation, timeouts), ``metrics``, ``sinks`` (metrics_callback targets: TensorBoard, logging),
+emulation, timeouts), ``compression`` (quantized wire formats: the quantized all-reduce, error
+feedback), ``metrics``, ``sinks`` (metrics_callback targets: TensorBoard, logging),
 ``base`` (hooking, checkpoints, guard), ``dense`` (DiLoCo, Streaming DiLoCo), ``cocodc``,
 ``loscar``, ``topology`` (regions x data-parallel groups), ``amp`` (GradScaler: counting skipped
 steps), ``sharding`` (DTensor / FSDP2 parameters: local shards, replica groups).
