@@ -43,6 +43,48 @@ struct Source {
 template <class X>
 LC_HD float to_f32(X v) { return cast<float>(v); }
 
+// The integer formats rounded to nearest even, elements [lo, hi) of one block of scale s (q_scale_ok):
+// q_encode<false> and q_value written for them alone (no exponent, value = the signed code), as one
+// loop the compiler vectorises: the division stays a correctly rounded (vector) fp32 division, rintf
+// rounds half to even, and the clamp is the same min. 4-bit codes go through a stack buffer of
+// kEncodeSpan nibbles, packed two per byte afterwards.
+constexpr int64_t kEncodeSpan = 4096;
+
+template <class T, class X, bool kPack, bool kRes>
+inline void encode_int_span(float qmax, const Source<T, X, kPack, kRes>& src, T* __restrict res, int64_t lo,
+                            int64_t hi, float s, int8_t* __restrict out) {
+  for (int64_t i = lo; i < hi; ++i) {
+    const T e = src.at(i);
+    const float q = to_f32(e) / s;
+    float m = fabsf(q);
+    m = m < qmax ? m : qmax;
+    const int c = static_cast<int>(rintf(m));
+    const int v = q < 0.0f ? -c : c;
+    out[i - lo] = static_cast<int8_t>(v);
+    if constexpr (kRes) res[i] = e - static_cast<T>(static_cast<float>(v) * s);
+  }
+}
+
+template <class T, class X, bool kPack, bool kRes, int kBits>
+inline void encode_int_blocks(float qmax, const Source<T, X, kPack, kRes>& src, T* res, int64_t lo, int64_t hi,
+                              float s, uint8_t* codes) {
+  if constexpr (kBits == 8) {
+    encode_int_span<T, X, kPack, kRes>(qmax, src, res, lo, hi, s, reinterpret_cast<int8_t*>(codes + lo));
+  } else {
+    alignas(64) int8_t tmp[kEncodeSpan + 1];
+    for (int64_t a = lo; a < hi; a += kEncodeSpan) {  // lo and kEncodeSpan are even
+      const int64_t z = a + kEncodeSpan < hi ? a + kEncodeSpan : hi;
+      encode_int_span<T, X, kPack, kRes>(qmax, src, res, a, z, s, tmp);
+      tmp[z - a] = 0;  // pads an odd n's last byte
+      const int64_t nbytes = (z - a + 1) / 2;
+      uint8_t* o = codes + a / 2;
+      for (int64_t j = 0; j < nbytes; ++j)
+        o[j] = static_cast<uint8_t>((static_cast<uint8_t>(tmp[2 * j]) & 0xFu) |
+                                    (static_cast<uint8_t>(tmp[2 * j + 1]) << 4));
+    }
+  }
+}
+
 // Quantizes blocks [b0, b1) of the n elements: scales, codes, snapshot (kSnap), residual (kRes,
 // left alone in non-finite blocks); returns the non-finite count.
 template <class T, class X, bool kPack, bool kRes, bool kSnap, bool kSR, int kBits>
@@ -65,6 +107,10 @@ int64_t quantize_blocks(const QFmt& f, const Source<T, X, kPack, kRes>& src, con
     const float s = q_scale(f, amax);
     scales[b] = s;
     const bool ok = q_scale_ok(s);
+    if (!kSR && !f.is_float && ok) {
+      encode_int_blocks<T, X, kPack, kRes, kBits>(f.qmax, src, res, lo, hi, s, codes);
+      continue;
+    }
     if constexpr (kBits == 8) {
       if (!ok) {
         memset(codes + lo, 0, static_cast<size_t>(hi - lo));
@@ -141,16 +187,42 @@ int64_t quantize_dispatch(const QFmt& f, const T* g, const X* x, T* snap, T* res
   return by_sr(N{}, N{});
 }
 
-// Decodes the codes of elements [lo, hi) (lo even) into out (out[0] is element lo), in fp32.
-inline void dequantize_span(const QFmt& f, const float* table, const uint8_t* codes, const float* scales,
-                            int64_t block, int64_t lo, int64_t hi, float* out) {
-  if (f.bits == 8) {
-    for (int64_t i = lo; i < hi; ++i) out[i - lo] = table[codes[i]] * scales[i / block];
-  } else {
-    for (int64_t i = lo; i < hi; ++i) {
-      const uint32_t c = (codes[i >> 1] >> (4 * (i & 1))) & 0xF;
-      out[i - lo] = table[c] * scales[i / block];
+// Decodes the codes of elements [lo, hi) (lo even) into out (out[0] is element lo), in fp32: block by
+// block, so each scale is read once and no element divides its index. Integer codes are converted
+// directly (the table holds exactly those values), float codes go through the table.
+inline void dequantize_span(const QFmt& f, const float* __restrict table, const uint8_t* __restrict codes,
+                            const float* __restrict scales, int64_t block, int64_t lo, int64_t hi,
+                            float* __restrict out) {
+  for (int64_t a = lo; a < hi;) {
+    const int64_t b = a / block, z = (b + 1) * block < hi ? (b + 1) * block : hi;
+    const float s = scales[b];
+    float* __restrict o = out + (a - lo);
+    const int64_t len = z - a;
+    if (f.bits == 8) {
+      const uint8_t* __restrict c = codes + a;
+      if (!f.is_float) {
+        for (int64_t i = 0; i < len; ++i) o[i] = static_cast<float>(static_cast<int8_t>(c[i])) * s;
+      } else {
+        for (int64_t i = 0; i < len; ++i) o[i] = table[c[i]] * s;
+      }
+    } else {  // a is even (lo is, and so is every block boundary)
+      const uint8_t* __restrict c = codes + a / 2;
+      const int64_t pairs = len / 2;
+      if (!f.is_float) {
+        for (int64_t j = 0; j < pairs; ++j) {
+          const int8_t byte = static_cast<int8_t>(c[j]);
+          o[2 * j] = static_cast<float>(static_cast<int8_t>(static_cast<uint8_t>(c[j] << 4)) >> 4) * s;
+          o[2 * j + 1] = static_cast<float>(byte >> 4) * s;
+        }
+      } else {
+        for (int64_t j = 0; j < pairs; ++j) {
+          o[2 * j] = table[c[j] & 0xF] * s;
+          o[2 * j + 1] = table[c[j] >> 4] * s;
+        }
+      }
+      if (len & 1) o[len - 1] = table[c[pairs] & 0xF] * s;
     }
+    a = z;
   }
 }
 
