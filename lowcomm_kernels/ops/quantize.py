@@ -726,8 +726,8 @@ def _(codes, scales, out_codes, out_scales, fmt, block, n, scale, backend):
 def _outer_merge_quantized_impl(
     g, u, codes, scales, fmt, block, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend
 ) -> None:
-    """outer_merge_'s checks with Δ̄ as (codes, scales); then one fused pass (cpu), or dequantize
-    into a temporary and the dense merge (the normalized Taylor mode, and the GPU backends)."""
+    """outer_merge_'s checks with Δ̄ as (codes, scales); then one fused pass (cpu, cuda), or
+    dequantize into a temporary and the dense merge (the normalized Taylor mode, and triton)."""
     f, block = _check_fmt_block(fmt, block)
     for name, t in (("g", g), ("u", u)):
         _checks.tensor(name, t, dtypes=_checks.FLOAT_DTYPES)
@@ -756,13 +756,13 @@ def _outer_merge_quantized_impl(
     if g.numel() == 0:
         return
     with nvtx_range("outer_merge"):
-        fused = (b in ("ref", "cpu")) and not (lam_mode == "normalized" and lam != 0.0)
+        fused = (b in ("ref", "cpu", "cuda")) and not (lam_mode == "normalized" and lam != 0.0)
         if fused:
             merge = (lr, momentum, nesterov, alpha, beta, lam)
             launch("outer_merge_quantized", b, g, u, codes, scales, f.name, block, x, x_sent, *merge, None)
             return
         # The normalized mode's scale is a reduction over Δ̄ that the merge needs before its first
-        # element, and the GPU backends have no fused kernel yet: Δ̄ is dequantized once here.
+        # element, and Triton has no fused kernel yet: Δ̄ is dequantized once here.
         d = torch.empty(g.shape, dtype=g.dtype, device=g.device)
         launch("dequantize", b, codes, scales, d, f.name, block)
         _outer_merge._outer_merge_impl(
@@ -812,7 +812,7 @@ def _scatter_merge_quantized_impl(
     if idx.numel() == 0:
         return
     with nvtx_range("sparse_scatter_merge"):
-        if b in ("ref", "cpu"):
+        if b in ("ref", "cpu", "cuda"):
             launch("sparse_scatter_merge_quantized", b, x, idx, codes, scales, f.name, block, sent, beta)
             return
         avg = torch.empty(idx.numel(), dtype=x.dtype, device=x.device)  # k values: small
@@ -1045,9 +1045,10 @@ def outer_merge_quantized_(
     backend: str | None = None,
 ) -> None:  # fmt: skip
     """``outer_merge_`` with the averaged pseudo-gradient given quantized (what ``outer_merge_``
-    calls for a Quantized delta_avg): Δ̄ is dequantized chunk by chunk inside the merge on the
-    cpu backend, never stored whole (normalized λ, and the GPU backends for now, dequantize it
-    once into a temporary). Arguments and results as ``outer_merge_``'s."""
+    calls for a Quantized delta_avg): Δ̄ is dequantized inside the merge on the cpu backend
+    (chunk by chunk) and the cuda backend (in registers), never stored whole (normalized λ, and
+    triton for now, dequantize it once into a temporary). Arguments and results as
+    ``outer_merge_``'s."""
     q = as_quantized(delta_avg, "delta_avg")
     f = as_format(q.fmt)
     wire = (q.codes, q.scales, f.name, q.block)
@@ -1067,7 +1068,7 @@ def sparse_scatter_merge_quantized_(
     check_values: bool = True,
 ) -> None:
     """``sparse_scatter_merge_`` with avg (k values) given quantized (what it calls for a
-    Quantized avg); dequantized chunk by chunk inside the merge on the cpu backend."""
+    Quantized avg); dequantized inside the merge on the cpu and cuda backends."""
     q = as_quantized(avg, "avg")
     f = as_format(q.fmt)
     _call(

@@ -6,7 +6,10 @@ bench/build_cuda.sh --install): the properties the CPU suite cannot see.
   aligned ones and write nothing outside;
 * the normalized merge reads nothing on the host (torch's sync debug mode raises on a sync);
 * bf16 NaN is the CUDA intrinsic's 0x7FFF, byte-identical to torch's CUDA conversion;
-* a failed call names the entry point and the argument or the CUDA error.
+* a failed call names the entry point and the argument or the CUDA error;
+* the quantized wire formats (pack with residual, snapshot and stochastic rounding, dequantize,
+  reduce) give the reference's bits, and the merges with a quantized average give the bits of the
+  dense CUDA merge on the dequantized average.
 """
 
 from __future__ import annotations
@@ -22,6 +25,17 @@ from lowcomm_kernels import _native
 from lowcomm_kernels.ops import fragment_norms, fragment_norms_ref, outer_merge_, outer_merge_ref, pack
 from lowcomm_kernels.ops._common import launch
 from lowcomm_kernels.ops.outer_merge import taylor_norms_ref
+from lowcomm_kernels.ops.quantize import (
+    FORMATS,
+    Quantized,
+    dequantize,
+    dequantize_ref,
+    pack_quantized,
+    pack_quantized_ref,
+    reduce_quantized,
+    reduce_quantized_ref,
+)
+from lowcomm_kernels.ops.sparse import sparse_scatter_merge_
 
 pytestmark = pytest.mark.gpu
 
@@ -230,3 +244,101 @@ def test_a_cuda_api_error_is_named():
     rc, msg = out.stdout.strip().split("\n", 1)
     assert rc == "3", out
     assert msg.startswith("lc_cuda_pack: cudaMemsetAsync(nonfinite): cuda"), msg
+
+
+# ---- quantized wire formats ----------------------------------------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a float tensor (NaN payloads and -0 included), on the CPU."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.detach().cpu().contiguous().view(ints[t.element_size()])
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("n", [1, 7, 4099, 1_000_003])
+@pytest.mark.parametrize("block", [2, 128, 4096])
+@pytest.mark.parametrize("seed", [None, 5])
+@F64_F32
+def test_pack_quantized_is_the_refs_bits(fmt, n, block, seed, dtype, rng):
+    g, x, res = _randn(n, dtype, rng), _randn(n, dtype, rng), _randn(n, dtype, rng, 0.01)
+    if n > 4:
+        g[n // 2] = float("inf")  # one non-finite block: NaN scale, zero codes, residual kept
+        g[: min(n // 4, block)] = x[: min(n // 4, block)]  # an all-zero first block (when res is too)
+        res[: min(n // 4, block)] = 0
+    got_res, want_res = res.clone(), res.cpu()
+    codes, scales, snap, nf = pack_quantized(
+        g, x, fmt, block, residual=got_res, snapshot_out=True, seed=seed, round=3, backend="cuda"
+    )
+    rc, rs, rsnap, rnf = pack_quantized_ref(
+        g.cpu(), x.cpu(), fmt, block, residual=want_res, snapshot=True, seed=seed, round=3
+    )
+    assert torch.equal(codes.cpu(), rc)
+    assert torch.equal(_bits(scales), _bits(rs))
+    assert torch.equal(_bits(got_res), _bits(want_res))
+    assert torch.equal(_bits(snap), _bits(rsnap))
+    assert int(nf) == int(rnf) == (1 if n > 4 else 0)
+    # quantize (no x): the same codes as the reference's of v
+    deq = dequantize(codes, scales, fmt, block, n, out_dtype=dtype, backend="cuda")
+    assert torch.equal(_bits(deq), _bits(dequantize_ref(rc, rs, fmt, block, n, out_dtype=dtype)))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("n", [1, 9, 70_001])
+@pytest.mark.parametrize("m", [1, 3])
+def test_reduce_quantized_is_the_refs_bits(fmt, n, m, rng):
+    block = 64
+    rows = [pack_quantized_ref(_randn(n, torch.float32, rng).cpu(), torch.zeros(n), fmt, block)[:2]
+            for _ in range(m)]
+    codes = torch.stack([c for c, _ in rows]).cuda()
+    scales = torch.stack([s for _, s in rows]).cuda()
+    oc, os_ = reduce_quantized(codes, scales, fmt, block, n, scale=1.0 / m, backend="cuda")
+    rc, rs = reduce_quantized_ref(codes.cpu(), scales.cpu(), fmt, block, n, scale=1.0 / m)
+    assert torch.equal(oc.cpu(), rc)
+    assert torch.equal(_bits(os_), _bits(rs))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_e4m3", "fp4_e2m1"])
+@pytest.mark.parametrize("n", [1, 7, 4099, 1_000_003])
+@pytest.mark.parametrize("xdt", [None, torch.bfloat16], ids=["x-master", "x-bf16"])
+@F64_F32
+def test_quantized_merges_are_the_dense_merges_bits(fmt, n, xdt, dtype, rng):
+    if xdt is not None and dtype is torch.float64:
+        pytest.skip("bf16 parameters have an fp32 master")
+    block = 128
+    g, u, d, x, xs = _state(n, dtype, rng)
+    if xdt is not None:
+        x = x.to(xdt)
+    zeros = torch.zeros_like(d)
+    codes, scales, _, _ = pack_quantized(d, zeros, fmt, block, snapshot_out=False, backend="cuda")
+    kw = dict(lr=0.7, momentum=0.9, nesterov=True, alpha=0.25, beta=0.5, lam=0.1)
+    want = [t.clone() for t in (g, u, x)]
+    dense = dequantize(codes, scales, fmt, block, n, out_dtype=dtype, backend="cuda")
+    outer_merge_(want[0], want[1], dense, want[2], xs, **kw, backend="cuda")
+    outer_merge_(g, u, Quantized(codes, scales, fmt, block), x, xs, **kw, backend="cuda")
+    for got, exp in zip((g, u, x), want, strict=True):
+        assert torch.equal(_bits(got), _bits(exp))
+    # the sparse merge: k = n // 3 strictly increasing indices, the average as k quantized values
+    k = n // 3
+    if k == 0:
+        return
+    idx = torch.arange(0, 3 * k, 3, device="cuda")
+    sent = _randn(k, dtype, rng)
+    kv = _randn(k, dtype, rng)
+    kc, ks, _, _ = pack_quantized(kv, zeros[:k], fmt, block, snapshot_out=False, backend="cuda")
+    want_x = x.clone()
+    avg = dequantize(kc, ks, fmt, block, k, out_dtype=dtype, backend="cuda")
+    sparse_scatter_merge_(want_x, idx, avg, sent, beta=0.5, backend="cuda")
+    sparse_scatter_merge_(x, idx, Quantized(kc, ks, fmt, block), sent, beta=0.5, backend="cuda")
+    assert torch.equal(_bits(x), _bits(want_x))
+
+
+def test_quantized_errors_name_the_entry_point():
+    lib = _native.cuda_lib()
+    stream = _native.stream_ptr(torch.device("cuda"))
+    t = torch.zeros(8, device="cuda")
+    p = t.data_ptr()
+    rc = lib.lc_cuda_dequantize(0, p, p, 8, 3, 0, p, stream)
+    assert rc == 1
+    msg = _native.last_error("lc_cuda_dequantize")
+    assert msg.startswith("lc_cuda_dequantize: block = 3 is not a power of two >= 2"), msg
