@@ -406,7 +406,8 @@ class Strategy(abc.ABC):
     def memory_per_param(self) -> dict[str, float]:
         """Bytes per trainable parameter, measured from the buffers held now (each storage counted
         once, its allocated bytes): ``params``, the flat buffer the model's parameters view;
-        ``outer_state``, the persistent state (g and u: the master copy and outer momentum);
+        ``outer_state``, the persistent state (g and u: the master copy and outer momentum; the
+        error-feedback residual);
         ``in_flight``, the buffers of the syncs in flight now (wire payloads, snapshots, control
         vectors); ``extra`` = outer_state + in_flight, what the strategy adds to plain training."""
         n = max(self.frags.numel, 1)
