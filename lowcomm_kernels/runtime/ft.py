@@ -210,6 +210,12 @@ class FTTransport(Transport):
                 if present[r] == 0:
                     values[2 * w + r] = point
             self.participants.append(int(n))
+        # the pending result keeps the control tensor (checkpoints, healing): store what was decided
+        # there too; a failed round's own non-finite slot makes a restored copy skip as well
+        kept = list(values)
+        if isinstance(values, FailedRound):
+            kept[self.rank] = 1.0
+        host.copy_(torch.tensor(kept, dtype=host.dtype))
         blocked = time.perf_counter() - t0
         self.round_s.append(blocked)
         wire = ring_wire_bytes(payload_bytes, max(int(n), 1))
