@@ -1,0 +1,197 @@
+"""bf16 parameters with a float32 outer master: the memory it costs, and what it does to the loss.
+
+    .venv/bin/python bench/low_precision.py memory          # bytes per parameter, measured
+    .venv/bin/python bench/low_precision.py loss            # TinyLlama, Streaming DiLoCo, 2 ranks
+
+``memory`` wraps the project's TinyLlama (``lowcomm_kernels/train/model.py``, default shape) in
+fp32 and in bf16 with each strategy on one gloo rank, trains it for two sync periods on random
+bytes, and prints ``strategy.memory_per_param()`` (measured from the buffers the strategy holds)
+at its peak over the steps, beside the inner AdamW state (measured from ``optimizer.state``).
+
+``loss`` trains the same model on 2 gloo ranks, Streaming DiLoCo, on the default byte-level corpus
+(the Python standard library's source), with fp32 parameters and with bf16 parameters (fp32 master
+g, u), identical seeds, data and schedule; every ``--eval-every`` steps it prints the training loss
+(mean of the last steps, rank 0) and the validation loss of each rank's parameters (evaluated in
+float32, so the comparison is of the parameters, not of bf16 arithmetic in the evaluation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Any
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import lowcomm_kernels.runtime as rt  # noqa: E402
+from lowcomm_kernels.runtime.launch import spawn_local  # noqa: E402
+from lowcomm_kernels.train.corpus import eval_batches, load_corpus, sample_batch, worker_shard  # noqa: E402
+from lowcomm_kernels.train.model import ModelConfig, TinyLlama  # noqa: E402
+
+HERE = os.path.abspath(__file__)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+H = 20  # sync period of the memory runs
+STRATEGIES: dict[str, tuple[type, dict[str, Any]]] = {
+    "DiLoCo": (rt.DiLoCo, {"sync_every": H}),
+    "Streaming DiLoCo (K=4, tau=2)": (
+        rt.StreamingDiLoCo,
+        {"sync_every": H, "num_fragments": 4, "fragment_sync_delay": 2},
+    ),
+    "Streaming DiLoCo, bf16 wire": (
+        rt.StreamingDiLoCo,
+        {"sync_every": H, "num_fragments": 4, "fragment_sync_delay": 2, "wire_dtype": torch.bfloat16},
+    ),
+    "CoCoDC (K=4, tau=2)": (
+        rt.CoCoDC,
+        {"sync_every": H, "num_fragments": 4, "fragment_sync_delay": 2, "syncs_per_period": 4},
+    ),
+    "LOSCAR (density 0.1)": (rt.LOSCAR, {"density": 0.1, "local_steps": H // 2, "overlap_steps": 2}),
+}
+
+
+def _adamw(model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of the inner optimizer's per-parameter tensors (each storage once)."""
+    seen: dict[int, int] = {}
+    for st in opt.state.values():
+        for v in st.values():
+            if isinstance(v, torch.Tensor) and v.numel() > 1:
+                seen[v.untyped_storage().data_ptr()] = v.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def memory_rank(rank: int, world: int, dtype: str, name: str) -> dict[str, float]:
+    """One strategy on one rank: the peak of each memory_per_param() field over 2 sync periods."""
+    torch.manual_seed(0)
+    model = TinyLlama(ModelConfig()).to(DTYPES[dtype])
+    opt = _adamw(model, 1e-3)
+    cls, kw = STRATEGIES[name]
+    st = cls(model, opt, **kw)
+    gen = torch.Generator().manual_seed(rank)
+    peak: dict[str, float] = {}
+    n = st.frags.numel
+    for _ in range(2 * H):
+        x = torch.randint(0, 256, (4, 33), generator=gen)
+        model.loss(x[:, :-1], x[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        st.step()
+        for k, v in st.memory_per_param().items():
+            peak[k] = max(peak.get(k, 0.0), v)
+    peak["adamw_state"] = _state_bytes(opt) / n
+    peak["numel"] = n
+    return peak
+
+
+def memory_table() -> str:
+    rows = [
+        "| model params | strategy | params B/param | outer state (g, u) | in flight, peak | "
+        "extra over plain training, peak | inner AdamW state |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    numel = 0
+    for dtype in DTYPES:
+        for name in STRATEGIES:
+            m = spawn_local(f"{HERE}:memory_rank", 1, (dtype, name), timeout_s=300)[0]
+            numel = int(m["numel"])
+            rows.append(
+                f"| {dtype} | {name} | {m['params']:.2f} | {m['outer_state']:.2f} | {m['in_flight']:.2f} | "
+                f"{m['extra']:.2f} | {m['adamw_state']:.2f} |"
+            )
+    head = f"TinyLlama {ModelConfig()}: {numel} trainable parameters; bytes per parameter, measured\n"
+    return head + "\n".join(rows)
+
+
+def loss_rank(rank: int, world: int, dtype: str, steps: int, eval_every: int, seed: int) -> list[dict]:
+    """Streaming DiLoCo on the byte corpus; rank 0's mean training loss and every rank's val loss."""
+    import torch.distributed as dist
+
+    cfg = ModelConfig()
+    corpus = load_corpus(None)
+    shard = worker_shard(corpus.train, rank, world)
+    batches = eval_batches(corpus.val, 8, 8, cfg.seq_len)
+    torch.manual_seed(seed)
+    model = TinyLlama(cfg).to(DTYPES[dtype])
+    torch.manual_seed(seed)
+    evaluator = TinyLlama(cfg)  # float32: evaluates the parameters, not bf16 arithmetic
+    lr, warmup = 3e-3, 30
+    opt = _adamw(model, lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt,
+        lambda s: (
+            (s + 1) / warmup
+            if s < warmup
+            else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (s - warmup) / max(1, steps - warmup))))
+        ),
+    )
+    st = rt.StreamingDiLoCo(model, opt, sync_every=50, num_fragments=2, fragment_sync_delay=5)
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + rank)
+    out, window = [], []
+    with st:
+        for step in range(1, steps + 1):
+            x, y = sample_batch(shard, 8, cfg.seq_len, gen)
+            loss = model.loss(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            window.append(float(loss.detach()))
+            if step % eval_every == 0 or step == steps:
+                with torch.no_grad():
+                    for p, q in zip(evaluator.parameters(), model.parameters(), strict=True):
+                        p.copy_(q)
+                    val = sum(float(evaluator.loss(bx, by)) for bx, by in batches) / len(batches)
+                vals = [None] * world
+                dist.all_gather_object(vals, val)
+                out.append({"step": step, "train": sum(window) / len(window), "val": vals})
+                window = []
+    return out
+
+
+def loss_table(steps: int, eval_every: int, seed: int) -> str:
+    res = {
+        d: spawn_local(f"{HERE}:loss_rank", 2, (d, steps, eval_every, seed), timeout_s=1800)[0]
+        for d in DTYPES
+    }
+    rows = [
+        "| step | fp32 train | fp32 val (rank 0 / 1) | bf16 train | bf16 val (rank 0 / 1) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for a, b in zip(res["fp32"], res["bf16"], strict=True):
+        rows.append(
+            f"| {a['step']} | {a['train']:.3f} | {a['val'][0]:.3f} / {a['val'][1]:.3f} | "
+            f"{b['train']:.3f} | {b['val'][0]:.3f} / {b['val'][1]:.3f} |"
+        )
+    head = (
+        f"TinyLlama {ModelConfig()}, 2 ranks, Streaming DiLoCo (H=50, K=2, tau=5), AdamW lr 3e-3, "
+        f"batch 8, seed {seed}, {steps} steps\n"
+    )
+    return head + "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="what", required=True)
+    sub.add_parser("memory", help="bytes per parameter of each strategy, fp32 and bf16 models")
+    lp = sub.add_parser("loss", help="bf16 vs fp32 parameters on TinyLlama, Streaming DiLoCo, 2 ranks")
+    lp.add_argument("--steps", type=int, default=600)
+    lp.add_argument("--eval-every", type=int, default=100)
+    lp.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if args.what == "memory":
+        print(memory_table())
+    else:
+        print(loss_table(args.steps, args.eval_every, args.seed))
+
+
+if __name__ == "__main__":
+    main()
