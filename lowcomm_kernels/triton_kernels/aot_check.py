@@ -24,8 +24,11 @@ not every combination; each pointer's aligned and unaligned code is compiled.) T
 programs per segment and their finishing kernels run over every power-of-two block they can
 take. ``--quick`` (CI) compiles one variant per kernel and dtype pairing, spread so that every
 alignment pattern, size kind and DiLoCo's default merge (momentum, Nesterov, α = β = λ = 0) is
-among them, and each bf16 / fp16 parameter pairing: about 110 compilations. The full mode is about
-3240 (~20 min on two cores; ``--jobs``, ``-k`` to pick cases).
+among them, and each bf16 / fp16 parameter pairing, and each quantized wire format's pack (error
+feedback with stochastic rounding, plain, quantize), dequantize and reduction: about 140
+compilations. The full mode is about 5700 (~35 min on two cores; ``--jobs``, ``-k`` to pick cases,
+e.g. ``-k quantiz`` for the 2400 of the quantized formats: every format x dtype pairing x mode at
+every size and alignment with the default block, and blocks 2 and 4096 at one).
 
 For each compiled variant it prints the registers per thread (from the cubin) and the number of
 128-bit global loads/stores in the PTX (the elementwise kernels vectorise fully on aligned data),
@@ -49,7 +52,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-MODULES = ("pack", "outer_merge", "mask_indices", "sparse", "fragment_norms")
+MODULES = ("pack", "outer_merge", "mask_indices", "sparse", "fragment_norms", "quantize")
 SMS = {80: 108, 90: 132}  # A100, H100/H200: the programs per SM of the reductions scale with it
 #: n (or k) of each size kind: how Triton specialises an integer argument
 SIZES = {"n=1": 1, "i32": 4099, "i32/16": 65536, "i64": 2**31 + 3, "i64/16": 2**31 + 16}
@@ -125,7 +128,7 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
 
     # From sys.modules (as _recording patches them), not the package's attributes, which may still
     # point at modules imported earlier under the interpreter.
-    pack, outer_merge, mask_indices, sparse, fragment_norms = (
+    pack, outer_merge, mask_indices, sparse, fragment_norms, quantize = (
         importlib.import_module(f"{__package__}.{m}") for m in MODULES
     )
     f32, f64, bf16 = torch.float32, torch.float64, torch.bfloat16
@@ -400,6 +403,125 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
             fragment_norms.launch_fragment_norms(buf, offsets, 2, out)
 
         yield f"fragment_norms x={low[xdt]}", call
+
+    yield from _quantize_cases(quantize, quick, name)
+
+
+#: The quantized formats as the Triton launchers receive them: (BITS, IS_FLOAT, M, EMIN, QMAX), the
+#: constants ops/quantize.py forms from its FORMATS (a layer above, not imported here).
+QFORMATS = {
+    "int8": (8, False, 0, 0, 127.0),
+    "int4": (4, False, 0, 0, 7.0),
+    "fp8_e4m3": (8, True, 3, -6, 448.0),
+    "fp8_e5m2": (8, True, 2, -14, 57344.0),
+    "fp4_e2m1": (4, True, 1, 0, 6.0),
+}
+QBLOCKS = (2, 128, 4096)  # the smallest block, the runtime's default, one tile's worth
+SR_KEY = -0x3C6EF372FE94F82B  # a signed 64-bit stochastic-rounding key (a key of 0: no rounding stream)
+
+
+def _quantize_cases(quantize: Any, quick_mode: bool, name: dict) -> Iterator[tuple[str, Callable]]:
+    """pack_quantized (pack with residual / snapshot / stochastic rounding, or quantize of v),
+    dequantize and reduce_quantized, for every format. Codes and scales are buffers the op
+    allocates or a caller's ("out"); g, x, residual and snapshot are fragment views."""
+    import torch
+
+    f32, f64, bf16, f16 = torch.float32, torch.float64, torch.bfloat16, torch.float16
+
+    def consts(fmt: str) -> dict:
+        bits, is_float, m, emin, qmax = QFORMATS[fmt]
+        return dict(BITS=bits, IS_FLOAT=is_float, M=m, EMIN=emin, QMAX=qmax, SUB_POW=float(2.0 ** (m - emin)))
+
+    def table(fmt: str, align: str) -> Any:
+        return _tensor(1 << QFORMATS[fmt][0], f32, "fresh", align).contiguous()
+
+    def payload(fmt: str, n: int) -> int:
+        return n if QFORMATS[fmt][0] == 8 else (n + 1) // 2
+
+    def full_blocks(quick: list, *axes: Any) -> list:
+        """Quick: `quick`. Full: every size and alignment at the default block, and the other
+        blocks (a constexpr: a compile each) at one size and alignment, over `axes`."""
+        if quick_mode:
+            return quick
+        default = [(*a, 128, size, al) for a in itertools.product(*axes) for size in SIZES for al in ALIGNS]
+        return default + [
+            (*a, b, "i32", "runtime") for a in itertools.product(*axes) for b in QBLOCKS if b != 128
+        ]
+
+    # mode: "ef" (x, residual, snapshot, stochastic rounding), "pack" (x only, to nearest even),
+    # "quantize" (v alone). (g, x) dtypes: a master and its parameters (bf16 / fp16 beside fp32).
+    pairs = [(f32, f32), (f32, bf16), (f32, f16), (f64, f64)]
+    modes = ("ef", "pack", "quantize")
+    fmts = list(QFORMATS)
+    quick = [
+        (f, pairs[i % 4], modes[i % 3], 128, list(SIZES)[i % 5], ALIGNS[i % 3]) for i, f in enumerate(fmts)
+    ]
+    quick += [
+        ("int8", (f64, f64), "ef", 2, "i32", "runtime"),  # other blocks: at one size and alignment
+        ("int4", (f32, bf16), "quantize", 4096, "i32", "runtime"),
+    ]
+    for fmt, (dt, xdt), mode, block, size, align in full_blocks(quick, fmts, pairs, modes):
+        n = SIZES[size]
+
+        def call(fmt=fmt, dt=dt, xdt=xdt, mode=mode, block=block, n=n, align=align):
+            ef = mode == "ef"
+            v = _tensor(n, xdt if mode == "quantize" else dt, "view", align)
+            quantize.launch_pack_quantized(
+                v,
+                None if mode == "quantize" else _tensor(n, xdt, "view", align),
+                _tensor(n, dt, "view", align) if ef else None,
+                _tensor(n, dt, "out", align) if ef else None,
+                _tensor(payload(fmt, n), torch.uint8, "out", align),
+                _tensor(-(-n // block), f32, "out", align),
+                _tensor(1, torch.int64, "fresh", align)[0],
+                table(fmt, align),
+                consts(fmt),
+                block,
+                ef,
+                SR_KEY if ef else 0,
+            )
+
+        dts = f"{name.get(dt, 'fp16')}/{name.get(xdt, 'fp16')}"
+        yield f"pack_quantized {fmt} {mode} {dts} block={block} n={size} {align}", call
+
+    # dequantize(codes, scales, out) into every parameter dtype; reduce_quantized over M rows
+    outs = (f32, f64, bf16, f16)
+    quick = [(f, outs[i % 4], 128, list(SIZES)[i % 5], ALIGNS[i % 3]) for i, f in enumerate(fmts)]
+    quick += [("fp8_e4m3", bf16, 4096, "i32", "runtime")]
+    for fmt, odt, block, size, align in full_blocks(quick, fmts, outs):
+        n = SIZES[size]
+
+        def call(fmt=fmt, odt=odt, block=block, n=n, align=align):
+            quantize.launch_dequantize(
+                _tensor(payload(fmt, n), torch.uint8, "out", align),
+                _tensor(-(-n // block), f32, "out", align),
+                _tensor(n, odt, "view", align),
+                table(fmt, align),
+                consts(fmt),
+                block,
+            )
+
+        yield f"dequantize {fmt} out={name.get(odt, 'fp16')} block={block} n={size} {align}", call
+    quick = [(f, 128, list(SIZES)[(i + 1) % 5], ALIGNS[(i + 1) % 3]) for i, f in enumerate(fmts)]
+    quick += [("int4", 2, "i32", "runtime")]
+    for fmt, block, size, align in full_blocks(quick, fmts):
+        n = SIZES[size]
+
+        def call(fmt=fmt, block=block, n=n, align=align):
+            m, nb = 3, -(-n // block)
+            quantize.launch_reduce_quantized(
+                _tensor(1, torch.uint8, "out", align).expand(m, payload(fmt, n)),
+                _tensor(1, f32, "out", align).expand(m, nb),
+                _tensor(payload(fmt, n), torch.uint8, "fresh", align),
+                _tensor(nb, f32, "fresh", align),
+                table(fmt, align),
+                consts(fmt),
+                block,
+                n,
+                1.0 / m,
+            )
+
+        yield f"reduce_quantized {fmt} block={block} n={size} {align}", call
 
 
 # ---- specialise like JITFunction.run, compile like triton.compile ----------------------------
