@@ -29,6 +29,11 @@ shaped like the runtime's use of the ops, so that what passes here is what the r
   with its tensors on cuda:1 while cuda:0 is current (results, current device, memory and kernels
   on cuda:0 untouched); pack to bf16 where g - x overflows bf16 only, or is ±inf/NaN: the bits of
   torch's conversion on the device, and the non-finite count of the values *written* (as documented);
+* the quantized wire formats (``check_quantized``, fp32 and fp64 data, a format and block per case
+  in rotation over the five formats and blocks 2 / 128 / 4096): pack with error feedback,
+  snapshot and stochastic rounding (an inf planted) and dequantize bit-identical to the
+  ``*_ref``, reduce_quantized over two rows bit-identical, and outer_merge_ / sparse_scatter_merge_
+  with a Quantized average bit-identical to the same backend's dense merge on the dequantized one;
 * then the registered ops on the device: opcheck, and (``--registration full``) one fullgraph
   compile against eager (bench/gpu_registration.py; the CPU suite runs both on the CPU only).
 
@@ -308,6 +313,74 @@ def check_norms(ctx: Ctx, n: int, dt, _wire, backends, gen) -> dict[str, str | N
     return per_backend(backends, one)
 
 
+QFMTS = tuple(lk.FORMATS)
+QBLOCKS = (2, 128, 4096)
+
+
+def check_quantized(ctx: Ctx, n: int, dt, _wire, backends, gen) -> dict[str, str | None]:
+    if n == 0:
+        return {b: None for b in backends}
+    turn = n + ctx.offset + (dt is F64)
+    fmt, block = QFMTS[turn % len(QFMTS)], QBLOCKS[turn % len(QBLOCKS)]
+    g, x, res = rand(n, dt, gen), rand(n, dt, gen), rand(n, dt, gen, 0.01)
+    if n >= 3:
+        g[n // 2] = float("inf")  # a non-finite block: NaN scale, zero codes, its residual kept
+    want_res = res.clone()
+    rc, rs, _, rnf = lk.pack_quantized_ref(g, x, fmt, block, residual=want_res, seed=5, round=2)
+    want_deq = lk.dequantize_ref(rc, rs, fmt, block, n, out_dtype=dt)
+    rows_c, rows_s = torch.stack([rc, rc.flip(0)]), torch.stack([rs, rs.flip(0)])
+    want_rc, want_rs = lk.reduce_quantized_ref(rows_c, rows_s, fmt, block, n, scale=0.5)
+    u, xs = rand(n, dt, gen, 0.1), x + rand(n, dt, gen, 0.05)
+    kw = MERGES[list(MERGES)[turn % len(MERGES)]]
+
+    def one(b: str) -> None:
+        st = Staged(ctx, g=g, x=x, res=res, snap=torch.zeros(n, dtype=dt), out=torch.zeros(n, dtype=dt))
+
+        def call(v):
+            c, s, _, nf = lk.pack_quantized(v["g"], v["x"], fmt, block, residual=v["res"],
+                                            snapshot_out=v["snap"], seed=5, round=2, backend=b)
+            lk.dequantize(c, s, fmt, block, n, out=v["out"], backend=b)
+            return dict(codes=c, scales=s, nonfinite=nf, residual=v["res"], snapshot=v["snap"],
+                        dequantize=v["out"])
+
+        out = st.run(call)
+        st.guards()
+        for name, want in (("codes", rc), ("scales", rs), ("nonfinite", rnf), ("residual", want_res),
+                           ("snapshot", x), ("dequantize", want_deq)):
+            identical(f"{fmt} block {block}: {name}", out[name], want)
+        red = lk.reduce_quantized(rows_c.to(ctx.dev), rows_s.to(ctx.dev), fmt, block, n, scale=0.5, backend=b)
+        identical(f"{fmt} reduce: codes", red[0], want_rc)
+        identical(f"{fmt} reduce: scales", red[1], want_rs)
+        q = lk.Quantized(rc.to(ctx.dev), rs.to(ctx.dev), fmt, block)
+        st2 = Staged(ctx, g=g, u=u, x=x, xs=xs, g2=g, u2=u, x2=x, d=want_deq)
+
+        def merges(v):
+            lk.outer_merge_(v["g"], v["u"], q, v["x"], v["xs"], backend=b, **kw)
+            lk.outer_merge_(v["g2"], v["u2"], v["d"], v["x2"], v["xs"], backend=b, **kw)
+            return {k: v[k] for k in ("g", "u", "x", "g2", "u2", "x2")}
+
+        got = st2.run(merges)
+        st2.guards()
+        for name in "gux":
+            identical(f"{fmt} outer_merge_ with a Quantized average: {name}", got[name], got[name + "2"])
+        k = n // 3
+        if k:
+            idx = torch.arange(0, 3 * k, 3, dtype=torch.int64)
+            kc, ks = rc[: lk.FORMATS[fmt].payload_bytes(k)], rs[: -(-k // block)]  # the first k values
+            qk = lk.Quantized(kc.to(ctx.dev), ks.to(ctx.dev), fmt, block)
+            st3 = Staged(ctx, x=x, x2=x, idx=idx, sent=xs[:k], avg=want_deq[:k])
+
+            def scatter(v):
+                lk.sparse_scatter_merge_(v["x"], v["idx"], qk, v["sent"], beta=0.5, backend=b)
+                lk.sparse_scatter_merge_(v["x2"], v["idx"], v["avg"], v["sent"], beta=0.5, backend=b)
+                return {"x": v["x"], "x2": v["x2"]}
+
+            got = st3.run(scatter)
+            identical(f"{fmt} sparse_scatter_merge_ with a Quantized average", got["x"], got["x2"])
+
+    return per_backend(backends, one)
+
+
 def check_mask(ctx: Ctx, n: int, _dt, _wire, backends, _gen) -> dict[str, str | None]:
     cases = [(k, s, r) for k in sorted({0, min(n, 1), n // 3, n // 100, n}) for s, r in ((0, 0), (1234, 7))]
     refs = {c: lk.mask_indices_ref(c[1], c[2], n, c[0], device="cpu") for c in cases}
@@ -489,7 +562,7 @@ def run(dev: torch.device, backends: list[str], sizes: tuple[int, ...], seed: in
         ctx, case = Ctx(dev, off, notes), f"n={n} {label} offset={off}"
         gen = torch.Generator().manual_seed(seed + 7919 * n + 31 * off + len(label))
         plan = [("pack", check_pack), ("outer_merge_", check_outer_merge), ("sparse", check_sparse)]
-        plan += [("fragment_norms", check_norms)] if low is dt else []
+        plan += [("fragment_norms", check_norms), ("quantized", check_quantized)] if low is dt else []
         plan += [("mask_indices", check_mask)] if (dt, low, off) == (F32, F32, 0) else []
         for op, check in plan:
             t0 = time.perf_counter()
