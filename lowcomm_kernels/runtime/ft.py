@@ -291,9 +291,18 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
                 f"{strategy.method}: this replica's configuration or model differs from the healthy "
                 "peer it heals from (every replica must run the same strategy knobs and model)"
             )
+        from .dense import DenseStrategy
+
+        dense = isinstance(strategy, DenseStrategy)
+        if not dense and sd["strategy"].get("step", 0) > 0:
+            raise NotImplementedError(
+                f"healing a {strategy.method} replica mid-run is not supported with manager= "
+                "(a LOSCAR replica can join only at the start)"
+            )
         strategy.load_state_dict(sd["strategy"])
-        with torch.no_grad():
-            strategy.frags.flat.copy_(strategy.to_model(strategy.g))
+        if dense:  # LOSCAR at step 0: every replica starts from its own (seeded) parameters
+            with torch.no_grad():
+                strategy.frags.flat.copy_(strategy.to_model(strategy.g))
         strategy._clear_inner_state(p for grp in strategy.frags.params for p in grp)
         strategy._ft_healed_at = strategy.step_count
         strategy.log.warning(

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo
 
-from lowcomm_kernels.runtime import DiLoCo, StreamingDiLoCo
+from lowcomm_kernels.runtime import LOSCAR, CoCoDC, DiLoCo, StreamingDiLoCo
 from lowcomm_kernels.runtime.base import tensor_hash
 
 
@@ -56,17 +56,23 @@ def main() -> None:
     common = dict(outer_lr=0.7, outer_momentum=0.9, manager=manager, num_replicas=a.replicas)
     if a.method == "diloco":
         strat = DiLoCo(model, opt, sync_every=5, **common)
+    elif a.method == "cocodc":
+        strat = CoCoDC(model, opt, sync_every=6, num_fragments=2, fragment_sync_delay=1, **common)
+    elif a.method == "loscar":
+        strat = LOSCAR(
+            model, opt, density=0.5, local_steps=5, overlap_steps=1, manager=manager, num_replicas=a.replicas
+        )
     else:
         strat = StreamingDiLoCo(model, opt, sync_every=6, num_fragments=2, fragment_sync_delay=1, **common)
     if a.fail_commit_at >= 0:  # a replica that reports an error in one round: nobody may apply it
-        orig = strat.transport.all_reduce
+        start_quorum = manager.start_quorum
 
-        def failing(*args, **kw):
+        def failing_quorum(*args, **kw):
+            start_quorum(*args, **kw)  # (a new quorum clears the manager's error: report it after)
             if strat.transport.rounds == a.fail_commit_at:
                 manager.report_error(RuntimeError("injected commit failure"))
-            return orig(*args, **kw)
 
-        strat.transport.all_reduce = failing
+        manager.start_quorum = failing_quorum
     gen = torch.Generator().manual_seed(100 + a.replica)
     w_true = torch.linspace(-1, 1, 8)
     if a.ready_file:
@@ -80,8 +86,9 @@ def main() -> None:
             loss.backward()
             opt.step()
             tr = strat.transport
+            g = getattr(strat, "g", strat.frags.flat)  # LOSCAR keeps no g: its parameters
             rec = {
-                "step": strat.step_count, "loss": loss.item(), "g": tensor_hash(strat.g),
+                "step": strat.step_count, "loss": loss.item(), "g": tensor_hash(g),
                 "failed": tr.failed_rounds, "rounds": tr.rounds, "pid": os.getpid(),
                 "participants": tr.participants[-1] if tr.participants else 0,
                 "skipped": strat.metrics.num_skipped, "applied": strat.applied_count,
