@@ -253,6 +253,23 @@ void for_chunks(int64_t n, F&& body) {
   }
 }
 
+// lc_outer_merge's element step (csrc/cpu/outer_merge.cpp merge_loop, the same kernels.h maths) over
+// one dequantized chunk: called per chunk inside the chunks' parallel region, with no call, dispatch
+// or nested parallel region per chunk.
+template <class T, class X, bool kMom, bool kNest, bool kFull>
+inline void merge_span(T* __restrict g, T* __restrict u, const T* __restrict d, X* __restrict x,
+                       const T* __restrict xs, int64_t n, const MergeCoef<T>& c) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    T ui = kMom ? u[i] : T(0);
+    const T gn = sgd_step<T, kMom, kNest>(g[i], ui, d[i], c.lr, c.mu);
+    g[i] = gn;
+    if (kMom) u[i] = ui;
+    x[i] = cast<X>(merge_x<T, kFull>(gn, cast<T>(x[i]), kFull ? xs[i] : T(0), c.beta, c.lam, c.alpha,
+                                     c.one_minus_alpha));
+  }
+}
+
 int check_fmt_block(const char* op, int fmt, int64_t block, QFmt& f) {
   if (!qfmt_of(fmt, f)) return fail(LC_EARG, op, "fmt = %d is not a format code (LC_Q_*)", fmt);
   if (block < 2 || (block & (block - 1)) != 0)
@@ -388,36 +405,53 @@ LOWCOMM_EXPORT int lc_outer_merge_quantized(int dtype, int fmt, void* g, void* u
   QFmt f;
   if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
   if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
-  if (n > 0 && (!codes || !scales)) return fail(LC_EARG, op, "%s is NULL", !codes ? "codes" : "scales");
+  if (n == 0) return LC_OK;
+  if (!codes || !scales) return fail(LC_EARG, op, "%s is NULL", !codes ? "codes" : "scales");
+  if (!g) return fail(LC_EARG, op, "g is NULL");
+  if (!x) return fail(LC_EARG, op, "x is NULL");
+  if (!u && momentum != 0.0) return fail(LC_EARG, op, "u is NULL while momentum = %g is non-zero", momentum);
+  if (!x_sent && (beta != 0.0 || lam != 0.0))
+    return fail(LC_EARG, op, "x_sent is NULL while it is read (beta or lam non-zero)");
   float table[256];
   fill_table(f, table);
   const auto* cp = static_cast<const uint8_t*>(codes);
   const auto* sp = static_cast<const float*>(scales);
-  int status = LC_OK;
-  const int rc = dispatch_data(op, dtype, [&](auto xt) {
+  // The normalized lambda from the sums in host memory, as lc_outer_merge forms it.
+  const double lam_eff = lam_sums ? lam_effective(lam, lam_sums[0], lam_sums[1]) : lam;
+  return dispatch_data(op, dtype, [&](auto xt) {
     using X = decltype(xt);
     using T = typename Master<X>::type;
-    const int avg_dtype = sizeof(T) == 8 ? LC_F64 : LC_F32;
-    for_chunks(n, [&](int64_t lo, int64_t hi) {
-      float buf[kChunk];
-      T wide[std::is_same<T, float>::value ? 1 : kChunk];
-      dequantize_span(f, table, cp, sp, block, lo, hi, buf);
-      const void* avg = buf;
-      if constexpr (!std::is_same<T, float>::value) {
-        for (int64_t i = 0; i < hi - lo; ++i) wide[i] = buf[i];
-        avg = wide;
-      }
-      const int r = lc_outer_merge(dtype, avg_dtype, static_cast<T*>(g) + lo, u ? static_cast<T*>(u) + lo : nullptr,
-                                   avg, static_cast<X*>(x) + lo,
-                                   x_sent ? static_cast<const T*>(x_sent) + lo : nullptr, hi - lo, lr, momentum,
-                                   nesterov, alpha, beta, lam, lam_sums);
-      if (r != LC_OK) {
-#pragma omp atomic write
-        status = r;
-      }
-    });
+    const MergeCoef<T> c = make_merge_coef<T>(lr, momentum, nesterov, alpha, beta, lam_eff);
+    T* gp = static_cast<T*>(g);
+    T* up = static_cast<T*>(u);
+    X* xp = static_cast<X*>(x);
+    const T* xs = static_cast<const T*>(x_sent);
+    auto run = [&](auto mom_c, auto nest_c, auto full_c) {
+      constexpr bool kMom = decltype(mom_c)::value, kNest = decltype(nest_c)::value,
+                     kFull = decltype(full_c)::value;
+      for_chunks(n, [&](int64_t lo, int64_t hi) {
+        float buf[kChunk];
+        T wide[std::is_same<T, float>::value ? 1 : kChunk];
+        dequantize_span(f, table, cp, sp, block, lo, hi, buf);
+        const T* avg = reinterpret_cast<const T*>(buf);
+        if constexpr (!std::is_same<T, float>::value) {
+          for (int64_t i = 0; i < hi - lo; ++i) wide[i] = buf[i];
+          avg = wide;
+        }
+        merge_span<T, X, kMom, kNest, kFull>(gp + lo, kMom ? up + lo : nullptr, avg, xp + lo,
+                                             kFull ? xs + lo : nullptr, hi - lo, c);
+      });
+    };
+    using Y = std::true_type;
+    using N = std::false_type;
+    auto by_full = [&](auto mom_c, auto nest_c) {
+      if (c.full) run(mom_c, nest_c, Y{});
+      else run(mom_c, nest_c, N{});
+    };
+    if (!c.momentum) by_full(N{}, N{});
+    else if (c.nesterov) by_full(Y{}, Y{});
+    else by_full(Y{}, N{});
   });
-  return rc != LC_OK ? rc : status;
 }
 
 LOWCOMM_EXPORT int lc_sparse_scatter_merge_quantized(int dtype, int fmt, void* x, const int64_t* idx, int64_t k,
