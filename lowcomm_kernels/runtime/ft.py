@@ -1,7 +1,7 @@
 """Fault tolerance on torchft: a ``torchft.Manager`` in place of a fixed process group.
 
-``DiLoCo(model, opt, ..., manager=manager, num_replicas=N)`` (likewise Streaming DiLoCo, CoCoDC and
-LOSCAR) runs every sync as one torchft *round* (``FTTransport.all_reduce``):
+``DiLoCo(model, opt, ..., manager=manager, num_replicas=N)`` (likewise Streaming DiLoCo and CoCoDC;
+LOSCAR is refused) runs every sync as one torchft *round* (``FTTransport.all_reduce``):
 
 1. ``manager.start_quorum()`` (synchronous quorum: ``Manager(use_async_quorum=False)``), so a replica
    that joins or returns is healed before any collective of the round;
@@ -34,8 +34,8 @@ replica receives these pending results in the state. So nothing is in flight acr
 the price is that communication is not overlapped with compute under ``manager=``.
 
 Not supported with ``manager=`` (refused with an error naming the argument): ``process_group``,
-``wan``, quantized wire formats, ``guard_every`` (they need a fixed group). Healing a LOSCAR replica
-mid-run is not implemented (a LOSCAR replica can join only at the start).
+``wan``, quantized wire formats, ``guard_every`` (they need a fixed group), and LOSCAR (it keeps
+no global copy to heal from, and a skipped round restarts ranks by a broadcast over a fixed group).
 """
 
 from __future__ import annotations
@@ -246,15 +246,14 @@ class FTTransport(Transport):
 def _replay(strategy: Any, t: int, tr: FTTransport) -> None:
     """The rest of step t as the healthy peers run it (``DenseStrategy._advance``), sent without
     contributing: the sends of step t not yet pending, then the results due."""
-    from .dense import DenseStrategy
-
-    if not isinstance(strategy, DenseStrategy):
-        raise NotImplementedError(
-            f"healing a {strategy.method} replica mid-run is not supported with manager= "
-            "(a LOSCAR replica can join only at the start)"
-        )
     sent = {pd.fragment for pd in strategy.pending if pd.send_step == t}
-    todo = [(p, r) for p, r in strategy._sends_at(t) if p not in sent]
+    last_send = getattr(strategy, "last_send", None)
+    if last_send is not None:
+        # CoCoDC: the peers chose (and recorded in the healed state) the fragments of step t before
+        # their state was read; choosing again would pick another one (its choice mutates state)
+        todo = [(p, "healed") for p in range(len(last_send)) if last_send[p] == t and p not in sent]
+    else:  # a pure function of t
+        todo = [(p, r) for p, r in strategy._sends_at(t) if p not in sent]
     tr.contribute = False
     try:
         for p, reason in todo:
@@ -268,7 +267,14 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
     """Replaces the fixed group's agreement (``Strategy._join_group``) under ``manager=``: refuse what
     needs a fixed group and register the strategy's state with the manager for healing."""
     from .agreement import _digest
+    from .dense import DenseStrategy
 
+    if not isinstance(strategy, DenseStrategy):
+        raise NotImplementedError(
+            f"manager=: {strategy.method} is not supported yet under torchft (LOSCAR keeps no global "
+            "copy to heal from, and its skipped rounds restart ranks over a fixed group); use "
+            "DiLoCo, StreamingDiLoCo or CoCoDC, or a fixed process_group"
+        )
     if strategy.wire.quant is not None:
         raise ValueError(
             f"wire_dtype: the quantized wire format {strategy.wire.name!r} uses a process group of its "
@@ -291,18 +297,9 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
                 f"{strategy.method}: this replica's configuration or model differs from the healthy "
                 "peer it heals from (every replica must run the same strategy knobs and model)"
             )
-        from .dense import DenseStrategy
-
-        dense = isinstance(strategy, DenseStrategy)
-        if not dense and sd["strategy"].get("step", 0) > 0:
-            raise NotImplementedError(
-                f"healing a {strategy.method} replica mid-run is not supported with manager= "
-                "(a LOSCAR replica can join only at the start)"
-            )
         strategy.load_state_dict(sd["strategy"])
-        if dense:  # LOSCAR at step 0: every replica starts from its own (seeded) parameters
-            with torch.no_grad():
-                strategy.frags.flat.copy_(strategy.to_model(strategy.g))
+        with torch.no_grad():
+            strategy.frags.flat.copy_(strategy.to_model(strategy.g))
         strategy._clear_inner_state(p for grp in strategy.frags.params for p in grp)
         strategy._ft_healed_at = strategy.step_count
         strategy.log.warning(

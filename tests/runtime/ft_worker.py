@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo
 
-from lowcomm_kernels.runtime import LOSCAR, CoCoDC, DiLoCo, StreamingDiLoCo
+from lowcomm_kernels.runtime import CoCoDC, DiLoCo, StreamingDiLoCo
 from lowcomm_kernels.runtime.base import tensor_hash
 
 
@@ -58,10 +58,6 @@ def main() -> None:
         strat = DiLoCo(model, opt, sync_every=5, **common)
     elif a.method == "cocodc":
         strat = CoCoDC(model, opt, sync_every=6, num_fragments=2, fragment_sync_delay=1, **common)
-    elif a.method == "loscar":
-        strat = LOSCAR(
-            model, opt, density=0.5, local_steps=5, overlap_steps=1, manager=manager, num_replicas=a.replicas
-        )
     else:
         strat = StreamingDiLoCo(model, opt, sync_every=6, num_fragments=2, fragment_sync_delay=1, **common)
     if a.fail_commit_at >= 0:  # a replica that reports an error in one round: nobody may apply it
@@ -86,9 +82,8 @@ def main() -> None:
             loss.backward()
             opt.step()
             tr = strat.transport
-            g = getattr(strat, "g", strat.frags.flat)  # LOSCAR keeps no g: its parameters
             rec = {
-                "step": strat.step_count, "loss": loss.item(), "g": tensor_hash(g),
+                "step": strat.step_count, "loss": loss.item(), "g": tensor_hash(strat.g),
                 "failed": tr.failed_rounds, "rounds": tr.rounds, "pid": os.getpid(),
                 "participants": tr.participants[-1] if tr.participants else 0,
                 "skipped": strat.metrics.num_skipped, "applied": strat.applied_count,

@@ -67,7 +67,8 @@ def _last(recs: list[dict]) -> dict[int, dict]:
     return by_step
 
 
-def test_kill_then_heal(lighthouse, tmp_path):
+@pytest.mark.parametrize("method", ["diloco", "streaming", "cocodc"])
+def test_kill_then_heal(lighthouse, tmp_path, method):
     """3 replicas; SIGKILL one mid-run: the others go on (loss decreasing, no hang); restarted, it
     heals and then holds exactly the others' g at every step."""
     steps, hold = 100, 50
@@ -75,7 +76,18 @@ def test_kill_then_heal(lighthouse, tmp_path):
     # the survivors pause after step `hold` until the restarted replica is up (a slow restart must
     # not find them finished); they train through the outage before that
     procs = [
-        _start(lighthouse, i, tmp_path, steps, "--hold-at", str(hold), "--hold-for", str(ready))
+        _start(
+            lighthouse,
+            i,
+            tmp_path,
+            steps,
+            "--method",
+            method,
+            "--hold-at",
+            str(hold),
+            "--hold-for",
+            str(ready),
+        )
         for i in range(3)
     ]
     _wait_step(tmp_path, 2, 12)
@@ -84,7 +96,7 @@ def test_kill_then_heal(lighthouse, tmp_path):
     killed_at = _records(tmp_path, 2)[-1]["step"]
     _wait_step(tmp_path, 0, hold)
     # it stops at step 80, before the others (a replica alone would wait for a quorum of two)
-    procs[2] = _start(lighthouse, 2, tmp_path, 80, "--ready-file", str(ready))
+    procs[2] = _start(lighthouse, 2, tmp_path, 80, "--method", method, "--ready-file", str(ready))
     _finish(procs)
     r0, r1, r2 = (_last(_records(tmp_path, i)) for i in range(3))
     # the survivors trained through the failure: every step recorded, same g, loss went down
@@ -119,7 +131,7 @@ def test_stopped_replica_is_dropped(lighthouse, tmp_path):
     r0 = _last(_records(tmp_path, 0))
     later = [r0[s]["participants"] for s in r0 if s > stopped_at + 10]
     assert later and later[-1] == 2
-    assert r0[steps]["loss"] < r0[1]["loss"]
+    assert r0[steps]["loss"] < r0[min(r0)]["loss"]  # (a late starter has no records before its heal)
 
 
 def test_commit_failure_applies_nowhere(lighthouse, tmp_path):
