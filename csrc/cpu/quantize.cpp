@@ -50,18 +50,30 @@ LC_HD float to_f32(X v) { return cast<float>(v); }
 // kEncodeSpan nibbles, packed two per byte afterwards.
 constexpr int64_t kEncodeSpan = 4096;
 
+// The operands are local restrict pointers: `out` is a char type, which may alias anything, so with
+// src's fields read through the reference every store would force them to be reloaded. In error
+// feedback the residual is read and written through `res` (src.r is the same buffer).
 template <class T, class X, bool kPack, bool kRes>
-inline void encode_int_span(float qmax, const Source<T, X, kPack, kRes>& src, T* __restrict res, int64_t lo,
-                            int64_t hi, float s, int8_t* __restrict out) {
+inline void encode_int_span(float qmax, const Source<T, X, kPack, kRes>& src, T* res, int64_t lo, int64_t hi,
+                            float s, int8_t* __restrict out) {
+  const T* __restrict g = src.g;
+  const X* __restrict x = src.x;
+  T* __restrict r = res;
   for (int64_t i = lo; i < hi; ++i) {
-    const T e = src.at(i);
+    T e;
+    if constexpr (kPack) {
+      e = g[i] - cast<T>(x[i]);
+      if constexpr (kRes) e = e + r[i];
+    } else {
+      e = cast<T>(x[i]);
+    }
     const float q = to_f32(e) / s;
     float m = fabsf(q);
     m = m < qmax ? m : qmax;
     const int c = static_cast<int>(rintf(m));
     const int v = q < 0.0f ? -c : c;
     out[i - lo] = static_cast<int8_t>(v);
-    if constexpr (kRes) res[i] = e - static_cast<T>(static_cast<float>(v) * s);
+    if constexpr (kRes) r[i] = e - static_cast<T>(static_cast<float>(v) * s);
   }
 }
 
@@ -95,15 +107,15 @@ int64_t quantize_blocks(const QFmt& f, const Source<T, X, kPack, kRes>& src, con
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lo = b * block, hi = lo + block < n ? lo + block : n;
     uint32_t amax = 0;
-    int64_t blk_bad = 0;
     for (int64_t i = lo; i < hi; ++i) {
       const float w = to_f32(src.at(i));
       const uint32_t a = f32_bits(w) & 0x7FFFFFFFu;
       amax = a > amax ? a : amax;
-      blk_bad += a >= 0x7F800000u ? 1 : 0;
       if constexpr (kSnap) snap[i] = cast<T>(x[i]);
     }
-    bad += blk_bad;
+    if (amax >= 0x7F800000u) {  // a non-finite block (rare): count its inf / NaN values
+      for (int64_t i = lo; i < hi; ++i) bad += (f32_bits(to_f32(src.at(i))) & 0x7FFFFFFFu) >= 0x7F800000u ? 1 : 0;
+    }
     const float s = q_scale(f, amax);
     scales[b] = s;
     const bool ok = q_scale_ok(s);
