@@ -112,31 +112,41 @@ STUDIES: dict[str, Callable[[TrainSpec], list[tuple[str, TrainSpec]]]] = {
 }
 
 
-def wire_table(labels: list[str], results: list[RunResult], target: float) -> str:
-    """Markdown for the wire study: loss and bytes, against the fp32 configuration of each method."""
-    lines = [
+def _cell(values: list, fmt: str = "{:.4f}") -> str:
+    """'mean ± std' over the seeds' values that exist (None: the run never got there), or n/a."""
+    m, s = mean_std([v for v in values if v is not None])
+    return "n/a" if math.isnan(m) else f"{fmt.format(m)} ± {fmt.format(s)}"
+
+
+def _table_head(target: float, columns: list[str]) -> list[str]:
+    """A study table's first lines: the target, then the header of configuration, seeds, final
+    val loss and `columns`."""
+    head = ["configuration", "seeds", "final val loss", *columns]
+    return [
         f"target validation loss {target:.4f} (the lowest loss every run reached)",
         "",
-        "| configuration | seeds | final val loss | bytes/worker to target (MB) | bytes sent/worker (MB) "
-        "| fp32 bytes / these |",
-        "|---|---|---|---|---|---|",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
     ]
+
+
+def wire_table(labels: list[str], results: list[RunResult], target: float) -> str:
+    """Markdown for the wire study: loss and bytes, against the fp32 configuration of each method."""
+    lines = _table_head(
+        target, ["bytes/worker to target (MB)", "bytes sent/worker (MB)", "fp32 bytes / these"]
+    )
     for label in labels:
         runs = [r for r in results if r.name == label]
         ref_label = label.rsplit(" ", 1)[0] + " fp32"
         ref = [r.bytes_sent for r in results if r.name == ref_label]
 
-        def ms(values: list, fmt: str = "{:.4f}") -> str:
-            m, s = mean_std([v for v in values if v is not None])
-            return "n/a" if math.isnan(m) else f"{fmt.format(m)} ± {fmt.format(s)}"
-
         hits = [r.first_reaching(target) for r in runs]
         sent = [r.bytes_sent for r in runs]
         ratio = sum(ref) / sum(sent) if ref and sum(sent) else float("nan")
         lines.append(
-            f"| {label} | {len(runs)} | {ms([r.final_loss for r in runs])} | "
-            f"{ms([h.bytes_sent / 1e6 if h else None for h in hits], '{:.3f}')} | "
-            f"{ms([b / 1e6 for b in sent], '{:.3f}')} | {ratio:.2f}x |"
+            f"| {label} | {len(runs)} | {_cell([r.final_loss for r in runs])} | "
+            f"{_cell([h.bytes_sent / 1e6 if h else None for h in hits], '{:.3f}')} | "
+            f"{_cell([b / 1e6 for b in sent], '{:.3f}')} | {ratio:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -202,19 +212,18 @@ def run_resumable(
 
 def study_table(name: str, labels: list[str], results: list[RunResult], target: float) -> str:
     """Markdown: per configuration, mean +- std over seeds of the headline numbers."""
-    lines = [
-        f"target validation loss {target:.4f} (the lowest loss every run reached)",
-        "",
-        "| configuration | seeds | final val loss | steps to target | wall-clock to target (s) | syncs "
-        "| bytes sent/worker (MB) | exposed comm (s) |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    lines = _table_head(
+        target,
+        [
+            "steps to target",
+            "wall-clock to target (s)",
+            "syncs",
+            "bytes sent/worker (MB)",
+            "exposed comm (s)",
+        ],
+    )
     for label in labels:
         runs = [r for r in results if r.name == label]
-
-        def ms(values: list, fmt: str = "{:.4f}") -> str:
-            m, s = mean_std([v for v in values if v is not None])
-            return "n/a" if math.isnan(m) else f"{fmt.format(m)} ± {fmt.format(s)}"
 
         hits = [r.first_reaching(target) for r in runs]
         lines.append(
@@ -223,12 +232,12 @@ def study_table(name: str, labels: list[str], results: list[RunResult], target: 
                 [
                     label,
                     str(len(runs)),
-                    ms([r.final_loss for r in runs]),
-                    ms([h.step if h else None for h in hits], "{:.0f}"),
-                    ms([h.wall_s if h else None for h in hits], "{:.1f}"),
-                    ms([float(r.syncs) for r in runs], "{:.0f}"),
-                    ms([r.bytes_sent / 1e6 for r in runs], "{:.2f}"),
-                    ms([r.exposed_s for r in runs], "{:.2f}"),
+                    _cell([r.final_loss for r in runs]),
+                    _cell([h.step if h else None for h in hits], "{:.0f}"),
+                    _cell([h.wall_s if h else None for h in hits], "{:.1f}"),
+                    _cell([float(r.syncs) for r in runs], "{:.0f}"),
+                    _cell([r.bytes_sent / 1e6 for r in runs], "{:.2f}"),
+                    _cell([r.exposed_s for r in runs], "{:.2f}"),
                 ]
             )
             + " |"
