@@ -143,6 +143,7 @@ class FTTransport(Transport):
         self._cuda = False  # torchft's process group orders its own streams
         self._side = None
         self.joined = False
+        self.healed_at: int | None = None  # the step a heal in the current join loaded
         self._open_round = False  # a quorum whose collectives the next all_reduce runs (join)
         self.contribute = True
         self.rounds = 0
@@ -226,10 +227,10 @@ class FTTransport(Transport):
         """At the first hook: one quorum round. A replica that is behind is healed in it (its
         ``load_state_dict`` runs inside ``start_quorum``) and then replays the peers' current step."""
         for _ in range(JOIN_ATTEMPTS):
-            strategy._ft_healed_at = None
+            self.healed_at = None
             self.manager.start_quorum()
             self._open_round = True
-            healed = strategy._ft_healed_at
+            healed = self.healed_at
             if healed is not None and healed > 0:
                 _replay(strategy, healed, self)  # runs the open round and the rest of step `healed`
             ok = True
@@ -284,15 +285,16 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
         raise ValueError("guard_every: the consistency guard needs a fixed process group (not with manager=)")
     fields = dict(fields)
     fields.pop("process group size", None)
-    strategy._ft_digest = _digest(fields)
-    strategy._ft_healed_at = None
+    digest = _digest(fields)
+    tr = strategy.transport
+    assert isinstance(tr, FTTransport)
     manager = strategy.manager
 
     def state_dict() -> dict[str, Any]:
-        return {"digest": strategy._ft_digest, "strategy": strategy.state_dict()}
+        return {"digest": digest, "strategy": strategy.state_dict()}
 
     def load_state_dict(sd: dict[str, Any]) -> None:
-        if sd.get("digest") != strategy._ft_digest:
+        if sd.get("digest") != digest:
             raise ValueError(
                 f"{strategy.method}: this replica's configuration or model differs from the healthy "
                 "peer it heals from (every replica must run the same strategy knobs and model)"
@@ -301,7 +303,7 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
         with torch.no_grad():
             strategy.frags.flat.copy_(strategy.to_model(strategy.g))
         strategy._clear_inner_state(p for grp in strategy.frags.params for p in grp)
-        strategy._ft_healed_at = strategy.step_count
+        tr.healed_at = strategy.step_count
         strategy.log.warning(
             f"healed from a peer at step {strategy.step_count}: parameters set to the global, "
             "inner-optimizer state cleared"
