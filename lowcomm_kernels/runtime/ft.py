@@ -160,14 +160,11 @@ class FTTransport(Transport):
             "hold the same state by healing (runtime.ft)"
         )
 
+    # Transport.all_reduce's signature
     def all_reduce(
-        self,
-        tensors: list[torch.Tensor],
-        *,
-        name: str,
-        payload_bytes: int | None = None,
-        host: torch.Tensor | None = None,
-    ) -> Handle:
+        self, tensors: list[torch.Tensor], *, name: str,
+        payload_bytes: int | None = None, host: torch.Tensor | None = None,
+    ) -> Handle:  # fmt: skip
         from torch.distributed import ReduceOp
 
         from .base import Strategy

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib
 import itertools
 import multiprocessing
@@ -137,6 +138,15 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
 
     def full_or(quick_list: list, *axes: Any) -> list:
         return quick_list if quick else list(itertools.product(*axes))
+
+    def scatter_merge(x_dt, avg_dt, sent_dt, k: int, align: str) -> None:
+        idx = _tensor(k, torch.int64, "out", align)
+        x, avg, sent = (
+            _tensor(k, x_dt, "view", align),
+            _tensor(k, avg_dt, "out", align),
+            _tensor(k, sent_dt, "out", align),
+        )
+        sparse.launch_sparse_scatter_merge(x, idx, avg, sent, 0.7)
 
     # pack(g, x, delta, snapshot, nonfinite)
     for (dt, wire), snap, size, align in full_or(
@@ -261,16 +271,10 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
     ):
         k = SIZES[size]
 
-        def call(dt=dt, avg=avg, k=k, align=align):
-            sparse.launch_sparse_scatter_merge(
-                _tensor(k, dt, "view", align),
-                _tensor(k, torch.int64, "out", align),
-                _tensor(k, avg, "out", align),
-                _tensor(k, dt, "out", align),
-                0.7,
-            )
-
-        yield f"sparse_scatter_merge {name[dt]} avg={name[avg]} k={size} {align}", call
+        yield (
+            f"sparse_scatter_merge {name[dt]} avg={name[avg]} k={size} {align}",
+            functools.partial(scatter_merge, dt, avg, dt, k, align),
+        )
 
     # fragment_norms(buf, offsets, ord, out, programs=): P = 1 (one launch), else two
     for dt, ord_, programs, align in full_or(
@@ -374,16 +378,10 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
     for xdt, wire, (size, align) in full_or([(x, f32, at[0]) for x in low], low, wires, at):
         k = SIZES[size]
 
-        def call(xdt=xdt, wire=wire, k=k, align=align):
-            sparse.launch_sparse_scatter_merge(
-                _tensor(k, xdt, "view", align),
-                _tensor(k, torch.int64, "out", align),
-                _tensor(k, wire, "out", align),
-                _tensor(k, f32, "out", align),
-                0.7,
-            )
-
-        yield f"sparse_scatter_merge x={low[xdt]} avg={name[wire]} k={size} {align}", call
+        yield (
+            f"sparse_scatter_merge x={low[xdt]} avg={name[wire]} k={size} {align}",
+            functools.partial(scatter_merge, xdt, wire, f32, k, align),
+        )
     for xdt in low:
 
         def call(xdt=xdt):
