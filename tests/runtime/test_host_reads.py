@@ -42,6 +42,10 @@ ALLOWED = {  # (module, function) -> why a host read is fine there
     ("agreement", "agree"): "construction",
     ("launch", "*"): "the local process launcher (tests, benchmarks)",
     ("topology", "*"): "construction of process groups",
+    ("compression", "_job_finished"): "bool() of Event.query(), a host flag: no device value is read",
+    ("ft", "all_reduce"): "a torchft round blocks by design (it waits for its collectives and "
+    "should_commit), so reading its control vector waits for nothing more",
+    ("ft", "join"): "the first quorum round, at the first step",
 }
 
 
