@@ -188,8 +188,9 @@ def _study_names() -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from .train import commands
+    from .train import commands, provenance
 
+    provenance.begin(None if argv is None else list(argv))  # results files record the command from here
     try:
         return commands.dispatch(build_parser().parse_args(argv))
     except argparse.ArgumentError as exc:  # a flag's value: "--latency-ms must be >= 0, got -1"

@@ -8,32 +8,18 @@ process is spawned, so the user sees one line and exit code 2; failures during a
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import torch
-
-from . import presets
+from . import presets, provenance
 from .args import out_dir, parse_methods, spec_from_args, with_tensorboard
 from .corpus import Corpus, CorpusError, load_corpus
 from .errors import UsageError
 from .extras import check_cli_extras
 from .report import RunResult, auto_target, comparison_rows, format_table, plot_curves, write_json
 from .spec import TrainSpec
-
-
-def environment() -> dict:
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
 
 
 def load_checked_corpus(data: str | None, specs: list[TrainSpec]) -> Corpus:
@@ -88,7 +74,7 @@ def run_and_report(
             "rows": comparison_rows(results, tgt),
             "runs": [r.to_dict() for r in results],
             "elapsed_s": elapsed,
-            "environment": environment(),
+            "provenance": provenance.collect(),
         },
     )
     (out / "table.md").write_text(f"# {title}\n\n{corpus.describe()}\n\n{table}\n")

@@ -313,7 +313,7 @@ def plot(results: list[dict], path: Path) -> None:
 def run_logreg_compare(args: argparse.Namespace) -> int:
     from ..runtime.launch import WorkerError
     from .args import out_dir
-    from .commands import environment
+    from .provenance import collect
     from .report import write_json
     from .runner import report_failure
 
@@ -346,7 +346,7 @@ def run_logreg_compare(args: argparse.Namespace) -> int:
             "speeds": SPEEDS,
             "runs": results,
             "elapsed_s": time.perf_counter() - t0,
-            "environment": environment(),
+            "provenance": collect(),
         },
     )
     plot(results, out / "logreg_gap_vs_round.png")

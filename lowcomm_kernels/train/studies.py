@@ -282,9 +282,10 @@ def study_plot(name: str, labels: list[str], results: list[RunResult], path: Pat
 def run_study(args: argparse.Namespace) -> int:
     from ..runtime.launch import WorkerError
     from .args import out_dir, spec_from_args, usage_error
-    from .commands import environment, load_checked_corpus
+    from .commands import load_checked_corpus
     from .errors import SpecError, UsageError
     from .presets import LM, STUDY_SEEDS
+    from .provenance import collect
     from .report import write_json
     from .runner import report_failure
 
@@ -340,7 +341,7 @@ def run_study(args: argparse.Namespace) -> int:
             "target_val_loss": target,
             "runs": [r.to_dict() for r in results],
             "elapsed_s": time.perf_counter() - t0,
-            "environment": environment(),
+            "provenance": collect(),
         },
     )
     print(f"\n{header}\n\n{table}")

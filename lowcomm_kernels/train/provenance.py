@@ -1,0 +1,202 @@
+"""Where a result came from: the one function that writes the ``provenance`` of every results.json.
+
+A results file records the code (git revision of the package's checkout, whether it had changes and
+which tracked files), the command line, the versions of the package and of the libraries it runs
+on, the machine, and how loaded the machine was while the command ran (load average at the start
+and at the end, CPU seconds of this process and of the worker processes it waited for). On this
+project's shared machines the load decides the wall-clock columns, so a table without it cannot be
+read.
+
+Every field that cannot be known is ``None`` (no git, not a checkout, no ``/proc/cpuinfo``, a
+library not installed); collecting never fails and never prints.
+
+Usage: :func:`begin` at the start of a command (the CLI's dispatch calls it), :func:`collect` when
+the results are written.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+# Libraries whose versions decide the numbers (None when not installed). Read from the installed
+# distributions' metadata, so nothing is imported.
+LIBRARIES = ("torch", "numpy", "torchft", "triton")
+MAX_MODIFIED = 20  # modified tracked files listed by name; the count is always complete
+GIT_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Start:
+    """What is measured when a command starts."""
+
+    utc: str
+    loadavg: list[float] | None
+    cpu_s: float  # this process + waited-for children, user + system
+    argv: list[str] = field(default_factory=lambda: list(sys.argv))
+    wall: float = field(default_factory=time.perf_counter)
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (OSError, AttributeError):  # not on every platform
+        return None
+
+
+def _cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def _utc() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def start(argv: list[str] | None = None) -> Start:
+    """A snapshot taken now. ``argv``: the command's arguments after the program name when they are
+    not ``sys.argv`` (``lowcomm_kernels.cli.main(argv)`` called from Python)."""
+    line = list(sys.argv) if argv is None else ["lowcomm", *argv]
+    return Start(utc=_utc(), loadavg=_loadavg(), cpu_s=_cpu_s(), argv=line)
+
+
+_SESSION: Start | None = None
+
+
+def begin(argv: list[str] | None = None) -> Start:
+    """Mark the start of this command (command line, load average, CPU time, wall clock);
+    :func:`collect` measures from here. Calling it again restarts the measurement."""
+    global _SESSION
+    _SESSION = start(argv)
+    return _SESSION
+
+
+def _command_line(argv: list[str]) -> str | None:
+    """The command as a user would type it again: the console script's path shortened to its name."""
+    if not argv:
+        return None
+    prog = Path(argv[0]).name
+    head = "lowcomm" if prog in ("lowcomm", "cli.py") else argv[0]
+    return shlex.join([head, *argv[1:]])
+
+
+def package_root() -> Path:
+    """The folder above the ``lowcomm_kernels`` package: a source checkout's root when installed
+    editable or run from a clone, site-packages otherwise."""
+    return Path(__file__).resolve().parents[2]
+
+
+def _git(repo: Path, *args: str) -> str | None:
+    env = dict(os.environ, GIT_OPTIONAL_LOCKS="0", LC_ALL="C")  # read-only: never take index.lock
+    try:
+        proc = subprocess.run(
+            ["git", "-C", str(repo), *args],
+            capture_output=True,
+            text=True,
+            timeout=GIT_TIMEOUT_S,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.SubprocessError):  # no git binary, a hung filesystem
+        return None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def git_info(repo: Path | None = None) -> dict:
+    """{revision, dirty, modified (at most MAX_MODIFIED names), modified_count} of ``repo`` (default:
+    the package's checkout). All None when ``repo`` is not the top of a git work tree: a package
+    installed in a virtual environment that sits inside some other checkout is not that checkout's
+    code."""
+    repo = (repo or package_root()).resolve()
+    none = {"revision": None, "dirty": None, "modified": None, "modified_count": None}
+    top = _git(repo, "rev-parse", "--show-toplevel")
+    if top is None or Path(top.strip()).resolve() != repo:
+        return none
+    rev = _git(repo, "rev-parse", "HEAD")
+    status = _git(repo, "status", "--porcelain", "--untracked-files=no")
+    if rev is None or status is None:  # a repository with no commit yet
+        return none
+    modified = [line[3:] for line in status.splitlines() if line.strip()]
+    return {
+        "revision": rev.strip(),
+        "dirty": bool(modified),
+        "modified": modified[:MAX_MODIFIED],
+        "modified_count": len(modified),
+    }
+
+
+def library_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def package_version() -> str | None:
+    try:
+        return metadata.version("lowcomm-kernels")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        from .. import __version__
+
+        return __version__
+
+
+def cpu_model() -> str | None:
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return platform.processor() or None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("model name", "Model", "cpu model"):
+            return value.strip() or None
+    return platform.processor() or None
+
+
+def machine() -> dict:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = None
+    return {
+        "platform": platform.platform(),
+        "arch": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "cpu_model": cpu_model(),
+    }
+
+
+def collect(since: Start | None = None, *, repo: Path | None = None) -> dict:
+    """The ``provenance`` record of a results file, measured from ``since`` (default: the
+    :func:`begin` of this command, else now). ``repo``: the checkout to describe (default: the
+    package's own)."""
+    first = since or _SESSION or start()
+    load_end = _loadavg()
+    return {
+        "git": git_info(repo),
+        "argv": first.argv,
+        "command": _command_line(first.argv),
+        "package_version": package_version(),
+        "versions": library_versions(),
+        "machine": machine(),
+        "started_utc": first.utc,
+        "finished_utc": _utc(),
+        "load": {
+            "loadavg_start": first.loadavg,
+            "loadavg_end": load_end,
+            "cpu_s": round(_cpu_s() - first.cpu_s, 3),
+            "wall_s": round(time.perf_counter() - first.wall, 3),
+        },
+    }
