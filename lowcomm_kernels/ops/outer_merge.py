@@ -114,6 +114,55 @@ def outer_merge_ref(
     x_out.copy_((1.0 - alpha) * target + alpha * x)  # into a bf16 / fp16 x: round to nearest even, once
 
 
+TAYLOR_CONTROLS = ("none", "flip", "random")  # controls of the Taylor term (outer_merge_control_ref)
+
+
+def outer_merge_control_ref(
+    g: torch.Tensor, u: torch.Tensor, delta_avg: torch.Tensor, x: torch.Tensor, x_sent: torch.Tensor, *,
+    lr: float, momentum: float = 0.0, nesterov: bool = True, alpha: float = 0.0, beta: float = 1.0,
+    lam: float = 0.0, lam_mode: str = "absolute", control: str = "none",
+    direction: torch.Tensor | None = None,
+) -> None:  # fmt: skip
+    """Controls that isolate the Taylor term c = λ_eff·v⊙v⊙D (v = x − x_sent, D = g_new − x_sent,
+    λ_eff as in ``outer_merge_ref``). A slow path in plain torch, for experiments, not a fused op:
+
+        none:   x <- (1−α)·(g_new + β·v − c) + α·x              (exactly ``outer_merge_ref``)
+        flip:   x <- (1−α)·(g_new + β·v + c) + α·x              (the correction's sign reversed)
+        random: x <- (1−α)·(g_new + β·v − ‖c‖₂·r/‖r‖₂) + α·x    (r = ``direction``: a correction
+                of the same norm in a direction unrelated to v and D; 0 when ‖r‖₂ = 0)
+
+    The outer step on (g, u) is the same as ``outer_merge_``'s. In place on g, u, x; the norms are
+    float64. Raises ValueError naming ``control`` or ``direction`` before anything is written."""
+    if control not in TAYLOR_CONTROLS:
+        raise ValueError(f"control must be one of {TAYLOR_CONTROLS}, got {control!r}")
+    if lam_mode not in LAM_MODES:
+        raise ValueError(f"lam_mode must be one of {LAM_MODES}, got {lam_mode!r}")
+    if control == "random" and (not isinstance(direction, torch.Tensor) or direction.numel() != g.numel()):
+        raise ValueError(f"direction must be a tensor of g's numel ({g.numel()}) when control='random'")
+    if control == "none":
+        step = {"lr": lr, "momentum": momentum, "nesterov": nesterov}
+        return outer_merge_ref(
+            g, u, delta_avg, x, x_sent, **step, alpha=alpha, beta=beta, lam=lam, lam_mode=lam_mode
+        )
+    if lam_mode == "normalized" and lam != 0.0:
+        lam = lam_effective(
+            lam, taylor_norms_ref(g, u, delta_avg, x, x_sent, lr=lr, momentum=momentum, nesterov=nesterov)
+        )
+    outer_step_ref(g, u, delta_avg, lr=lr, momentum=momentum, nesterov=nesterov)
+    g, x_out, x_sent = g.view(-1), x.view(-1), x_sent.reshape(-1)
+    x = x_out.to(g.dtype)
+    v = x - x_sent
+    corr = lam * v * v * (g - x_sent)
+    if control == "flip":
+        target = g + beta * v + corr
+    else:
+        r = direction.reshape(-1).to(device=g.device, dtype=torch.float64)
+        r_norm = float(torch.linalg.vector_norm(r))
+        scale = 0.0 if r_norm == 0.0 else float(torch.linalg.vector_norm(corr.double())) / r_norm
+        target = g + beta * v - (r * scale).to(g.dtype)
+    x_out.copy_((1.0 - alpha) * target + alpha * x)
+
+
 # ---- launchers (n >= 1, checked arguments) ------------------------------------------------------
 # taylor_norms: the two float64 sums into `out` (2,), zeroed, read-only otherwise. outer_merge: in
 # place on g, u, x; `lam_sums` None: λ is absolute; else the float64 (2,) tensor of taylor_norms on

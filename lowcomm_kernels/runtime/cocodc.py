@@ -1,22 +1,35 @@
 """CoCoDC (Zhu et al. 2025): Streaming DiLoCo + Taylor delay compensation + adaptive transmission.
 
 Merge (β = 1, λ): x ← g_new + v − λ_eff·v⊙v⊙D with v = x_now − x_sent, D = g_new − x_sent
-(``lam_mode="normalized"``: λ_eff = λ·‖v‖/‖v⊙v⊙D‖ per fragment; done inside ``outer_merge_``).
+(``lam_mode="normalized"``: λ_eff = λ·‖v‖/‖v⊙v⊙D‖ per fragment, done inside ``outer_merge_``;
+``"normalized_tensor"``: one λ_eff per parameter tensor of the fragment, as the reference code
+normalizes: one ``outer_merge_`` per tensor, each a contiguous slice; ``"absolute"``: λ as given).
+Controls of the Taylor term (``taylor_control``; slow paths through ``outer_merge_control_ref``):
+``"flip"`` adds the correction instead of subtracting it; ``"random"`` replaces it by a random
+direction of the same norm (standard normal, seeded by ``control_seed``, the fragment and the send
+step, so every rank draws the same). β = 1 with λ = 0 (local progress only) is ``lam=0``.
 
 Send slots: N syncs per period of H steps. Period P covers steps P·H+1 .. (P+1)·H; with s = t − P·H
 a slot falls after step t when ⌊s·N/H⌋ > ⌊(s−1)·N/H⌋ (N evenly spaced slots, the last at s = H).
-N is fixed per period: ``syncs_per_period=int``, or "auto": N = clamp(⌊γ·H·T_c/T_s⌋, K, ⌊H/τ⌋) from
-T_c (inner step) and T_s (fragment sync in flight) measured on every rank and averaged through the
-control all-reduce, so every rank computes the same N (N = K until a measurement has arrived).
+N is fixed per period: ``syncs_per_period=int``, or "auto": N = clamp(⌊γ·H·T_c/T_s⌋, K, ⌊H/τ⌋).
+``timing="emulated"`` (the default when a link model is known: ``timing_link``, else the emulated
+``wan``): T_c = ``step_time_s`` and T_s = latency + ring all-reduce wire bytes of the mean fragment
+/ bandwidth (the emulated link's own model), so N depends on the configuration only and a seeded run
+is reproducible. ``timing="measured"`` (the default without either): T_c (inner step) and T_s
+(fragment sync in flight) measured on every rank and averaged through the control all-reduce, so
+every rank computes the same N (N = K until a measurement has arrived). ``n_history`` holds the N
+of every period.
 
 Which fragment at a slot, among those not in flight: (1) stale: last sent ≥ H steps ago, oldest
 first; (2) never sent, lowest index; (3) argmax_p R_p, ties to the lowest index. Scores:
 ``l2_global``: R_p = ‖Δ̄_p‖₂ / I_p from the averaged pseudo-gradient of p's last sync, I_p = steps
-that sync covered (send step − previous send step of p); ``l1_local``: R_p = Σ_ranks ‖g_p − x_p‖₁,
-measured at each send for every fragment and all-reduced beside that sync. Both come from values
-identical on every rank, so every rank picks the same fragment. ``round_robin`` (for matched-sync
-studies: delay compensation without adaptive selection) replaces (2)-(3) by a fixed cycle 0, 1, .., K−1,
-0, .. that skips fragments in flight; rule (1) still comes first.
+that sync covered (send step − previous send step of p); ``l1_local`` (the reference code's score):
+R_p = Σ_ranks ‖g_p − x_p‖₁ / (I_p·numel_p), the mean absolute local change per element and per
+step, I_p = steps since p's last send (t at the first), measured at each send for every fragment
+and all-reduced beside that sync. Both come from values identical on every rank, so every rank
+picks the same fragment. ``round_robin`` (for matched-sync studies: delay compensation without
+adaptive selection) replaces (2)-(3) by a fixed cycle 0, 1, .., K−1, 0, .. that skips fragments in
+flight; rule (1) still comes first.
 """
 
 from __future__ import annotations
@@ -28,11 +41,22 @@ import torch
 
 from .. import ops
 from .._checks import integer, scalar
+from ..ops.outer_merge import outer_merge_control_ref
 from .checkpoint import CheckpointError, expect_int
 from .dense import DenseStrategy, Pending
 from .host import DeviceToHost
-from .schedule import LAM_MODES, SCORES, check_cocodc_schedule, cocodc_max_syncs, fragment_schedule
+from .schedule import (
+    DEFAULT_STEP_TIME_S,
+    LAM_MODES,
+    SCORES,
+    TAYLOR_CONTROLS,
+    TIMINGS,
+    check_cocodc_schedule,
+    cocodc_max_syncs,
+    fragment_schedule,
+)
 from .sharding import check_sharded_cocodc
+from .transport import WAN, ring_wire_bytes
 
 
 class CoCoDC(DenseStrategy):
@@ -46,6 +70,8 @@ class CoCoDC(DenseStrategy):
         self, model, inner_optimizer, *, sync_every: int, num_fragments: int, fragment_sync_delay: int,
         lam: float = 0.5, lam_mode: str = "normalized", gamma: float = 0.4,
         syncs_per_period: str | int = "auto", score: str = "l2_global",
+        timing: str | None = None, step_time_s: float = DEFAULT_STEP_TIME_S, timing_link: WAN | None = None,
+        taylor_control: str = "none", control_seed: int = 0,
         outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, **common: Any,
     ) -> None:  # fmt: skip
         H, K, tau = fragment_schedule(sync_every, num_fragments, fragment_sync_delay)
@@ -62,6 +88,25 @@ class CoCoDC(DenseStrategy):
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         self.score = score
+        if timing_link is not None and not isinstance(timing_link, WAN):
+            raise TypeError(f"timing_link must be a WAN or None, got {type(timing_link).__name__}")
+        self.timing_link = timing_link if timing_link is not None else common.get("wan")
+        if timing is None:
+            timing = "emulated" if self.timing_link is not None else "measured"
+        if timing not in TIMINGS:
+            raise ValueError(f"timing must be one of {TIMINGS}, got {timing!r}")
+        if timing == "emulated" and self.timing_link is None:
+            raise ValueError(
+                "timing='emulated' needs a link model to compute T_s: pass wan=WAN(...) or "
+                "timing_link=WAN(...), or timing='measured' to measure T_c and T_s instead"
+            )
+        self.timing = timing
+        self.step_time_s = scalar("step_time_s", step_time_s, lo=0.0, lo_open=True)
+        if taylor_control not in TAYLOR_CONTROLS:
+            raise ValueError(f"taylor_control must be one of {TAYLOR_CONTROLS}, got {taylor_control!r}")
+        self.taylor_control = taylor_control
+        self.control_seed = integer("control_seed", control_seed, lo=0)
+        self.lam_mode = lam_mode
         check_sharded_cocodc(model, score, syncs_per_period, lam_mode)
         super().__init__(
             model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau,
@@ -85,7 +130,17 @@ class CoCoDC(DenseStrategy):
             torch.tensor([0, n], dtype=torch.int64, device=self.outer_dev) for n in self.frags.sizes()
         ]
         self._norms_due: dict[int, tuple[DeviceToHost, int]] = {}  # l2_global norms not yet read
+        self._tensor_bounds = [
+            self.frags.tensor_bounds(p) if lam_mode == "normalized_tensor" else [0, n]
+            for p, n in enumerate(self.frags.sizes())
+        ]
         self._init_buffers()
+        if self.auto and self.timing == "emulated":
+            wan = self.timing_link
+            wire = [ring_wire_bytes(self.wire.payload_bytes(n), self.world) for n in self.frags.sizes()]
+            self.T_c = self.step_time_s
+            self.T_s = wan.latency_s + wan.transfer_s(sum(wire) / len(wire))
+            self.N = self._period_n()
 
     # ----- schedule ------------------------------------------------------------------------------
     def _period_n(self) -> int:
@@ -142,9 +197,14 @@ class CoCoDC(DenseStrategy):
         if self.score == "l1_local":  # stays on the device, reduced beside the sync
             x_all = self.to_outer(self.frags.flat)
             diff, _, _ = ops.pack(self.g, x_all, snapshot_out=False)  # g − x for every fragment, one pass
+            # R_q = ‖g_q − x_q‖₁ / (I_q·numel_q); p's last send was already moved to t by the schedule
+            div = [
+                max(1, t - (self.prev_send[q] if q == p else max(self.last_send[q], 0))) * n
+                for q, n in enumerate(self.frags.sizes())
+            ]
             norms = ops.fragment_norms(diff, self._offsets_all, ord=1, check_values=False).to(
                 self.device, torch.float64
-            )
+            ) / torch.tensor(div, dtype=torch.float64, device=self.device)
         return [tc, self._ts_last], norms
 
     def _num_extras(self) -> int:
@@ -156,12 +216,16 @@ class CoCoDC(DenseStrategy):
             "syncs_per_period": "auto" if self.auto else self.N,
             "gamma": self.gamma,
             "score": self.score,
+            "timing": self.timing,
+            "step_time_s": self.step_time_s,
+            "taylor_control": self.taylor_control,
+            "control_seed": self.control_seed,
         }
 
     def _on_result(self, pd: Pending, delta_avg: torch.Tensor, control: list[float]) -> None:
         if pd.handle is not None:
             self._ts_last = pd.handle.in_flight_s
-        if self.world > 0:
+        if self.world > 0 and self.timing == "measured":
             tc, ts = control[0] / self.world, control[1] / self.world
             if tc > 0:
                 self.T_c = tc
@@ -178,6 +242,38 @@ class CoCoDC(DenseStrategy):
             self._norms_due[p] = (DeviceToHost(norm), covered)
         else:
             self.scores = list(control[2 : 2 + self.K])
+
+    def _merge(
+        self, pd: Pending, g_p: torch.Tensor, u_p: torch.Tensor, delta: torch.Tensor, x_work: torch.Tensor
+    ) -> None:
+        """The outer step and the merge, per parameter tensor for ``normalized_tensor`` (the outer
+        step and the merge are elementwise, so only λ_eff's scope changes) and through the control
+        path for a ``taylor_control``."""
+        if self.lam_mode != "normalized_tensor" and self.taylor_control == "none":
+            return super()._merge(pd, g_p, u_p, delta, x_work)
+        kw: dict[str, Any] = {
+            "lr": self.outer_lr,
+            "momentum": self.outer_momentum,
+            "nesterov": self.nesterov,
+            **self.merge_kw,
+            "lam_mode": "absolute" if self.lam_mode == "absolute" else "normalized",
+        }
+        direction = None
+        if self.taylor_control == "random":
+            gen = torch.Generator().manual_seed(
+                (self.control_seed * 1_000_003 + pd.fragment) * 1_000_003 + pd.send_step
+            )
+            direction = torch.randn(g_p.numel(), generator=gen, dtype=torch.float64)
+        bounds = self._tensor_bounds[pd.fragment]
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+            if a == b:
+                continue
+            parts = (g_p[a:b], u_p[a:b], delta[a:b], x_work[a:b], pd.x_sent[a:b])
+            if self.taylor_control == "none":
+                ops.outer_merge_(*parts, **kw)
+            else:
+                d = None if direction is None else direction[a:b]
+                outer_merge_control_ref(*parts, **kw, control=self.taylor_control, direction=d)
 
     def _resolve_scores(self) -> None:
         for p, (norm, covered) in self._norms_due.items():

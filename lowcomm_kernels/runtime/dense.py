@@ -238,21 +238,28 @@ class DenseStrategy(Strategy):
                     delta.div_(self.world)  # gloo has no AVG; SUM then scale the received buffer
                 delta, x_work = self.to_outer(delta), self.to_outer(x_p)
                 self._on_result(pd, delta, self._extras(control))
-                ops.outer_merge_(
-                    g_p,
-                    u_p,
-                    delta,
-                    x_work,
-                    pd.x_sent,
-                    lr=self.outer_lr,
-                    momentum=self.outer_momentum,
-                    nesterov=self.nesterov,
-                    **self.merge_kw,
-                )
+                self._merge(pd, g_p, u_p, delta, x_work)
                 if x_work is not x_p:
                     x_p.copy_(self.to_model(x_work))
         self.applied_count += 1
         self._record_sync(pd, t, t0, fragment=p, skipped=skipped, reason=pd.reason)
+
+    def _merge(
+        self, pd: Pending, g_p: torch.Tensor, u_p: torch.Tensor, delta: torch.Tensor, x_work: torch.Tensor
+    ) -> None:
+        """The receive side of fragment ``pd.fragment``'s sync: the outer step and the merge into x
+        (CoCoDC overrides it for its per-tensor λ and its controls of the Taylor term)."""
+        ops.outer_merge_(
+            g_p,
+            u_p,
+            delta,
+            x_work,
+            pd.x_sent,
+            lr=self.outer_lr,
+            momentum=self.outer_momentum,
+            nesterov=self.nesterov,
+            **self.merge_kw,
+        )
 
     def _restart_poisoned(self) -> None:
         """This rank holds non-finite values: restart it entirely from the last good global."""

@@ -186,6 +186,14 @@ class FlatFragments:
     def sizes(self) -> list[int]:
         return [self.bounds[i + 1] - self.bounds[i] for i in range(self.num_fragments)]
 
+    def tensor_bounds(self, p: int) -> list[int]:
+        """Offsets of fragment p's parameter tensors inside the fragment: [0, n_0, n_0 + n_1, ..,
+        size_p] (tensor i is ``slice(buf, p)[b[i]:b[i+1]]``; a sharded tensor counts its local shard)."""
+        bounds = [0]
+        for prm in self.params[p]:
+            bounds.append(bounds[-1] + buffer_numel(prm))
+        return bounds
+
     def slice(self, buf: torch.Tensor, p: int) -> torch.Tensor:
         """Fragment p of any buffer laid out like ``flat`` (g, u, ...): a contiguous view."""
         return buf[self.bounds[p] : self.bounds[p + 1]]

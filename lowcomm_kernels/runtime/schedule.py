@@ -13,10 +13,17 @@ from collections.abc import Callable
 import torch
 
 from .._checks import integer
-from ..ops.outer_merge import LAM_MODES
+from ..ops.outer_merge import LAM_MODES as _OP_LAM_MODES
+from ..ops.outer_merge import TAYLOR_CONTROLS
 from ..ops.quantize import FORMATS
 
+# CoCoDC's λ modes: the fused op's ('absolute', 'normalized': one scale per fragment) and
+# 'normalized_tensor' (one scale per parameter tensor of the fragment, as the reference code does)
+LAM_MODES = (*_OP_LAM_MODES, "normalized_tensor")
 SCORES = ("l2_global", "l1_local", "round_robin")  # CoCoDC's fragment choice
+# how CoCoDC's adaptive N gets T_c and T_s: from the emulated link and step time, or measured
+TIMINGS = ("emulated", "measured")
+DEFAULT_STEP_TIME_S = 0.02  # the emulated inner step of CoCoDC's timing='emulated' (20 ms)
 LOSCAR_MERGES = {"delay_corrected": 1.0, "overwrite": 0.0}  # merge name -> β of the scatter-merge
 # what users type -> the dense wire dtype, or the name of a quantized format (ops.quantize.FORMATS:
 # codes + one fp32 scale per quant_block elements, averaged by runtime.compression)
@@ -30,6 +37,9 @@ __all__ = [
     "LAM_MODES",
     "LOSCAR_MERGES",
     "SCORES",
+    "TAYLOR_CONTROLS",
+    "TIMINGS",
+    "DEFAULT_STEP_TIME_S",
     "WIRE_FORMATS",
     "check_cocodc_schedule",
     "check_streaming_schedule",
