@@ -1,10 +1,11 @@
 """Fault tolerance on torchft: a ``torchft.Manager`` in place of a fixed process group.
 
-``DiLoCo(model, opt, ..., manager=manager, num_replicas=N)`` (likewise Streaming DiLoCo and CoCoDC;
-LOSCAR is refused) runs every sync as one torchft *round* (``FTTransport.all_reduce``):
+``DiLoCo(model, opt, ..., manager=manager, num_replicas=N)`` (likewise Streaming DiLoCo, CoCoDC and
+LOSCAR) runs every sync as one torchft *round* (``FTTransport.all_reduce``):
 
 1. ``manager.start_quorum()`` (synchronous quorum: ``Manager(use_async_quorum=False)``), so a replica
-   that joins or returns is healed before any collective of the round;
+   that joins or returns is healed before any collective of the round. Profiler ranges (also under
+   ``lowcomm profile``): ``lowcomm/quorum`` around it, ``lowcomm/heal`` around a heal inside it;
 2. SUM all-reduces of the payload, the control vector and a *presence* vector (one slot per replica
    slot, 1 from every replica that contributes) through ``manager.allreduce`` (torchft's managed
    process group: an error is reported to the manager instead of raised);
@@ -28,14 +29,31 @@ configuration and model fields that the fixed group agrees on; a different diges
 sets its parameters to g, clears its inner-optimizer state and replays the rest of the peers' current
 step without contributing (presence 0, payload 0), so it holds exactly the others' global state.
 
+LOSCAR under ``manager=``. Each round (its k shared coordinates S_r from (seed, round), and the
+control vector) is one torchft round, sent at the round's send point and blocking like the others; its
+result is the average over the replicas present and is merged, delay-corrected, ``overlap_steps``
+steps later as usual, so the overlap steps still run between send and merge but the communication
+itself is not overlapped. Per-replica ``local_steps`` / ``overlap_steps`` (indexed by slot) work: a
+faster replica waits in the next quorum. A round that did not commit is skipped on every replica, and
+deliberately so: each replica keeps its own x, x[S_r] included (not averaged this round; later rounds'
+masks pull the coordinates together again), and the mask sequence goes on from the next round. A
+replica whose own parameters are non-finite at a skipped round raises ``FloatingPointError`` (there is
+no fixed group to restart it from a peer over); the others skip the round and go on, and the replica,
+restarted, heals. Healing: LOSCAR keeps no global copy, so the healthy peer sends its own state
+(``LOSCAR.heal_state``): its parameters x, step and round counter, and whether it stands at the
+round's send point (peers serve a heal only from inside a quorum: at their first step or at a send,
+when no round is in flight, so there is no pending result to send). The healed replica takes x, the
+step and the round, stands at its own send point of that round, clears its inner-optimizer state and
+replays the send without contributing: it then holds the peer's parameters, round and mask, and
+merges exactly the same averages as the others from that round on.
+
 Fragments in flight across a membership change: with ``manager=`` each round completes (and commits)
 when it is sent, and its result is applied ``fragment_sync_delay`` steps later as usual; a healed
 replica receives these pending results in the state. So nothing is in flight across a quorum change:
 the price is that communication is not overlapped with compute under ``manager=``.
 
 Not supported with ``manager=`` (refused with an error naming the argument): ``process_group``,
-``wan``, quantized wire formats, ``guard_every`` (they need a fixed group), and LOSCAR (it keeps
-no global copy to heal from, and a skipped round restarts ranks by a broadcast over a fixed group).
+``wan``, quantized wire formats, ``guard_every`` (they need a fixed group).
 """
 
 from __future__ import annotations
@@ -46,6 +64,7 @@ from typing import Any
 import torch
 
 from .._checks import integer
+from ..profiling import nvtx_range
 from .transport import Handle, Transport, ring_wire_bytes
 
 INSTALL_HINT = "pip install 'lowcomm-kernels[ft]'"
@@ -177,7 +196,8 @@ class FTTransport(Transport):
         w, head = self.world, Strategy.FACTS * self.world
         point = float(host[2 * w + self.rank].item())
         if not self._open_round:
-            self.manager.start_quorum()
+            with nvtx_range("quorum"):
+                self.manager.start_quorum()
         self._open_round = False
         presence = torch.zeros(w, dtype=torch.float64, device=host.device)
         if self.contribute:
@@ -225,7 +245,8 @@ class FTTransport(Transport):
         ``load_state_dict`` runs inside ``start_quorum``) and then replays the peers' current step."""
         for _ in range(JOIN_ATTEMPTS):
             self.healed_at = None
-            self.manager.start_quorum()
+            with nvtx_range("quorum"):
+                self.manager.start_quorum()  # a heal runs inside (lowcomm/heal)
             self._open_round = True
             healed = self.healed_at
             if healed is not None and healed > 0:
@@ -242,18 +263,25 @@ class FTTransport(Transport):
 
 
 def _replay(strategy: Any, t: int, tr: FTTransport) -> None:
-    """The rest of step t as the healthy peers run it (``DenseStrategy._advance``), sent without
-    contributing: the sends of step t not yet pending, then the results due."""
-    sent = {pd.fragment for pd in strategy.pending if pd.send_step == t}
-    last_send = getattr(strategy, "last_send", None)
-    if last_send is not None:
-        # CoCoDC: the peers chose (and recorded in the healed state) the fragments of step t before
-        # their state was read; choosing again would pick another one (its choice mutates state)
-        todo = [(p, "healed") for p in range(len(last_send)) if last_send[p] == t and p not in sent]
-    else:  # a pure function of t
-        todo = [(p, r) for p, r in strategy._sends_at(t) if p not in sent]
+    """The rest of step t as the healthy peers run it, sent without contributing: for the dense
+    strategies (``DenseStrategy._advance``) the sends of step t not yet pending, then the results due;
+    for LOSCAR the send of the current round (the peers were at its send point) and, without overlap
+    steps, its merge."""
+    from .loscar import LOSCAR
+
     tr.contribute = False
     try:
+        if isinstance(strategy, LOSCAR):
+            strategy._advance_from_send(t)
+            return
+        sent = {pd.fragment for pd in strategy.pending if pd.send_step == t}
+        last_send = getattr(strategy, "last_send", None)
+        if last_send is not None:
+            # CoCoDC: the peers chose (and recorded in the healed state) the fragments of step t before
+            # their state was read; choosing again would pick another one (its choice mutates state)
+            todo = [(p, "healed") for p in range(len(last_send)) if last_send[p] == t and p not in sent]
+        else:  # a pure function of t
+            todo = [(p, r) for p, r in strategy._sends_at(t) if p not in sent]
         for p, reason in todo:
             strategy._send(p, t, reason)
     finally:
@@ -266,13 +294,10 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
     needs a fixed group and register the strategy's state with the manager for healing."""
     from .agreement import _digest
     from .dense import DenseStrategy
+    from .loscar import LOSCAR
 
-    if not isinstance(strategy, DenseStrategy):
-        raise NotImplementedError(
-            f"manager=: {strategy.method} is not supported yet under torchft (LOSCAR keeps no global "
-            "copy to heal from, and its skipped rounds restart ranks over a fixed group); use "
-            "DiLoCo, StreamingDiLoCo or CoCoDC, or a fixed process_group"
-        )
+    if not isinstance(strategy, (DenseStrategy, LOSCAR)):  # pragma: no cover - every shipped strategy is
+        raise NotImplementedError(f"manager=: {strategy.method} is not supported under torchft")
     if strategy.wire.quant is not None:
         raise ValueError(
             f"wire_dtype: the quantized wire format {strategy.wire.name!r} uses a process group of its "
@@ -286,24 +311,31 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
     tr = strategy.transport
     assert isinstance(tr, FTTransport)
     manager = strategy.manager
+    sparse = isinstance(strategy, LOSCAR)
 
     def state_dict() -> dict[str, Any]:
-        return {"digest": digest, "strategy": strategy.state_dict()}
+        # LOSCAR keeps no global copy: a healthy peer sends its own parameters and round (heal_state)
+        return {"digest": digest, "strategy": strategy.heal_state() if sparse else strategy.state_dict()}
 
     def load_state_dict(sd: dict[str, Any]) -> None:
-        if sd.get("digest") != digest:
-            raise ValueError(
-                f"{strategy.method}: this replica's configuration or model differs from the healthy "
-                "peer it heals from (every replica must run the same strategy knobs and model)"
+        with nvtx_range("heal"):
+            if sd.get("digest") != digest:
+                raise ValueError(
+                    f"{strategy.method}: this replica's configuration or model differs from the healthy "
+                    "peer it heals from (every replica must run the same strategy knobs and model)"
+                )
+            if sparse:
+                strategy.load_heal_state(sd["strategy"])
+            else:
+                strategy.load_state_dict(sd["strategy"])
+                with torch.no_grad():
+                    strategy.frags.flat.copy_(strategy.to_model(strategy.g))
+            strategy._clear_inner_state(p for grp in strategy.frags.params for p in grp)
+            tr.healed_at = strategy.step_count
+            source = "the peer's parameters" if sparse else "the global"
+            strategy.log.warning(
+                f"healed from a peer at step {strategy.step_count}: parameters set to {source}, "
+                "inner-optimizer state cleared"
             )
-        strategy.load_state_dict(sd["strategy"])
-        with torch.no_grad():
-            strategy.frags.flat.copy_(strategy.to_model(strategy.g))
-        strategy._clear_inner_state(p for grp in strategy.frags.params for p in grp)
-        tr.healed_at = strategy.step_count
-        strategy.log.warning(
-            f"healed from a peer at step {strategy.step_count}: parameters set to the global, "
-            "inner-optimizer state cleared"
-        )
 
     manager.register_state_dict_fn(STATE_KEY, load_state_dict, state_dict)

@@ -23,6 +23,10 @@ restart from, each poisoned rank is restarted from the parameters of the lowest-
 rank (one broadcast of d values, counted in ``metrics.recovery_bytes``) with its inner-optimizer
 state cleared; healthy ranks keep their own x. With ``on_nonfinite="raise"`` every rank raises;
 if every rank is poisoned, every rank raises (nothing finite is left to restart from).
+
+Under torchft (``manager=``, runtime.ft) each round is one blocking torchft round; a round that did not
+commit is skipped everywhere (each replica keeps its own x), a poisoned replica raises instead of being
+restarted over a fixed group, and a returning replica heals from a peer's ``heal_state()``.
 """
 
 from __future__ import annotations
@@ -121,10 +125,20 @@ class LOSCAR(Strategy):
         self.s += 1
         if self.s == self.N_i:
             self._send(t)
+        self._merge_if_due(t)
+
+    def _merge_if_due(self, t: int) -> None:
         if self.s == self.N_i + self.Q_i:
             self._apply(t)
             self.round += 1
             self.s = 0
+
+    def _advance_from_send(self, t: int) -> None:
+        """The rest of step t from this round's send point (a healed replica's replay, runtime.ft)."""
+        if self.s != self.N_i:  # healed before the first round: nothing of step t is left
+            return
+        self._send(t)
+        self._merge_if_due(t)
 
     def _send(self, t: int) -> None:
         t0 = time.perf_counter()
@@ -184,7 +198,16 @@ class LOSCAR(Strategy):
         control = pd.handle.host_values() if pd.handle is not None else pd.control_host
         skipped = self._sync_outcome(control, f"LOSCAR sync of round {pd.round} sent at step {pd.send_step}")
         if skipped:
-            self._heal([r for r in range(self.world) if control[r] > 0], pd.round)
+            if self.manager is None:
+                self._heal([r for r in range(self.world) if control[r] > 0], pd.round)
+            elif not getattr(control, "failed_round", False) and self._poisoned():
+                # under torchft there is no fixed group to restart from a peer over: this replica
+                # stops, and restarted it heals from a healthy peer (runtime.ft); the others go on
+                raise FloatingPointError(
+                    f"LOSCAR round {pd.round}: this replica holds non-finite parameters or "
+                    "inner-optimizer state; it stops (restart it: it heals from a healthy replica)"
+                )
+            # a round that did not commit: every replica keeps its own x (x[S] not averaged this round)
         else:
             with nvtx("merge"):
                 if self.world > 1 and self.quantized is None:  # a quantized result arrives averaged
@@ -322,6 +345,46 @@ class LOSCAR(Strategy):
                 None,
                 control_host=q["control"].tolist(),
             )
+
+    # ----- healing under torchft (runtime.ft) ---------------------------------------------------
+    def heal_state(self) -> dict[str, Any]:
+        """What a healthy replica sends one that heals (LOSCAR keeps no global copy): its own
+        parameters x, its step and round, and whether it stands at the round's send point. Peers
+        serve it from inside a quorum, i.e. at their first step or at a round's send, when no round
+        is in flight."""
+        at_send = self.s == self.N_i and self.step_count > 0
+        if self.inflight is not None or not (at_send or self.s == 0):
+            raise RuntimeError(
+                f"LOSCAR heal state requested at step {self.step_count} (round {self.round}, "
+                f"{self.s} steps in): only at a round's send point or before the first round"
+            )
+        return {
+            "step": self.step_count,
+            "round": self.round,
+            "at_send": at_send,
+            "seed": self.seed,
+            "k": self.k,
+            "x": self.frags.flat.detach().cpu().clone(),
+        }
+
+    def load_heal_state(self, sd: dict[str, Any]) -> None:
+        """Take a healthy peer's ``heal_state()``: its x, step and round; this replica then stands at
+        the same point of the round (its own send point under per-replica local_steps)."""
+        if not isinstance(sd, dict):
+            raise CheckpointError("LOSCAR heal state should be a dict")
+        step, rnd = expect_int("step", sd.get("step"), 0), expect_int("round", sd.get("round"), 0)
+        if sd.get("seed") != self.seed or sd.get("k") != self.k:
+            raise CheckpointError(
+                f"heal state has seed={sd.get('seed')!r}, k={sd.get('k')!r} but this LOSCAR has "
+                f"seed={self.seed}, k={self.k}"
+            )
+        expect_tensor("x", sd.get("x"), (self.d,), self.frags.dtype)
+        with torch.no_grad():
+            self.frags.flat.copy_(sd["x"].to(self.frags.device))
+        self.inflight = None
+        self.round, self.s = rnd, self.N_i if sd.get("at_send") else 0
+        self.step_count = step
+        self.metrics.steps = step
 
     def _guard_values(self) -> list[tuple[str, int]]:
         sched = torch.tensor([self.round, self.seed, self.k, self.d], dtype=torch.int64)

@@ -1,7 +1,9 @@
 """One fault-tolerant replica for tests/runtime/test_ft.py (run as a script, one process each).
 
-Trains a small regression model with DiLoCo or Streaming DiLoCo under a torchft Manager and appends
-one JSON line per step to ``--out``: step, loss, a hash of g, and the rounds that did not commit.
+Trains a small regression model with DiLoCo, Streaming DiLoCo, CoCoDC or LOSCAR under a torchft
+Manager and appends one JSON line per step to ``--out``: step, loss, a hash of g (LOSCAR, which has no
+g: a hash of the coordinates x[S] it just merged, at the steps where a round's merge was applied), a
+hash of the parameters, and the rounds that did not commit.
 """
 
 import argparse
@@ -15,7 +17,7 @@ from torch import nn
 from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo
 
-from lowcomm_kernels.runtime import CoCoDC, DiLoCo, StreamingDiLoCo
+from lowcomm_kernels.runtime import LOSCAR, CoCoDC, DiLoCo, StreamingDiLoCo
 from lowcomm_kernels.runtime.base import tensor_hash
 
 
@@ -58,6 +60,9 @@ def main() -> None:
         strat = DiLoCo(model, opt, sync_every=5, **common)
     elif a.method == "cocodc":
         strat = CoCoDC(model, opt, sync_every=6, num_fragments=2, fragment_sync_delay=1, **common)
+    elif a.method == "loscar":  # overwrite: right after a merge x[S] is the average, equal everywhere
+        common = dict(manager=manager, num_replicas=a.replicas)
+        strat = LOSCAR(model, opt, density=0.25, local_steps=4, overlap_steps=2, merge="overwrite", **common)
     else:
         strat = StreamingDiLoCo(model, opt, sync_every=6, num_fragments=2, fragment_sync_delay=1, **common)
     if a.fail_commit_at >= 0:  # a replica that reports an error in one round: nobody may apply it
@@ -82,11 +87,19 @@ def main() -> None:
             loss.backward()
             opt.step()
             tr = strat.transport
+            if isinstance(strat, LOSCAR):  # the merged x[S] when a round was merged at this step
+                last = strat.metrics.syncs[-1] if strat.metrics.syncs else None
+                merged = last is not None and last.apply_step == strat.step_count and not last.skipped
+                g = tensor_hash(strat.frags.flat[strat.last_idx]) if merged else None
+            else:
+                g = tensor_hash(strat.g)
             rec = {
-                "step": strat.step_count, "loss": loss.item(), "g": tensor_hash(strat.g),
+                "step": strat.step_count, "loss": loss.item(), "g": g, "x": tensor_hash(strat.frags.flat),
+                "round": getattr(strat, "round", None), "healed_at": tr.healed_at,
                 "failed": tr.failed_rounds, "rounds": tr.rounds, "pid": os.getpid(),
                 "participants": tr.participants[-1] if tr.participants else 0,
-                "skipped": strat.metrics.num_skipped, "applied": strat.applied_count,
+                "skipped": strat.metrics.num_skipped,
+                "applied": getattr(strat, "applied_count", strat.metrics.num_syncs),
                 "round_s": tr.round_s[-1] if tr.round_s else 0.0, "t": time.time(),
             }  # fmt: skip
             f.write(json.dumps(rec) + "\n")
