@@ -99,7 +99,13 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     knob(g, "--batch-size", "batch_size", "sequences per worker per step (default 8)")
     knob(g, "--seed", "seed", "seed (model init, data order, masks)")
     knob(g, "--eval-every", "eval_every", "steps between validation evaluations")
-    knob(g, "--eval-batches", "eval_batches", "validation batches per evaluation")
+    knob(
+        g,
+        "--eval-bytes",
+        "eval_bytes",
+        "validation bytes scored per evaluation, in non-overlapping --seq-len windows from the start of "
+        "the validation text (default 262144; all of it when shorter)",
+    )
     g.add_argument("--out", help="output folder (default runs/<command>-<UTC timestamp>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
     m = p.add_argument_group("model")

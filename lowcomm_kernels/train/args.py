@@ -18,7 +18,7 @@ from .spec import METHODS, TrainSpec
 
 # TrainSpec fields set by a flag of the same name (its dest); the model's and the WAN's are below.
 _SPEC_FIELDS = (
-    "workers steps batch_size seed eval_every eval_batches lr weight_decay warmup_steps sync_every outer_lr "
+    "workers steps batch_size seed eval_every eval_bytes lr weight_decay warmup_steps sync_every outer_lr "
     "outer_momentum num_fragments fragment_sync_delay fragment_update_alpha lam lam_mode gamma "
     "syncs_per_period quant_block error_feedback "
     "score density local_steps overlap_steps merge wire_dtype param_dtype worker_speeds"

@@ -182,3 +182,62 @@ def eval_batches(
     window = data[idx].long()
     x, y = window[:, :-1], window[:, 1:]
     return [(x[i : i + batch_size], y[i : i + batch_size]) for i in range(0, n_windows, batch_size)]
+
+
+#: default of ``--eval-bytes``: validation bytes scored per evaluation (256 KiB; the default
+#: validation split is 400,000 bytes, so 4,096 windows of 64 bytes)
+DEFAULT_EVAL_BYTES = 262_144
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """The validation windows: every non-overlapping window of the validation text's first bytes.
+
+    Window i reads bytes ``[i T, i T + T)`` and predicts ``[i T + 1, i T + T + 1)`` (T = seq_len),
+    so each byte of ``text[1 : n T + 1]`` is a target exactly once, with
+    n = min(len(text) - 1, eval_bytes) // T. The windows depend on the text, T and ``eval_bytes``
+    only: the same at every evaluation, for every method and on every machine.
+    """
+
+    text: torch.Tensor
+    seq_len: int
+    n_windows: int
+
+    @property
+    def scored_bytes(self) -> int:
+        """Target bytes per evaluation: n_windows * seq_len."""
+        return self.n_windows * self.seq_len
+
+    def rank_range(self, rank: int, world: int) -> range:
+        """``rank``'s contiguous share of the window indices (sizes differ by at most one)."""
+        return range(self.n_windows * rank // world, self.n_windows * (rank + 1) // world)
+
+    def batches(self, windows: range, batch_windows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The windows ``windows`` as (x, y) int64 batches of at most ``batch_windows`` windows each."""
+        out = []
+        offsets = torch.arange(self.seq_len + 1)
+        for lo in range(windows.start, windows.stop, batch_windows):
+            hi = min(lo + batch_windows, windows.stop)
+            idx = torch.arange(lo, hi)[:, None] * self.seq_len + offsets
+            window = self.text[idx].long()
+            out.append((window[:, :-1], window[:, 1:]))
+        return out
+
+
+def eval_set(data: torch.Tensor, seq_len: int, eval_bytes: int = DEFAULT_EVAL_BYTES) -> EvalSet:
+    """The fixed validation windows scoring up to ``eval_bytes`` target bytes (see :class:`EvalSet`).
+
+    Raises ValueError naming ``seq_len`` or ``eval_bytes`` when either is not an int with
+    eval_bytes >= seq_len >= 1, and :class:`CorpusError` when the text holds no window of seq_len + 1
+    bytes.
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    if isinstance(eval_bytes, bool) or not isinstance(eval_bytes, int) or eval_bytes < seq_len:
+        raise ValueError(f"eval_bytes must be an int >= seq_len = {seq_len}, got {eval_bytes!r}")
+    if data.numel() < seq_len + 1:
+        raise CorpusError(
+            f"validation split of {data.numel()} bytes is shorter than seq_len + 1 = {seq_len + 1}"
+        )
+    n = min(data.numel() - 1, eval_bytes) // seq_len
+    return EvalSet(data[: n * seq_len + 1], seq_len, n)

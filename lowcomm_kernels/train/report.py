@@ -12,6 +12,17 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+#: what a run's headline validation loss (``EvalPoint.val_loss``, the final loss, the target) measures
+WORKER_MEAN = "worker models, mean"
+#: the same for results.json files written before each worker's own model was evaluated
+AVERAGED_MODEL = "averaged model"
+#: the averaging all-reduce behind ``val_loss_avg_model``, as the table's footnote names it
+AVERAGING_NOTE = (
+    "the workers' parameters averaged by one all-reduce on a separate process group, not counted in "
+    "bytes sent or exposed comm; no worker holds this model unless all of them just synced every "
+    "parameter (LOSCAR's workers never do)"
+)
+
 
 @dataclass
 class EvalPoint:
@@ -20,8 +31,13 @@ class EvalPoint:
     wall_s: training wall-clock since the first step (evaluation time excluded).
     bytes_sent: payload bytes this worker has put on the (emulated) WAN so far (rank 0's count).
     exposed_s: seconds rank 0 spent blocked waiting for communication so far.
-    val_loss: mean next-byte cross-entropy (nats) of the worker-averaged parameters on the
-    fixed validation batches.
+    val_loss: the headline, mean next-byte cross-entropy (nats) on the fixed validation windows:
+    the mean over workers of ``val_loss_workers`` (in results.json written before those were
+    measured: the averaged model's loss; ``RunResult.val_loss_basis`` says which).
+    val_loss_workers: each worker's own model's loss, in rank order (empty in older files).
+    val_loss_avg_model: the loss of the worker-averaged parameters (see :data:`AVERAGING_NOTE`).
+    workers_agree: every worker held bit-identical parameters, so one evaluation served all (then
+    every value above is the same number); None in older files.
     """
 
     step: int
@@ -29,6 +45,17 @@ class EvalPoint:
     bytes_sent: float
     exposed_s: float
     val_loss: float
+    val_loss_workers: list[float] = field(default_factory=list)
+    val_loss_avg_model: float | None = None
+    workers_agree: bool | None = None
+
+    @property
+    def val_loss_workers_min(self) -> float | None:
+        return min(self.val_loss_workers) if self.val_loss_workers else None
+
+    @property
+    def val_loss_workers_max(self) -> float | None:
+        return max(self.val_loss_workers) if self.val_loss_workers else None
 
 
 @dataclass
@@ -43,6 +70,8 @@ class RunResult:
     syncs: int = 0
     num_params: int = 0
     extra: dict = field(default_factory=dict)
+    val_loss_basis: str = WORKER_MEAN  # what EvalPoint.val_loss measures: WORKER_MEAN or AVERAGED_MODEL
+    eval_bytes_scored: int = 0  # target bytes per evaluation (0: not recorded, older files)
 
     @property
     def final_loss(self) -> float:
@@ -63,9 +92,17 @@ class RunResult:
 
     @classmethod
     def from_dict(cls, d: dict) -> RunResult:
+        """Inverse of :meth:`to_dict`; also reads results.json written before per-worker evaluation
+        (points with only ``val_loss``, which was then the averaged model's loss)."""
         d = dict(d)
         d.pop("final_loss", None)
-        d["points"] = [EvalPoint(**p) for p in d.get("points", [])]
+        points = [dict(p) for p in d.get("points", [])]
+        legacy = "val_loss_basis" not in d
+        if legacy:
+            d["val_loss_basis"] = AVERAGED_MODEL
+            for p in points:
+                p.setdefault("val_loss_avg_model", p.get("val_loss"))
+        d["points"] = [EvalPoint(**p) for p in points]
         return cls(**d)
 
 
@@ -86,62 +123,97 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def val_loss_basis(results: list[RunResult]) -> str:
+    """What the headline loss of ``results`` measures (one basis, or a note that they differ)."""
+    bases = sorted({r.val_loss_basis for r in results})
+    return bases[0] if len(bases) == 1 else "differs between runs: " + ", ".join(bases)
+
+
 def comparison_rows(results: list[RunResult], target: float) -> list[dict]:
     """One dict per run with the table's fields (numbers, not strings)."""
     rows = []
     for r in results:
         hit = r.first_reaching(target)
+        last = r.points[-1] if r.points else None
         rows.append(
             {
                 "method": r.name,
+                "val_loss_basis": r.val_loss_basis,
                 "steps_to_target": hit.step if hit else None,
                 "wall_to_target_s": hit.wall_s if hit else None,
                 "bytes_to_target": hit.bytes_sent if hit else None,
                 "final_val_loss": r.final_loss,
+                "final_val_loss_workers": list(last.val_loss_workers) if last else [],
+                "final_val_loss_workers_min": last.val_loss_workers_min if last else None,
+                "final_val_loss_workers_max": last.val_loss_workers_max if last else None,
+                "final_val_loss_avg_model": last.val_loss_avg_model if last else None,
                 "final_val_ppl": math.exp(r.final_loss) if math.isfinite(r.final_loss) else math.nan,
                 "wall_clock_s": r.train_wall_s,
                 "bytes_sent_per_worker": r.bytes_sent,
                 "exposed_comm_s": r.exposed_s,
                 "exposed_comm_frac": r.exposed_s / r.train_wall_s if r.train_wall_s > 0 else 0.0,
                 "syncs": r.syncs,
+                "eval_bytes_scored": r.eval_bytes_scored,
             }
         )
     return rows
 
 
-TABLE_HEADER = (
-    "method",
-    "steps to target",
-    "wall to target",
-    "bytes to target",
-    "final val loss",
-    "final ppl",
-    "wall-clock",
-    "bytes sent/worker",
-    "exposed comm",
-    "syncs",
-)
+def table_header(basis: str = WORKER_MEAN) -> tuple[str, ...]:
+    """The comparison table's column names; the headline loss column names its ``basis``."""
+    return (
+        "method",
+        "steps to target",
+        "wall to target",
+        "bytes to target",
+        f"final val loss ({basis})",
+        "worker min / max",
+        "averaged model*",
+        "final ppl",
+        "wall-clock",
+        "bytes sent/worker",
+        "exposed comm",
+        "syncs",
+    )
+
+
+TABLE_HEADER = table_header()
 
 
 def _opt(value: float | None, fmt: str) -> str:
     return "not reached" if value is None else fmt.format(value)
 
 
+def _loss(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.4f}"
+
+
 def format_table(results: list[RunResult], target: float) -> str:
-    """Markdown table (also readable as plain text in a terminal)."""
+    """Markdown table (also readable as plain text in a terminal), its footnote below it."""
+    basis = val_loss_basis(results)
+    header = table_header(basis)
+    scored = sorted({r.eval_bytes_scored for r in results if r.eval_bytes_scored})
+    scored_text = (
+        "validation: " + " / ".join(f"{n:,}" for n in scored) + " bytes scored per evaluation; "
+        if scored
+        else ""
+    )
     lines = [
-        f"target validation loss: {target:.4f} nats/byte (ppl {math.exp(target):.3f})",
+        f"target validation loss ({basis}): {target:.4f} nats/byte (ppl {math.exp(target):.3f})",
         "",
-        "| " + " | ".join(TABLE_HEADER) + " |",
-        "|" + "|".join("---" for _ in TABLE_HEADER) + "|",
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
     ]
     for row in comparison_rows(results, target):
+        lo, hi = row["final_val_loss_workers_min"], row["final_val_loss_workers_max"]
         cells = [
             row["method"],
             _opt(row["steps_to_target"], "{:d}"),
             _opt(row["wall_to_target_s"], "{:.1f} s"),
             "not reached" if row["bytes_to_target"] is None else fmt_bytes(row["bytes_to_target"]),
             f"{row['final_val_loss']:.4f}",
+            "n/a" if lo is None or hi is None else f"{lo:.4f} / {hi:.4f}",
+            _loss(row["final_val_loss_avg_model"]),
             f"{row['final_val_ppl']:.3f}",
             f"{row['wall_clock_s']:.1f} s",
             fmt_bytes(row["bytes_sent_per_worker"]),
@@ -149,6 +221,11 @@ def format_table(results: list[RunResult], target: float) -> str:
             str(row["syncs"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"{scored_text}target and 'to target' columns use the {basis} loss.",
+        f"* {AVERAGING_NOTE}.",
+    ]
     return "\n".join(lines)
 
 
@@ -188,7 +265,7 @@ def plot_curves(
         if logx:
             ax.set_xscale("log")
         ax.set_xlabel(label)
-        ax.set_ylabel("validation loss (nats/byte)")
+        ax.set_ylabel(f"validation loss (nats/byte, {val_loss_basis(results)})")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         fig.tight_layout()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..runtime import compression, schedule
+from .corpus import DEFAULT_EVAL_BYTES
 from .errors import SpecError
 from .model import ModelConfig
 from .presets import DEFAULT
@@ -79,7 +80,7 @@ RANGES: dict[str, Range] = {
     "sync_every": Range(1),
     "num_fragments": Range(1),
     "eval_every": Range(1),
-    "eval_batches": Range(1),
+    "eval_bytes": Range(1),
     "warmup_steps": NON_NEGATIVE,
     "fragment_sync_delay": NON_NEGATIVE,
     "local_steps": Range(1),
@@ -99,7 +100,7 @@ RANGES: dict[str, Range] = {
     "density": Range(0, 1, lo_open=True),
 }
 INT_FIELDS = (
-    "workers steps batch_size sync_every num_fragments eval_every eval_batches warmup_steps "
+    "workers steps batch_size sync_every num_fragments eval_every eval_bytes warmup_steps "
     "fragment_sync_delay local_steps overlap_steps seed"
 ).split()
 OPTIONAL_FIELDS = ("local_steps", "overlap_steps")  # None: derived (resolved_local_steps/_overlap_steps)
@@ -152,7 +153,9 @@ class TrainSpec:
     data: str | None = None  # None: the Python standard library
     seed: int = 0
     eval_every: int = DEFAULT["eval_every"]
-    eval_batches: int = DEFAULT["eval_batches"]
+    # validation bytes scored per evaluation: the non-overlapping seq_len windows at the start of the
+    # validation text, eval_bytes target bytes (all of the text when shorter); see corpus.EvalSet
+    eval_bytes: int = DEFAULT_EVAL_BYTES
     name: str | None = None  # label in tables; default from the method
     profile_dir: str | None = None  # set by `lowcomm profile`: write a torch.profiler trace per rank
     tensorboard_dir: str | None = None  # --tensorboard: rank 0 writes TensorBoard event files here
@@ -214,6 +217,11 @@ class TrainSpec:
         need(
             self.param_dtype in PARAM_DTYPES,
             f"<param_dtype> must be one of {tuple(PARAM_DTYPES)}, got {self.param_dtype!r}",
+        )
+        need(
+            self.eval_bytes >= self.model.seq_len,
+            f"<eval_bytes> must be at least one window of <ModelConfig.seq_len> = {self.model.seq_len} "
+            f"bytes, got {self.eval_bytes}",
         )
         need(
             self.syncs_per_period == "auto"

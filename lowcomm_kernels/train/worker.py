@@ -14,15 +14,18 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from ..profiling import nvtx_range
 from ..runtime.launch import send
-from .corpus import eval_batches, sample_batch, worker_shard
+from .corpus import EvalSet, eval_set, sample_batch, worker_shard
 from .model import TinyLlama, num_parameters
 from .report import EvalPoint, RunResult
 from .spec import PARAM_DTYPES, TrainSpec
@@ -85,29 +88,75 @@ class GradAllReduce:
                 offset += n
 
 
-def _average_params(model: torch.nn.Module, group: Any, world: int) -> torch.Tensor:
-    # averaged and evaluated in float32 whatever the parameters' dtype (--param-dtype bf16 / fp16)
-    vec = torch.nn.utils.parameters_to_vector(model.parameters()).detach().to(torch.float32, copy=True)
-    dist.all_reduce(vec, group=group)
-    return vec.div_(world)
+#: validation windows per forward pass: the fastest of 16 / 32 / 64 for the default model on one
+#: core of the dev machine (larger batches stream more activations through the cache)
+EVAL_BATCH_WINDOWS = 32
+
+
+@dataclass
+class EvalLosses:
+    """One evaluation's losses (nats per byte): ``workers[i]`` of rank i's own parameters and
+    ``avg_model`` of the worker-averaged parameters; ``agree``: every rank held bit-identical
+    parameters, so the one model was evaluated once (all values equal)."""
+
+    workers: list[float]
+    avg_model: float
+    agree: bool
+
+
+@torch.no_grad()
+def _windows_loss_sum(model: TinyLlama, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Sum over every target byte of the cross-entropy (nats), accumulated in float64."""
+    total = 0.0
+    for x, y in batches:
+        logits = model(x)
+        total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"))
+    return total
+
+
+def _flat_float32(model: torch.nn.Module) -> torch.Tensor:
+    # evaluated in float32 whatever the parameters' dtype (--param-dtype bf16 / fp16 widen exactly)
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().to(torch.float32, copy=True)
 
 
 @torch.no_grad()
 def evaluate(
-    model: torch.nn.Module, eval_model: TinyLlama, batches: list, group: Any, rank: int, world: int
-) -> float:
-    """Validation loss of the worker-averaged parameters; ranks split the batches between them.
+    model: torch.nn.Module, eval_model: TinyLlama, windows: EvalSet, group: Any, rank: int, world: int
+) -> EvalLosses:
+    """Validation losses of every worker's own model and of the worker-averaged model.
 
-    Runs on a separate process group so it never interleaves with the strategy's collectives.
+    Every rank scores its own parameters on all of ``windows`` (each worker's loss is on the same
+    bytes). The averaged parameters come from one all-reduce on ``group`` (a separate process group,
+    so it never interleaves with the strategy's collectives, and is not counted as traffic) and the
+    ranks split its windows between them. When every rank holds bit-identical parameters (step 0,
+    data-parallel, DiLoCo right after a sync) that one model is scored once, split between the
+    ranks, and is every worker's model and the average.
     """
-    torch.nn.utils.vector_to_parameters(_average_params(model, group, world), eval_model.parameters())
-    total = torch.zeros(2, dtype=torch.float64)
-    for i in range(rank, len(batches), world):
-        x, y = batches[i]
-        total[0] += eval_model.loss(x, y).double() * x.numel()
-        total[1] += x.numel()
+    own = _flat_float32(model)
+    ref = own.clone()
+    dist.broadcast(ref, src=dist.get_global_rank(group, 0), group=group)
+    same = torch.tensor([int(torch.equal(own, ref))], dtype=torch.int32)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
+    agree = bool(same.item())
+    total = torch.zeros(1 + world, dtype=torch.float64)  # [averaged model's share, each rank's own]
+    if agree:
+        torch.nn.utils.vector_to_parameters(own, eval_model.parameters())
+    else:
+        dist.all_reduce(ref.copy_(own), group=group)
+        torch.nn.utils.vector_to_parameters(ref.div_(world), eval_model.parameters())
+    total[0] = _windows_loss_sum(
+        eval_model, windows.batches(windows.rank_range(rank, world), EVAL_BATCH_WINDOWS)
+    )
+    if not agree:
+        torch.nn.utils.vector_to_parameters(own, eval_model.parameters())
+        total[1 + rank] = _windows_loss_sum(
+            eval_model, windows.batches(range(windows.n_windows), EVAL_BATCH_WINDOWS)
+        )
     dist.all_reduce(total, group=group)
-    return float(total[0] / total[1])
+    n = windows.scored_bytes
+    avg = float(total[0]) / n
+    workers = [avg] * world if agree else [float(v) / n for v in total[1:]]
+    return EvalLosses(workers, avg, agree)
 
 
 def slim_trace(path: str, min_us: float = 1000.0) -> None:
@@ -178,7 +227,7 @@ class RankRun:
         self.train_group = dist.new_group(backend="gloo")
         self.eval_group = dist.new_group(backend="gloo")
         self.shard = worker_shard(train_data, rank, world)
-        self.batches = eval_batches(val_data, spec.eval_batches, spec.batch_size, spec.model.seq_len)
+        self.windows = eval_set(val_data, spec.model.seq_len, spec.eval_bytes)
         self.gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank)
         self.dp = (
             GradAllReduce(self.model, self.train_group, spec.latency_s, spec.bandwidth_bytes_per_s)
@@ -197,7 +246,11 @@ class RankRun:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
         self.speed = spec.worker_speeds[rank] if spec.worker_speeds else 1.0
         self.result = RunResult(
-            spec.label, spec.method, spec.to_dict(), num_params=num_parameters(self.model)
+            spec.label,
+            spec.method,
+            spec.to_dict(),
+            num_params=num_parameters(self.model),
+            eval_bytes_scored=self.windows.scored_bytes,
         )
         self.eval_s = 0.0
         self.t_start = self.t_end = 0.0
@@ -209,14 +262,27 @@ class RankRun:
 
     def evaluate(self, step: int) -> None:
         t0 = time.perf_counter()
-        loss = evaluate(self.model, self.eval_model, self.batches, self.eval_group, self.rank, self.world)
+        losses = evaluate(self.model, self.eval_model, self.windows, self.eval_group, self.rank, self.world)
+        loss = statistics.fmean(losses.workers)  # the headline: the mean of the workers' own models
         m = self.totals()
         self.result.points.append(
-            EvalPoint(step, t0 - self.t_start - self.eval_s, m.bytes_sent, m.exposed_s, loss)
+            EvalPoint(
+                step,
+                t0 - self.t_start - self.eval_s,
+                m.bytes_sent,
+                m.exposed_s,
+                loss,
+                val_loss_workers=losses.workers,
+                val_loss_avg_model=losses.avg_model,
+                workers_agree=losses.agree,
+            )
         )
         self.eval_s += time.perf_counter() - t0
         if self.tb is not None:
             self.tb.add_scalar("val/loss", loss, step)
+            self.tb.add_scalar("val/loss_avg_model", losses.avg_model, step)
+            self.tb.add_scalar("val/loss_worker_min", min(losses.workers), step)
+            self.tb.add_scalar("val/loss_worker_max", max(losses.workers), step)
         if self.rank == 0:
             self.report(step, loss)
 

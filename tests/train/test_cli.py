@@ -24,8 +24,8 @@ TINY = [
     "8",
     "--eval-every",
     "4",
-    "--eval-batches",
-    "2",
+    "--eval-bytes",
+    "512",
     "--batch-size",
     "2",
     "--dim",
@@ -59,6 +59,12 @@ ROW_FIELDS = {
     "wall_to_target_s",
     "bytes_to_target",
     "final_val_loss",
+    "val_loss_basis",
+    "final_val_loss_workers",
+    "final_val_loss_workers_min",
+    "final_val_loss_workers_max",
+    "final_val_loss_avg_model",
+    "eval_bytes_scored",
     "final_val_ppl",
     "wall_clock_s",
     "bytes_sent_per_worker",
@@ -106,6 +112,17 @@ def test_compare_smoke_all_methods(tmp_path: Path, capsys):
     assert runs["dp"]["syncs"] == 8
     assert runs["dp"]["bytes_sent"] == max(r["bytes_sent"] for r in doc["runs"])
     assert [p["step"] for p in runs["diloco"]["points"]] == [0, 4, 8]
+    for run in doc["runs"]:
+        assert run["val_loss_basis"] == "worker models, mean" and run["eval_bytes_scored"] == 512
+        for p in run["points"]:  # the headline is the mean of the 2 workers' own models
+            assert len(p["val_loss_workers"]) == 2 and p["val_loss"] == sum(p["val_loss_workers"]) / 2
+            assert 0 < p["val_loss_avg_model"] < 10
+        assert run["points"][0]["workers_agree"]  # one initialisation: step 0 is one model
+    # data-parallel workers apply the same averaged gradient: always one model; LOSCAR's never agree
+    assert all(p["workers_agree"] for p in runs["dp"]["points"])
+    assert not any(p["workers_agree"] for p in runs["loscar"]["points"][1:])
+    loscar_last = runs["loscar"]["points"][-1]
+    assert loscar_last["val_loss_workers"][0] != loscar_last["val_loss_workers"][1]
     table = (out / "table.md").read_text()
     for header in (
         "steps to target",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -11,8 +12,10 @@ import pytest
 import torch
 
 from lowcomm_kernels.train.corpus import (
+    DEFAULT_EVAL_BYTES,
     CorpusError,
     eval_batches,
+    eval_set,
     is_validation,
     list_files,
     load_corpus,
@@ -103,3 +106,62 @@ def test_batches_are_next_byte_pairs_and_shards_disjoint():
     b1 = eval_batches(data, 2, 3, 16)
     b2 = eval_batches(data, 2, 3, 16)
     assert len(b1) == 2 and all(torch.equal(a[0], b[0]) for a, b in zip(b1, b2, strict=True))
+
+
+def test_eval_set_scores_every_byte_once_in_non_overlapping_windows():
+    data = torch.randint(0, 256, (1001,), generator=torch.Generator().manual_seed(1), dtype=torch.int64)
+    data = data.to(torch.uint8)
+    es = eval_set(data, 16, 10_000)  # the cap is above the text: all of it
+    assert es.n_windows == 1000 // 16 and es.scored_bytes == 62 * 16
+    batches = es.batches(range(es.n_windows), 5)
+    assert [b[0].shape[0] for b in batches] == [5] * 12 + [2]
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (62, 16)
+    assert torch.equal(x.reshape(-1), data[: 62 * 16].long())  # windows tile the text, no overlap
+    assert torch.equal(y.reshape(-1), data[1 : 62 * 16 + 1].long())  # every target byte once
+    capped = eval_set(data, 16, 100)  # 100 target bytes -> 6 whole windows
+    assert capped.n_windows == 6 and capped.scored_bytes == 96
+
+
+def test_eval_set_rank_shares_partition_the_windows():
+    es = eval_set(torch.zeros(16 * 61 + 1, dtype=torch.uint8), 16, 16 * 61)
+    for world in (1, 2, 3, 4, 7):
+        shares = [es.rank_range(r, world) for r in range(world)]
+        assert [i for s in shares for i in s] == list(range(61))
+        assert max(len(s) for s in shares) - min(len(s) for s in shares) <= 1
+
+
+def test_default_eval_set_is_deterministic_and_at_least_256_kib():
+    """The default validation set: 262,144 scored bytes (4,096 windows of 64) of the stdlib's
+    validation split, identical in a fresh process (no dependence on seeds or run order)."""
+    c = load_corpus(None)
+    es = eval_set(c.val, 64)
+    assert es.scored_bytes == DEFAULT_EVAL_BYTES == 262_144 and es.n_windows == 4096
+    digest = hashlib.sha256(es.text.numpy().tobytes()).hexdigest()
+    code = (
+        "import hashlib; from lowcomm_kernels.train.corpus import load_corpus, eval_set;"
+        "es = eval_set(load_corpus(None).val, 64);"
+        "print(hashlib.sha256(es.text.numpy().tobytes()).hexdigest())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONHASHSEED": "12345"},
+    )
+    assert out.stdout.strip() == digest
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "eval_bytes", "name"), [(16, 15, "eval_bytes"), (0, 100, "seq_len"), (16, 16.0, "eval_bytes")]
+)
+def test_eval_set_rejects_bad_sizes_by_name(seq_len, eval_bytes, name):
+    with pytest.raises(ValueError, match=name):
+        eval_set(torch.zeros(100, dtype=torch.uint8), seq_len, eval_bytes)
+
+
+def test_eval_set_needs_one_window_of_text():
+    with pytest.raises(CorpusError, match="seq_len \\+ 1 = 17"):
+        eval_set(torch.zeros(16, dtype=torch.uint8), 16, 64)

@@ -13,7 +13,7 @@ from lowcomm_kernels.ops import FORMATS
 from lowcomm_kernels.runtime.schedule import WIRE_FORMATS
 from lowcomm_kernels.train.spec import WIRE_DTYPE_NAMES
 
-TINY = ("--workers 2 --steps 8 --eval-every 4 --eval-batches 2 --batch-size 2 --dim 16 --layers 2 "
+TINY = ("--workers 2 --steps 8 --eval-every 4 --eval-bytes 512 --batch-size 2 --dim 16 --layers 2 "
         "--heads 2 --mlp-hidden 32 --seq-len 16 --sync-every 4 --delay 1 --fragments 2 --latency-ms 5 "
         "--bandwidth-mbps 1000 --warmup 2 --no-progress").split()
 

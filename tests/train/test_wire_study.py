@@ -30,7 +30,7 @@ def test_wire_study_runs_every_format_with_and_without_error_feedback():
 @pytest.mark.slow
 def test_finished_runs_are_saved_and_reused(tmp_path: Path, capsys):
     tiny = TrainSpec(method="streaming", workers=2, steps=6, batch_size=2, sync_every=4, num_fragments=2,
-                     fragment_sync_delay=1, eval_every=3, eval_batches=1, warmup_steps=1, latency_s=0.001,
+                     fragment_sync_delay=1, eval_every=3, eval_bytes=256, warmup_steps=1, latency_s=0.001,
                      wire_dtype="int4", quant_block=16, error_feedback=True, name="int4+EF",
                      model=ModelConfig(dim=16, n_layers=2, n_heads=2, mlp_hidden=32, seq_len=16))
     corpus = load_corpus(None, max_train_bytes=200_000, max_val_bytes=50_000)

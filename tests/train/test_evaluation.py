@@ -1,0 +1,87 @@
+"""The harness's evaluation on 2 gloo ranks: each worker's own model and the worker-averaged model,
+checked against a direct float64 computation of the same losses on the same validation bytes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lowcomm_kernels.runtime.launch import launch
+from lowcomm_kernels.train.corpus import eval_set
+from lowcomm_kernels.train.model import ModelConfig, TinyLlama
+
+CFG = ModelConfig(dim=16, n_layers=1, n_heads=2, mlp_hidden=24, seq_len=8)
+TEXT = torch.randint(0, 256, (1000,), generator=torch.Generator().manual_seed(7), dtype=torch.int64).to(
+    torch.uint8
+)
+EVAL_BYTES = 8 * 61  # 61 windows: an odd count, so the ranks' shares of the averaged model differ
+
+
+def _model(seed: int) -> TinyLlama:
+    torch.manual_seed(seed)
+    return TinyLlama(CFG)
+
+
+def _rank_body(rank: int, world: int, cases: list[list[int]]) -> list[dict]:
+    """Evaluate, for each case, rank r's model made from seed case[r]."""
+    import torch.distributed as dist
+
+    from lowcomm_kernels.train.worker import evaluate
+
+    group = dist.new_group(backend="gloo")
+    out = []
+    for seeds in cases:
+        res = evaluate(
+            _model(seeds[rank]), TinyLlama(CFG), eval_set(TEXT, CFG.seq_len, EVAL_BYTES), group, rank, world
+        )
+        out.append({"workers": res.workers, "avg_model": res.avg_model, "agree": res.agree})
+    dist.destroy_process_group(group)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """Case 0: the ranks hold different models (seeds 3, 11); case 1: the same one (seed 5)."""
+    results = launch(f"{__file__}:_rank_body", 2, ([[3, 11], [5, 5]],), timeout_s=120)
+    assert results[0] == results[1]  # every rank returns the same numbers
+    return results[0]
+
+
+def _direct_loss(params: torch.Tensor) -> float:
+    """Mean next-byte cross-entropy of ``params`` (flat, float64) over the first 61 x 8 targets."""
+    model = TinyLlama(CFG).double()
+    torch.nn.utils.vector_to_parameters(params, model.parameters())
+    n = EVAL_BYTES // CFG.seq_len
+    text = TEXT.long()
+    x, y = text[: n * CFG.seq_len].view(n, CFG.seq_len), text[1 : n * CFG.seq_len + 1].view(n, CFG.seq_len)
+    with torch.no_grad():
+        logits = model(x)
+    return float(F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)))
+
+
+def _flat64(model: TinyLlama) -> torch.Tensor:
+    return torch.nn.utils.parameters_to_vector(model.parameters()).detach().double()
+
+
+def test_own_and_averaged_losses_equal_a_float64_computation_on_two_ranks(two_ranks):
+    got = two_ranks[0]
+    p0, p1 = _flat64(_model(3)), _flat64(_model(11))
+    want_workers = [_direct_loss(p0), _direct_loss(p1)]
+    want_avg = _direct_loss((p0 + p1) / 2)
+    assert not got["agree"]
+    # float32 forward against float64: a few ulps of float32 per logit, averaged over 488 targets
+    for g, w in zip(got["workers"], want_workers, strict=True):
+        assert math.isclose(g, w, rel_tol=1e-5), (g, w)
+    assert math.isclose(got["avg_model"], want_avg, rel_tol=1e-5), (got["avg_model"], want_avg)
+    # the three models really differ, so the check above cannot pass by mixing them up
+    assert min(abs(want_workers[0] - want_workers[1]), abs(want_avg - want_workers[0])) > 1e-3
+
+
+def test_identical_workers_are_scored_once_and_every_value_is_that_models_loss(two_ranks):
+    got = two_ranks[1]
+    want = _direct_loss(_flat64(_model(5)))
+    assert got["agree"] and got["workers"][0] == got["workers"][1] == got["avg_model"]
+    assert math.isclose(got["avg_model"], want, rel_tol=1e-5), (got["avg_model"], want)
