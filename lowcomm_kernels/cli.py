@@ -184,6 +184,21 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", help="folder for the benchmark JSON (default runs/bench-<timestamp>)")
     b.add_argument("--quick", action="store_true", help="smallest sizes only (a smoke run)")
     b.add_argument("--overlap", action="store_true", help="also run bench/bench_overlap.py (2 and 4 ranks)")
+    r = sub.add_parser(
+        "report", help="render the tables (and plots) of finished runs from their results.json files"
+    )
+    r.add_argument("paths", nargs="*", metavar="RUN", help="run folders or results.json files")
+    r.add_argument("--out", help="write the markdown to this file (default: print it)")
+    r.add_argument("--plot", action="store_true", help="also draw each run's plots beside --out")
+    r.add_argument(
+        "--update-docs",
+        action="store_true",
+        help="re-render the marked regions (<!-- report: lowcomm report RUN... -->) of the RUN "
+        "arguments taken as markdown files (default: README.md and docs/results.md of the checkout)",
+    )
+    r.add_argument(
+        "--check", action="store_true", help="with --update-docs: only report stale regions (exit 1)"
+    )
     return p
 
 

@@ -200,8 +200,46 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    """Tables of finished runs from their results.json (or the docs' marked regions re-rendered)."""
+    from . import render
+
+    if args.check and not args.update_docs:
+        raise UsageError("--check goes with --update-docs")
+    if args.update_docs:
+        if args.out or args.plot:
+            raise UsageError("--update-docs rewrites the docs in place: it takes no --out or --plot")
+        docs = [Path(p) for p in args.paths] or render.default_docs()
+        stale = render.update_docs(docs, check=args.check)
+        verb = "out of date" if args.check else "updated"
+        for doc in stale:
+            print(f"{verb}: {doc}")
+        if not stale:
+            print("every marked region is up to date: " + ", ".join(str(d) for d in docs))
+        return 1 if args.check and stale else 0
+    if args.plot and not args.out:
+        raise UsageError("--plot needs --out: the plots are written beside the markdown file")
+    out = Path(args.out) if args.out else None
+    if out is not None and out.is_dir():
+        raise UsageError(f"--out {out} is a folder; give a markdown file name")
+    text, plots = render.render(args.paths, plot_dir=out.parent if args.plot and out else None)
+    if out is None:
+        print(text, end="")
+        return 0
+    if args.plot:  # the images, linked relative to the markdown file
+        text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"wrote {out}" + (f" and {len(plots)} plots beside it" if plots else ""))
+    return 0
+
+
 def dispatch(args: argparse.Namespace) -> int:
     check_cli_extras(args)  # a missing plotting or progress-bar package, named before any work
-    return {"compare": cmd_compare, "train": cmd_train, "profile": cmd_profile, "bench": cmd_bench}[
-        args.command
-    ](args)
+    return {
+        "compare": cmd_compare,
+        "train": cmd_train,
+        "profile": cmd_profile,
+        "bench": cmd_bench,
+        "report": cmd_report,
+    }[args.command](args)

@@ -310,6 +310,16 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def logreg_header(config: dict, speeds: tuple[int, ...] | list[int], seeds: int) -> str:
+    """The line above the logreg table: workers and their speeds, rounds, N, Q and seeds. ``config``:
+    a :class:`LogregConfig`'s fields (as results.json stores them)."""
+    return (
+        f"LOSCAR logistic regression: {len(speeds)} workers with relative step times {tuple(speeds)}, "
+        f"{config['rounds']} rounds, N={config['local_steps']}, Q={config['overlap_steps']} for the "
+        f"fastest worker, {seeds} seed(s); final gaps, mean ± std over seeds"
+    )
+
+
 def run_logreg_compare(args: argparse.Namespace) -> int:
     from ..runtime.launch import WorkerError
     from .args import out_dir
@@ -329,11 +339,7 @@ def run_logreg_compare(args: argparse.Namespace) -> int:
     except WorkerError as exc:
         return report_failure(exc, out)
     table = summarise(results)
-    header = (
-        f"LOSCAR logistic regression: {workers} workers with relative step times {SPEEDS[:workers]}, "
-        f"{cfg.rounds} rounds, N={cfg.local_steps}, Q={cfg.overlap_steps} for the fastest worker, "
-        f"{seeds} seed(s); final gaps, mean ± std over seeds"
-    )
+    header = logreg_header(cfg.__dict__, SPEEDS[:workers], seeds)
     (out / "table.md").write_text(
         f"# {header}\n\nCommand: `lowcomm compare --task logreg"
         f"{' --quick' if args.quick else ''}`\n\n{table}\n"
@@ -344,6 +350,8 @@ def run_logreg_compare(args: argparse.Namespace) -> int:
             "config": cfg.__dict__,
             "lr": cfg.lr or LR,
             "speeds": SPEEDS,
+            "workers": workers,
+            "seeds": seeds,
             "runs": results,
             "elapsed_s": time.perf_counter() - t0,
             "provenance": collect(),

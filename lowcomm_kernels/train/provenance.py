@@ -17,6 +17,7 @@ the results are written.
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import os
 import platform
 import shlex
@@ -111,12 +112,12 @@ def _git(repo: Path, *args: str) -> str | None:
 
 
 def git_info(repo: Path | None = None) -> dict:
-    """{revision, dirty, modified (at most MAX_MODIFIED names), modified_count} of ``repo`` (default:
-    the package's checkout). All None when ``repo`` is not the top of a git work tree: a package
-    installed in a virtual environment that sits inside some other checkout is not that checkout's
-    code."""
+    """{revision, dirty, modified (at most MAX_MODIFIED names), modified_count, diff_sha256 (of the
+    uncommitted changes to tracked files)} of ``repo`` (default: the package's checkout). All None
+    when ``repo`` is not the top of a git work tree: a package installed in a virtual environment
+    that sits inside some other checkout is not that checkout's code."""
     repo = (repo or package_root()).resolve()
-    none = {"revision": None, "dirty": None, "modified": None, "modified_count": None}
+    none = dict.fromkeys(("revision", "dirty", "modified", "modified_count", "diff_sha256"))
     top = _git(repo, "rev-parse", "--show-toplevel")
     if top is None or Path(top.strip()).resolve() != repo:
         return none
@@ -125,11 +126,14 @@ def git_info(repo: Path | None = None) -> dict:
     if rev is None or status is None:  # a repository with no commit yet
         return none
     modified = [line[3:] for line in status.splitlines() if line.strip()]
+    diff = _git(repo, "diff", "HEAD", "--no-ext-diff", "--no-color") if modified else None
     return {
         "revision": rev.strip(),
         "dirty": bool(modified),
         "modified": modified[:MAX_MODIFIED],
         "modified_count": len(modified),
+        # two runs with the same revision and digest ran the same code
+        "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff is not None else None,
     }
 
 

@@ -279,6 +279,17 @@ def study_plot(name: str, labels: list[str], results: list[RunResult], path: Pat
     plt.close(fig)
 
 
+def study_header(study: str, base: dict, seeds: int, corpus: str) -> str:
+    """The line above a study's table. ``base``: the study's base TrainSpec as a dict (results.json
+    stores it under "base")."""
+    mc = base["model"]
+    return (
+        f"study `{study}`: {base['workers']} workers, {base['steps']} steps, H={base['sync_every']}, "
+        f"K={base['num_fragments']}, tau={base['fragment_sync_delay']}, {seeds} seeds, model dim={mc['dim']} "
+        f"layers={mc['n_layers']} seq_len={mc['seq_len']}, quant_block={base['quant_block']}; {corpus}"
+    )
+
+
 def run_study(args: argparse.Namespace) -> int:
     from ..runtime.launch import WorkerError
     from .args import out_dir, spec_from_args, usage_error
@@ -325,12 +336,7 @@ def run_study(args: argparse.Namespace) -> int:
         + (" --quick" if args.quick else "")
         + (f" --seeds {args.seeds}" if args.seeds else "")
     )
-    mc = base.model
-    header = (
-        f"study `{args.study}`: {base.workers} workers, {base.steps} steps, H={base.sync_every}, "
-        f"K={base.num_fragments}, tau={base.fragment_sync_delay}, {seeds} seeds, model dim={mc.dim} "
-        f"layers={mc.n_layers} seq_len={mc.seq_len}, quant_block={base.quant_block}; {corpus.describe()}"
-    )
+    header = study_header(args.study, dataclasses.asdict(base), seeds, corpus.describe())
     (out / f"{args.study}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{table}\n")
     study_plot(args.study, labels, results, out / f"{args.study}.png")
     write_json(
@@ -338,6 +344,9 @@ def run_study(args: argparse.Namespace) -> int:
         {
             "study": args.study,
             "command": cmd,
+            "corpus": corpus.describe(),
+            "base": dataclasses.asdict(base),
+            "seeds": seeds,
             "target_val_loss": target,
             "runs": [r.to_dict() for r in results],
             "elapsed_s": time.perf_counter() - t0,

@@ -50,11 +50,17 @@ def test_git_revision_and_dirty_files_of_a_checkout(repo: Path):
         "dirty": False,
         "modified": [],
         "modified_count": 0,
+        "diff_sha256": None,
     }
     (repo / "b.txt").write_text("changed")
     (repo / "untracked.txt").write_text("not part of the code")
     dirty = provenance.git_info(repo)
     assert dirty["dirty"] is True and dirty["modified"] == ["b.txt"] and dirty["modified_count"] == 1
+    assert provenance.git_info(repo)["diff_sha256"] == dirty["diff_sha256"]  # same changes, same digest
+    (repo / "b.txt").write_text("changed again")
+    assert (
+        len(dirty["diff_sha256"]) == 64 and provenance.git_info(repo)["diff_sha256"] != dirty["diff_sha256"]
+    )
     _git(repo, "commit", "-q", "-am", "second")
     assert provenance.git_info(repo)["revision"] == _git(repo, "rev-parse", "HEAD") != clean["revision"]
 
@@ -75,7 +81,8 @@ def test_outside_a_checkout_every_git_field_is_null_and_nothing_is_printed(tmp_p
     plain = tmp_path / "not-a-repo"
     plain.mkdir()
     record = provenance.collect(repo=plain)
-    assert record["git"] == {"revision": None, "dirty": None, "modified": None, "modified_count": None}
+    assert set(record["git"]) == {"revision", "dirty", "modified", "modified_count", "diff_sha256"}
+    assert set(record["git"].values()) == {None}
     assert capfd.readouterr() == ("", "")
 
 

@@ -1,0 +1,279 @@
+"""``lowcomm report``: the tables (and plots) of finished runs, rendered again from their results.json.
+
+A source is a run folder or its ``results.json``, written by ``lowcomm compare`` / ``train`` /
+``profile`` (kind ``compare``), ``lowcomm compare --study NAME`` (kind ``study``, the wire study
+included) or ``lowcomm compare --task logreg`` (kind ``logreg``). Each renders as the table its
+command printed, made by the same functions (report.format_table, studies.study_table and
+wire_table, logreg.summarise), under one provenance line: revision, dirty files, date, load and
+command. Several compare sources (e.g. one per ``--seed``) also get a table of mean ± std over them.
+
+Docs stay honest with marked regions::
+
+    <!-- report: lowcomm report docs/runs/compare-quick -->
+    ... (replaced by the command's output)
+    <!-- /report -->
+
+``lowcomm report --update-docs`` re-renders every region of README.md and docs/results.md (paths in
+a marker are relative to the repository root); ``--check`` only says which regions differ.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import UsageError
+from .report import RunResult, auto_target, format_table, plot_curves
+
+KINDS = ("compare", "study", "logreg")
+# a region: the opening marker alone on its line, then anything, then the closing marker on its line
+MARKER = re.compile(
+    r"^<!-- report: (?P<cmd>[^\n]+?) -->\n(?P<body>.*?)^<!-- /report -->$", re.DOTALL | re.MULTILINE
+)
+DOCS = ("README.md", "docs/results.md")  # the files --update-docs rewrites by default
+
+
+@dataclass
+class Source:
+    """One results.json: ``label`` is the path as the user gave it (it appears in the output)."""
+
+    label: str
+    path: Path
+    kind: str
+    data: dict
+
+
+def _kind(data: dict) -> str | None:
+    if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
+        return None
+    if "study" in data:
+        return "study"
+    if "speeds" in data and "config" in data:
+        return "logreg"
+    if "rows" in data and "target_val_loss" in data:
+        return "compare"
+    return None
+
+
+def load(label: str, base: Path | None = None) -> Source:
+    """The results of ``label`` (a run folder or a results.json; relative to ``base`` when given).
+    UsageError naming the path when it is missing, not JSON, or not a results file of a known
+    command."""
+    path = Path(label) if base is None else base / label
+    if path.is_dir():
+        path = path / "results.json"
+    if not path.is_file():
+        raise UsageError(f"{path}: no such results file (give a run folder or its results.json)")
+    try:
+        data = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UsageError(f"{path}: not a valid results.json ({exc})") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot be read ({exc.strerror})") from None
+    kind = _kind(data)
+    if kind is None:
+        keys = ", ".join(sorted(data)) if isinstance(data, dict) else type(data).__name__
+        raise UsageError(
+            f"{path}: not a results.json of lowcomm compare, train, profile, a study or the logreg "
+            f"task (found: {keys})"
+        )
+    try:
+        if kind != "logreg":
+            [RunResult.from_dict(r) for r in data["runs"]]
+    except (TypeError, KeyError, AttributeError) as exc:
+        raise UsageError(f"{path}: a run in it is malformed ({exc})") from None
+    return Source(label, path, kind, data)
+
+
+def provenance_line(src: Source) -> str:
+    """One line: where the numbers came from."""
+    p = src.data.get("provenance")
+    head = f"Source: `{src.label}`"
+    if not isinstance(p, dict):
+        return f"{head} · no provenance recorded (written before results files carried one)"
+    git = p.get("git") or {}
+    rev = git.get("revision")
+    if rev is None:
+        code = "revision unknown (not run from a git checkout)"
+    elif git.get("dirty"):
+        n = git.get("modified_count") or 0
+        code = f"revision `{rev[:10]}` + uncommitted changes in {n} tracked file{'s' * (n != 1)}"
+    else:
+        code = f"revision `{rev[:10]}` (clean)"
+    parts = [head, code, str(p.get("started_utc") or "date unknown")]
+    load, machine = p.get("load") or {}, p.get("machine") or {}
+    a, b = load.get("loadavg_start"), load.get("loadavg_end")
+    if a and b:
+        cpus = machine.get("cpu_count")
+        parts.append(f"load {a[0]:g} → {b[0]:g}" + (f" on {cpus} CPUs" if cpus else ""))
+    if load.get("cpu_s") is not None:
+        parts.append(f"{load['cpu_s']:.0f} CPU s in {load.get('wall_s', math.nan):.0f} s")
+    if p.get("command"):
+        parts.append(f"command: `{p['command']}`")
+    return " · ".join(parts)
+
+
+def _runs(src: Source) -> list[RunResult]:
+    return [RunResult.from_dict(r) for r in src.data["runs"]]
+
+
+def _labels(results: list[RunResult]) -> list[str]:
+    return list(dict.fromkeys(r.name for r in results))
+
+
+def _name(src: Source) -> str:
+    """A file-name prefix for the source's plots."""
+    stem = src.path.parent.name or "run"
+    return re.sub(r"[^\w.-]+", "_", stem)
+
+
+def _compare(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
+    results, target = _runs(src), float(src.data["target_val_loss"])
+    title = src.data.get("title", "lowcomm compare")
+    body = (
+        f"**{title}**\n\n{src.data.get('corpus', 'corpus not recorded')}\n\n{format_table(results, target)}"
+    )
+    plots = plot_curves(results, plot_dir, target, prefix=_name(src) + "_") if plot_dir else []
+    return body, plots
+
+
+def _study(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
+    from .studies import study_header, study_plot, study_table, wire_plot, wire_table
+
+    d, results = src.data, _runs(src)
+    labels, target, name = _labels(results), float(d["target_val_loss"]), str(d["study"])
+    seeds = d.get("seeds") or max((sum(r.name == lb for r in results) for lb in labels), default=0)
+    base = d.get("base") or (results[0].config if results else None)
+    if isinstance(base, dict) and isinstance(base.get("model"), dict):
+        header = study_header(name, base, seeds, d.get("corpus", "corpus not recorded"))
+    else:
+        header = f"study `{name}`"
+    table = (
+        wire_table(labels, results, target) if name == "wire" else study_table(name, labels, results, target)
+    )
+    body = f"**{header}**\n\nCommand: `{d.get('command', 'not recorded')}`\n\n{table}"
+    plots: list[Path] = []
+    if plot_dir:
+        plots.append(plot_dir / f"{_name(src)}_{name}.png")
+        study_plot(name, labels, results, plots[-1])
+        if name == "wire":
+            plots.append(plot_dir / f"{_name(src)}_wire_bytes.png")
+            wire_plot(labels, results, plots[-1])
+    return body, plots
+
+
+def _logreg(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
+    from .logreg import logreg_header, plot, summarise
+
+    d, runs = src.data, src.data["runs"]
+    try:
+        workers = int(d.get("workers") or len(d["speeds"]))
+        seeds = int(d.get("seeds") or len({r["seed"] for r in runs}))
+        header = logreg_header(d["config"], list(d["speeds"])[:workers], seeds)
+        table = summarise(runs)
+    except (TypeError, KeyError, ValueError) as exc:
+        raise UsageError(f"{src.path}: a logreg run in it is malformed ({exc!r})") from None
+    plots = []
+    if plot_dir:
+        plots.append(plot_dir / f"{_name(src)}_logreg_gap_vs_round.png")
+        plot(runs, plots[-1])
+    return f"**{header}**\n\n{table.rstrip()}", plots
+
+
+RENDERERS = {"compare": _compare, "study": _study, "logreg": _logreg}
+
+
+def across_runs(sources: list[Source]) -> str:
+    """Several compare sources (the same methods, e.g. one per seed): mean ± std over them, per
+    method, as the studies tabulate seeds."""
+    from .studies import study_table
+
+    results = [r for s in sources for r in _runs(s)]
+    labels = _labels(results)
+    table = study_table("compare", labels, results, auto_target(results))
+    return f"**mean ± std over the {len(sources)} compare runs above**\n\n{table}"
+
+
+def render(
+    labels: list[str], plot_dir: Path | None = None, base: Path | None = None
+) -> tuple[str, list[Path]]:
+    """Markdown for the sources ``labels`` (relative to ``base`` when given; every one loaded and
+    checked before anything is drawn), and the plots written into ``plot_dir`` (none when None)."""
+    if not labels:
+        raise UsageError("lowcomm report needs at least one run folder or results.json")
+    sources = [load(label, base) for label in labels]
+    if plot_dir is not None:
+        from .extras import require
+
+        require("matplotlib", "cli", "lowcomm report --plot")
+        plot_dir.mkdir(parents=True, exist_ok=True)
+    parts, plots = [], []
+    for src in sources:
+        body, written = RENDERERS[src.kind](src, plot_dir)
+        parts.append(f"{body}\n\n{provenance_line(src)}")
+        plots += written
+    compares = [s for s in sources if s.kind == "compare"]
+    if len(compares) > 1:
+        parts.append(across_runs(compares))
+    return "\n\n".join(parts) + "\n", plots
+
+
+def _marker_args(cmd: str, where: str) -> list[str]:
+    try:
+        words = shlex.split(cmd)
+    except ValueError as exc:
+        raise UsageError(f"{where}: cannot parse the marker's command {cmd!r} ({exc})") from None
+    if words[:2] != ["lowcomm", "report"] or len(words) < 3 or any(w.startswith("-") for w in words[2:]):
+        raise UsageError(
+            f"{where}: a marker reads '<!-- report: lowcomm report PATH... -->' (paths only), got {cmd!r}"
+        )
+    return words[2:]
+
+
+def render_regions(doc: Path, root: Path) -> tuple[str, int]:
+    """``doc``'s text with every marked region re-rendered (paths relative to ``root``), and the
+    number of regions."""
+    text = doc.read_text()
+    count = 0
+
+    def sub(m: re.Match) -> str:
+        nonlocal count
+        count += 1
+        line = text.count("\n", 0, m.start()) + 1
+        body, _ = render(_marker_args(m["cmd"], f"{doc}:{line}"), base=root)
+        return f"<!-- report: {m['cmd']} -->\n{body}<!-- /report -->"
+
+    return MARKER.sub(sub, text), count
+
+
+def repo_root(doc: Path) -> Path:
+    """The nearest folder at or above ``doc`` holding pyproject.toml: where marker paths start."""
+    for folder in [doc.resolve().parent, *doc.resolve().parents]:
+        if (folder / "pyproject.toml").is_file():
+            return folder
+    return doc.resolve().parent
+
+
+def update_docs(docs: list[Path], check: bool = False) -> list[Path]:
+    """Re-render the marked regions of ``docs``; returns the files whose regions were out of date
+    (rewritten unless ``check``). Every file is rendered before any is written."""
+    for doc in docs:
+        if not doc.is_file():
+            raise UsageError(f"--update-docs: {doc} not found")
+    new = {doc: render_regions(doc, repo_root(doc))[0] for doc in docs}
+    stale = [doc for doc in docs if new[doc] != doc.read_text()]
+    if not check:
+        for doc in stale:
+            doc.write_text(new[doc])
+    return stale
+
+
+def default_docs() -> list[Path]:
+    from .provenance import package_root
+
+    root = package_root()
+    return [root / d for d in DOCS if (root / d).is_file()]

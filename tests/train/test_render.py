@@ -1,0 +1,181 @@
+"""`lowcomm report`: tables rendered from results.json files of real runs, bad input named by path,
+and the docs' marked regions in sync with the committed result files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from lowcomm_kernels.cli import main
+from lowcomm_kernels.train import provenance, render
+from lowcomm_kernels.train.report import RunResult, format_table
+from tests.train.test_cli import PNG, TINY
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def compare_run(tmp_path_factory) -> tuple[Path, str]:
+    """A real two-method compare run (2 ranks, a few steps) and the table it printed."""
+    out = tmp_path_factory.mktemp("report") / "compare"
+    argv = ["compare", "--methods", "diloco,streaming", *TINY, "--out", str(out)]
+    assert main(argv) == 0
+    return out, (out / "table.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def study_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("report") / "study"
+    argv = ["compare", "--study", "matched", "--seeds", "2", *TINY, "--sync-every", "8", "--out", str(out)]
+    assert main(argv) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_real_run_records_its_provenance(compare_run):
+    out, _ = compare_run
+    p = json.loads((out / "results.json").read_text())["provenance"]
+    assert p["argv"][:3] == ["lowcomm", "compare", "--methods"] and p["argv"][-1] == str(out)
+    assert p["command"].startswith("lowcomm compare --methods diloco,streaming --workers 2")
+    root = provenance.package_root()
+    if (root / ".git").exists() and shutil.which("git"):
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True)
+        assert p["git"]["revision"] == head.stdout.strip()
+    assert p["versions"]["torch"] and p["machine"]["cpu_count"] >= 1
+    # the workers are child processes: their CPU time is counted once they are waited for
+    assert p["load"]["cpu_s"] > 0 and p["load"]["wall_s"] > 0 and len(p["load"]["loadavg_end"]) == 3
+
+
+@pytest.mark.slow
+def test_report_renders_the_table_the_command_printed(compare_run, capsys):
+    out, printed = compare_run
+    doc = json.loads((out / "results.json").read_text())
+    assert main(["report", str(out)]) == 0
+    text = capsys.readouterr().out
+    table = format_table([RunResult.from_dict(r) for r in doc["runs"]], doc["target_val_loss"])
+    assert table in printed and table in text  # the very table of table.md
+    assert text.startswith(f"**{doc['title']}**")
+    rev = doc["provenance"]["git"]["revision"]
+    line = next(ln for ln in text.splitlines() if ln.startswith("Source: "))
+    assert f"`{out}`" in line and (rev is None or rev[:10] in line)
+    assert "command: `lowcomm compare --methods diloco,streaming" in line
+    assert main(["report", str(out / "results.json")]) == 0  # the file itself works too
+    assert capsys.readouterr().out == text.replace(f"`{out}`", f"`{out / 'results.json'}`")
+
+
+@pytest.mark.slow
+def test_report_writes_markdown_and_plots(compare_run, tmp_path, capsys):
+    out, _ = compare_run
+    md = tmp_path / "rep" / "report.md"
+    assert main(["report", str(out), "--out", str(md), "--plot"]) == 0
+    text = md.read_text()
+    pngs = sorted(md.parent.glob("*.png"))
+    assert [p.name for p in pngs] == [f"compare_val_loss_vs_{k}.png" for k in ("bytes", "steps", "wallclock")]
+    for p in pngs:
+        assert p.read_bytes()[:8] == PNG and f"]({p.name})" in text
+
+
+@pytest.mark.slow
+def test_several_compare_runs_are_aggregated_mean_std(compare_run, capsys):
+    out, _ = compare_run
+    doc = json.loads((out / "results.json").read_text())
+    assert main(["report", str(out), str(out / "results.json")]) == 0
+    text = capsys.readouterr().out
+    tail = text.split("**mean ± std over the 2 compare runs above**", 1)[1]
+    for run in doc["runs"]:  # the same run twice: each method has 2 values, equal, so std 0
+        assert f"| {run['name']} | 2 | {run['final_loss']:.4f} ± 0.0000 |" in tail
+
+
+@pytest.mark.slow
+def test_report_of_a_study_is_its_table(study_run, capsys):
+    assert main(["report", str(study_run)]) == 0
+    text = capsys.readouterr().out
+    printed = (study_run / "matched.md").read_text()
+    table = printed.split("\n\n", 2)[2].strip()  # after the header line and the command line
+    assert table in text and " ± " in table
+    assert text.startswith("**" + printed.split("\n", 1)[0].removeprefix("# ") + "**")  # the same header
+    assert "Command: `lowcomm compare --study matched --seeds 2`" in text
+
+
+def _rc_err(argv: list[str], capsys) -> tuple[int, str]:
+    rc = main(argv)
+    return rc, capsys.readouterr().err
+
+
+def test_missing_corrupt_and_unknown_inputs_are_named(tmp_path: Path, capsys):
+    md = tmp_path / "out.md"
+    missing = tmp_path / "nope"
+    rc, err = _rc_err(["report", str(missing), "--out", str(md)], capsys)
+    assert rc == 2 and f"{missing}: no such results file" in err
+    empty_dir = tmp_path / "empty"
+    empty_dir.mkdir()
+    rc, err = _rc_err(["report", str(empty_dir)], capsys)
+    assert rc == 2 and f"{empty_dir / 'results.json'}: no such results file" in err
+    corrupt = tmp_path / "corrupt.json"
+    corrupt.write_text('{"title": "x", "runs": [')
+    rc, err = _rc_err(["report", str(corrupt), "--out", str(md)], capsys)
+    assert rc == 2 and str(corrupt) in err and "not a valid results.json" in err
+    unknown = tmp_path / "unknown.json"
+    unknown.write_text(json.dumps({"benchmarks": []}))
+    rc, err = _rc_err(["report", str(unknown)], capsys)
+    assert rc == 2 and str(unknown) in err and "found: benchmarks" in err
+    bad_run = tmp_path / "bad_run.json"
+    bad_run.write_text(json.dumps({"rows": [], "target_val_loss": 1.0, "runs": [{"name": "x"}]}))
+    rc, err = _rc_err(["report", str(bad_run)], capsys)
+    assert rc == 2 and str(bad_run) in err and "malformed" in err
+    assert not md.exists()  # nothing written when any source is bad
+    rc, err = _rc_err(["report"], capsys)
+    assert rc == 2 and "at least one run" in err
+    rc, err = _rc_err(["report", str(corrupt), "--plot"], capsys)
+    assert rc == 2 and "--plot needs --out" in err
+    rc, err = _rc_err(["report", "--check"], capsys)
+    assert rc == 2 and "--check goes with --update-docs" in err
+
+
+@pytest.mark.slow
+def test_a_truncated_real_file_is_named(compare_run, tmp_path, capsys):
+    out, _ = compare_run
+    cut = tmp_path / "cut.json"
+    text = (out / "results.json").read_text()
+    cut.write_text(text[: len(text) // 2])
+    rc, err = _rc_err(["report", str(out), str(cut)], capsys)
+    assert rc == 2 and str(cut) in err and capsys.readouterr().out == ""
+
+
+@pytest.mark.slow
+def test_update_docs_rewrites_a_stale_region_and_check_finds_it(compare_run, tmp_path, capsys):
+    out, _ = compare_run
+    (tmp_path / "pyproject.toml").write_text("")  # marks the root the marker paths start from
+    shutil.copytree(out, tmp_path / "runs" / "tiny")
+    doc = tmp_path / "docs" / "page.md"
+    doc.parent.mkdir()
+    doc.write_text(
+        "intro\n\n<!-- report: lowcomm report runs/tiny -->\nstale numbers\n<!-- /report -->\n\nend\n"
+    )
+    assert main(["report", "--update-docs", "--check", str(doc)]) == 1
+    assert "stale numbers" in doc.read_text()  # --check writes nothing
+    assert main(["report", "--update-docs", str(doc)]) == 0
+    new = doc.read_text()
+    rendered, _ = render.render(["runs/tiny"], base=tmp_path)
+    assert new == f"intro\n\n<!-- report: lowcomm report runs/tiny -->\n{rendered}<!-- /report -->\n\nend\n"
+    assert "Source: `runs/tiny`" in new
+    capsys.readouterr()
+    assert main(["report", "--update-docs", "--check", str(doc)]) == 0
+    doc.write_text(
+        new.replace("<!-- report: lowcomm report runs/tiny -->", "<!-- report: lowcomm report -x -->")
+    )
+    rc, err = _rc_err(["report", "--update-docs", str(doc)], capsys)
+    assert rc == 2 and f"{doc}:3" in err
+
+
+def test_the_docs_match_what_lowcomm_report_renders_from_the_committed_results():
+    """Every marked region of README.md and docs/results.md is exactly `lowcomm report` over the
+    committed result files; edit the files, never the tables (`lowcomm report --update-docs`)."""
+    docs = [ROOT / "README.md", ROOT / "docs" / "results.md"]
+    regions = sum(render.render_regions(d, ROOT)[1] for d in docs)
+    assert regions >= 2, "the results tables are expected to be rendered regions"
+    assert render.update_docs(docs, check=True) == [], "run: lowcomm report --update-docs"
