@@ -7,18 +7,34 @@ A run's knobs come from three layers: :class:`~lowcomm_kernels.train.spec.TrainS
 from __future__ import annotations
 
 # TrainSpec's defaults for the length of a run, and `lowcomm compare` / `lowcomm train` without --quick.
-DEFAULT = dict(steps=600, sync_every=50, fragment_sync_delay=5, eval_every=50)
+# An evaluation scores every worker's own model on TrainSpec.eval_bytes (256 KiB) of validation text:
+# with 4 workers on the 2-core dev machine about 20 s of wall-clock while the workers' models differ
+# (each rank scores 4,096 + 1,024 windows), about 4 s when they agree (data-parallel always, DiLoCo
+# right after a sync, every method at step 0) - so evaluations are few, at multiples of H.
+DEFAULT = dict(steps=600, sync_every=50, fragment_sync_delay=5, eval_every=150)
 
-# The language-model presets, by name. Measured on the 2-core dev machine at load ~5: `compare`
-# takes 5 min 42 s for the five methods with "default", 1 min 34 s with "quick".
+#: validation bytes of the smoke presets (quick, the studies): 64 KiB, 16x the old 4 KiB, so that
+#: `compare --quick` stays near its old time; the tables print the bytes scored
+SMOKE_EVAL_BYTES = 65_536
+
+# The language-model presets, by name. Timings of `compare` with each: docs/results.md (time budget).
 LM: dict[str, dict] = {
     "default": DEFAULT,
-    "quick": dict(steps=120, sync_every=20, fragment_sync_delay=3, eval_every=20),
+    "quick": dict(
+        steps=120, sync_every=20, fragment_sync_delay=3, eval_every=60, eval_bytes=SMOKE_EVAL_BYTES
+    ),
     # `compare --study`: shorter runs than `compare`, since a study multiplies configurations by seeds
-    "study": dict(steps=300, sync_every=50, fragment_sync_delay=5, eval_every=25),
-    "study-quick": dict(steps=100, sync_every=25, fragment_sync_delay=2, eval_every=25),
-    # `profile`: a short 2-rank run, small enough that the traces of every rank stay readable
-    "profile": dict(workers=2, steps=40, sync_every=20, fragment_sync_delay=3, eval_every=40),
+    "study": dict(
+        steps=300, sync_every=50, fragment_sync_delay=5, eval_every=100, eval_bytes=SMOKE_EVAL_BYTES
+    ),
+    "study-quick": dict(
+        steps=100, sync_every=25, fragment_sync_delay=2, eval_every=50, eval_bytes=SMOKE_EVAL_BYTES
+    ),
+    # `profile`: a short 2-rank run, small enough that the traces of every rank stay readable (and
+    # not filled by the evaluation: 16 KiB)
+    "profile": dict(
+        workers=2, steps=40, sync_every=20, fragment_sync_delay=3, eval_every=40, eval_bytes=16_384
+    ),
 }
 STUDY_SEEDS = 3  # seeds per configuration of a study, unless --seeds
 

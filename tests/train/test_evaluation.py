@@ -29,6 +29,7 @@ def _rank_body(rank: int, world: int, cases: list[list[int]]) -> list[dict]:
     """Evaluate, for each case, rank r's model made from seed case[r]."""
     import torch.distributed as dist
 
+    from lowcomm_kernels.train import worker
     from lowcomm_kernels.train.worker import evaluate
 
     group = dist.new_group(backend="gloo")
@@ -37,15 +38,22 @@ def _rank_body(rank: int, world: int, cases: list[list[int]]) -> list[dict]:
         res = evaluate(
             _model(seeds[rank]), TinyLlama(CFG), eval_set(TEXT, CFG.seq_len, EVAL_BYTES), group, rank, world
         )
-        out.append({"workers": res.workers, "avg_model": res.avg_model, "agree": res.agree})
+        out.append(
+            {
+                "workers": res.workers,
+                "avg_model": res.avg_model,
+                "agree": res.agree,
+                "scored_models": len(worker._AGREED_LOSSES),
+            }
+        )
     dist.destroy_process_group(group)
     return out
 
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    """Case 0: the ranks hold different models (seeds 3, 11); case 1: the same one (seed 5)."""
-    results = launch(f"{__file__}:_rank_body", 2, ([[3, 11], [5, 5]],), timeout_s=120)
+    """Case 0: the ranks hold different models (seeds 3, 11); cases 1 and 2: the same one (seed 5)."""
+    results = launch(f"{__file__}:_rank_body", 2, ([[3, 11], [5, 5], [5, 5]],), timeout_s=120)
     assert results[0] == results[1]  # every rank returns the same numbers
     return results[0]
 
@@ -85,3 +93,9 @@ def test_identical_workers_are_scored_once_and_every_value_is_that_models_loss(t
     want = _direct_loss(_flat64(_model(5)))
     assert got["agree"] and got["workers"][0] == got["workers"][1] == got["avg_model"]
     assert math.isclose(got["avg_model"], want, rel_tol=1e-5), (got["avg_model"], want)
+
+
+def test_a_model_every_rank_held_is_scored_once_per_process(two_ranks):
+    """The initial model of every run of a launch: the second evaluation is the first's number."""
+    assert [c["scored_models"] for c in two_ranks] == [0, 1, 1]
+    assert two_ranks[2]["avg_model"] == two_ranks[1]["avg_model"] and two_ranks[2]["agree"]
