@@ -13,7 +13,18 @@ from typing import Any, NoReturn
 
 from .train.args import add_tensorboard_flag
 from .train.errors import UsageError
-from .train.spec import INT_FIELDS, LAM_MODES, MERGES, METHODS, PARAM_DTYPES, RANGES, SCORES, WIRE_DTYPE_NAMES
+from .train.spec import (
+    INT_FIELDS,
+    LAM_MODES,
+    MERGES,
+    METHODS,
+    PARAM_DTYPES,
+    RANGES,
+    SCORES,
+    SPEED_MODELS,
+    SPLITS,
+    WIRE_DTYPE_NAMES,
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -151,6 +162,18 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         help="model parameters' dtype (bf16/fp16: fp32 outer master)",
     )
     o.add_argument("--worker-speeds", type=_speeds, help="relative step times, e.g. 1,2,3,6")
+    o.add_argument(
+        "--speed-model",
+        choices=SPEED_MODELS,
+        help="what --worker-speeds do: 'sleep' (default) stretches a slow worker's steps; 'steps' gives "
+        "a c x slower LOSCAR worker floor(N/c) local steps per round (other methods wait for it)",
+    )
+    g.add_argument(
+        "--split",
+        choices=SPLITS,
+        help="training text per worker: 'contiguous' (default) slices of the sorted files, so each "
+        "worker reads other files (non-iid); 'iid' interleaved 4 KiB blocks of the whole text",
+    )
     w = p.add_argument_group("emulated WAN")
     knob(w, "--latency-ms", "latency_s", "one-way latency per collective (default 50)", same_units=False)
     knob(w, "--bandwidth-mbps", "bandwidth_bytes_per_s", "link bandwidth in Mbit/s (default 100)", False)
@@ -160,7 +183,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="lowcomm", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     c = sub.add_parser("compare", help="train every method on the same task and compare (the main job)")
-    c.add_argument("--task", choices=("lm", "logreg"), default="lm")
+    c.add_argument(
+        "--task",
+        choices=("lm", "logreg", "mlp"),
+        default="lm",
+        help="lm: byte-level language model; logreg: LOSCAR's convex setting; mlp: a non-convex MLP "
+        "on scikit-learn's bundled digits",
+    )
     c.add_argument("--study", help="an open-question study: " + ", ".join(_study_names()))
     c.add_argument("--methods", default=",".join(METHODS), help="comma list of " + ", ".join(METHODS))
     c.add_argument("--quick", action="store_true", help="short runs (about 2 minutes)")

@@ -21,7 +21,7 @@ _SPEC_FIELDS = (
     "workers steps batch_size seed eval_every eval_bytes lr weight_decay warmup_steps sync_every outer_lr "
     "outer_momentum num_fragments fragment_sync_delay fragment_update_alpha lam lam_mode gamma "
     "syncs_per_period quant_block error_feedback "
-    "score density local_steps overlap_steps merge wire_dtype param_dtype worker_speeds"
+    "score density local_steps overlap_steps merge wire_dtype param_dtype worker_speeds speed_model split"
 ).split()
 
 

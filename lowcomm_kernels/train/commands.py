@@ -15,7 +15,7 @@ from pathlib import Path
 
 from . import presets, provenance
 from .args import out_dir, parse_methods, spec_from_args, with_tensorboard
-from .corpus import Corpus, CorpusError, load_corpus
+from .corpus import Corpus, CorpusError, load_corpus, worker_shard
 from .errors import UsageError
 from .extras import check_cli_extras
 from .report import RunResult, auto_target, comparison_rows, format_table, plot_curves, write_json
@@ -32,7 +32,11 @@ def load_checked_corpus(data: str | None, specs: list[TrainSpec]) -> Corpus:
     except CorpusError as exc:
         raise UsageError(str(exc)) from None
     for spec in specs:
-        window, share = spec.model.seq_len + 1, corpus.train.numel() // spec.workers
+        try:  # the iid split deals whole blocks: a short text may leave a worker none
+            share = worker_shard(corpus.train, 0, spec.workers, spec.split).numel()
+        except CorpusError as exc:
+            raise UsageError(f"--split {spec.split}: {exc}") from None
+        window = spec.model.seq_len + 1
         if share <= window:
             raise UsageError(
                 f"--seq-len {spec.model.seq_len} needs more than {window} bytes of training text per "
@@ -104,6 +108,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         from .logreg import run_logreg_compare
 
         return run_logreg_compare(args)
+    if args.task == "mlp":
+        from .mlp import run_mlp_compare
+
+        return run_mlp_compare(args)
     methods = parse_methods(args.methods)
     specs = build_specs(args, methods, presets.LM["quick" if args.quick else "default"])
     corpus = load_checked_corpus(args.data, specs)

@@ -26,8 +26,10 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -119,6 +121,34 @@ def optimum(X: torch.Tensor, y: torch.Tensor, l2: float) -> float:
     return float(objective(w.detach(), X, y, l2))
 
 
+@torch.no_grad()
+def averaged_and_own(
+    model: torch.nn.Module, loss: Callable[[torch.nn.Module], float], group: object
+) -> tuple[float, list[float]]:
+    """(loss of the worker-averaged parameters, each worker's own parameters' loss in rank order).
+    Collective over ``group``; the same numbers on every rank. The second is the model each worker
+    actually holds: averaging only at evaluation hides how far apart the workers drifted (and LOSCAR
+    never forms the average). ``model`` is left as it was."""
+    world = dist.get_world_size(group)
+    mine = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
+    own = torch.tensor([loss(model)], dtype=torch.float64)
+    every = [torch.zeros_like(own) for _ in range(world)]
+    avg = mine.clone()
+    dist.all_reduce(avg, group=group)
+    dist.all_gather(every, own, group=group)
+    _copy_into(model, avg.div_(world))  # in place: a strategy's flat buffer stays the parameters' storage
+    avg_loss = loss(model)
+    _copy_into(model, mine)
+    return avg_loss, [float(v) for v in every]
+
+
+def _copy_into(model: torch.nn.Module, vec: torch.Tensor) -> None:
+    offset = 0
+    for p in model.parameters():
+        p.copy_(vec[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
 def run_one(
     cfg: LogregConfig,
     dataset: str,
@@ -158,13 +188,10 @@ def run_one(
     curve = []
 
     def record(r: int) -> None:
-        # f(x̄) of the averaged model, and the mean over workers of f(x_i): the model each worker
-        # actually holds (averaging at evaluation hides how far apart the workers drifted).
-        w = model.weight.detach().reshape(-1).clone()
-        own = torch.tensor([float(objective(w, X, y, cfg.l2))], dtype=torch.float64)
-        dist.all_reduce(w, group=eval_group)
-        dist.all_reduce(own, group=eval_group)
-        curve.append((r, float(objective(w / world, X, y, cfg.l2)), float(own) / world))
+        avg, own = averaged_and_own(
+            model, lambda m: float(objective(m.weight.reshape(-1), X, y, cfg.l2)), eval_group
+        )
+        curve.append((r, avg, sum(own) / len(own)))
 
     with strategy:
         record(0)
@@ -211,26 +238,33 @@ def _rank(rank: int, world: int, cfg: LogregConfig, jobs: list) -> list[dict] | 
     return results if rank == 0 else None
 
 
-def run_jobs(cfg: LogregConfig, jobs: list, workers: int, progress: bool) -> list[dict]:
-    """Every job on ``workers`` ranks; raises :class:`~lowcomm_kernels.runtime.launch.WorkerError`."""
+def launch_jobs(body: Callable, args: tuple, n_jobs: int, workers: int, progress: bool, desc: str) -> Any:
+    """``body(rank, world, *args)`` on ``workers`` ranks (one spawn for every job), with a progress
+    bar of ``n_jobs`` runs that rank 0 advances by ``send(job_index)``; returns rank 0's value.
+    Raises :class:`~lowcomm_kernels.runtime.launch.WorkerError`."""
     from ..runtime.launch import launch
 
     bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(jobs), desc="logreg runs", unit="run")
+        bar = tqdm(total=n_jobs, desc=desc, unit="run")
 
     def job_done(rank: int, job: int) -> None:
         if bar is not None:
             bar.update(1)
 
     try:
-        per_rank = launch(_rank, workers, (cfg, jobs), on_message=job_done)
+        per_rank = launch(body, workers, args, on_message=job_done)
     finally:
         if bar is not None:
             bar.close()
     return per_rank[0]
+
+
+def run_jobs(cfg: LogregConfig, jobs: list, workers: int, progress: bool) -> list[dict]:
+    """Every job on ``workers`` ranks; raises :class:`~lowcomm_kernels.runtime.launch.WorkerError`."""
+    return launch_jobs(_rank, (cfg, jobs), len(jobs), workers, progress, "logreg runs")
 
 
 def summarise(results: list[dict]) -> str:

@@ -35,6 +35,14 @@ SCORES = tuple(schedule.SCORES)
 WIRE_DTYPE_NAMES = tuple(schedule.WIRE_FORMATS)
 #: the model's parameter dtype (bf16 / fp16: the strategies keep a float32 outer master)
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: how worker_speeds slow a worker: 'sleep' stretches each of its steps (every worker runs the same
+#: steps); 'steps' gives a c x slower LOSCAR worker c x fewer steps per round (other methods wait for
+#: it: no sleep, the time model charges the slowest worker's step)
+SPEED_MODELS = ("sleep", "steps")
+#: how the training text is shared out: contiguous slices of the sorted files' concatenation (each
+#: worker reads other files: non-iid) or interleaved blocks of IID_BLOCK bytes (every worker reads
+#: every part of the text)
+SPLITS = ("contiguous", "iid")
 
 
 def _marked(field: str) -> str:
@@ -97,7 +105,7 @@ RANGES: dict[str, Range] = {
     "grad_clip": NON_NEGATIVE,
     "fragment_update_alpha": Range(0, 1),
     "min_lr_frac": Range(0, 1, lo_open=True),
-    "density": Range(0, 1, lo_open=True),
+    "density": Range(0, 1),  # LOSCAR p; 0: no communication (each worker trains alone)
 }
 INT_FIELDS = (
     "workers steps batch_size sync_every num_fragments eval_every eval_bytes warmup_steps "
@@ -142,6 +150,8 @@ class TrainSpec:
     overlap_steps: int | None = None  # LOSCAR Q; None -> fragment_sync_delay
     merge: str = "delay_corrected"
     worker_speeds: tuple[float, ...] | None = None  # relative step times (heterogeneous LOSCAR)
+    speed_model: str = "sleep"  # what worker_speeds do: see SPEED_MODELS
+    split: str = "contiguous"  # how the training text is shared out between workers: see SPLITS
     wire_dtype: str = "fp32"
     quant_block: int = compression.DEFAULT_QUANT_BLOCK  # elements per scale of a quantized wire_dtype
     error_feedback: bool = False  # quantized wire_dtype: feed each worker's quantization error back
@@ -176,6 +186,41 @@ class TrainSpec:
 
     def resolved_overlap_steps(self) -> int:
         return self.overlap_steps if self.overlap_steps is not None else self.fragment_sync_delay
+
+    def relative_speeds(self) -> list[float]:
+        """Each worker's step time over the fastest one's (c_i >= 1; all 1 without worker_speeds)."""
+        speeds = self.worker_speeds or (1.0,) * self.workers
+        fastest = min(speeds)
+        return [s / fastest for s in speeds]
+
+    def rank_step_counts(self) -> tuple[list[int], list[int]]:
+        """LOSCAR's per-rank (N_i, Q_i). With speed_model 'steps' a worker c x slower than the
+        fastest runs N_i = max(1, floor(N / c)) steps before sending and Q_i = floor(Q / c) (at
+        least 1 when Q >= 1, so an overlapped round stays overlapped) while the sync is in flight;
+        otherwise every rank runs N and Q."""
+        N, Q = self.resolved_local_steps(), self.resolved_overlap_steps()
+        if self.speed_model != "steps":
+            return [N] * self.workers, [Q] * self.workers
+        cs = self.relative_speeds()
+        local = [max(1, math.floor(N / c + 1e-9)) for c in cs]
+        overlap = [0 if Q == 0 else max(1, math.floor(Q / c + 1e-9)) for c in cs]
+        return local, overlap
+
+    def round_steps(self) -> int:
+        """A LOSCAR round in ticks (steps of the fastest worker): N + Q."""
+        return self.resolved_local_steps() + self.resolved_overlap_steps()
+
+    def steps_on(self, rank: int, tick: int) -> bool:
+        """Whether ``rank`` runs an inner step at ``tick`` (1-based; a tick is one step of the fastest
+        worker). Always, except for LOSCAR with speed_model 'steps': a rank with n = N_i + Q_i steps
+        per round of R = N + Q ticks spreads them evenly over the round, its last on the round's last
+        tick, so every rank ends a round (and merges) on the same tick."""
+        if self.method != "loscar" or self.speed_model != "steps":
+            return True
+        local, overlap = self.rank_step_counts()
+        n, R = local[rank] + overlap[rank], self.round_steps()
+        t = (tick - 1) % R + 1
+        return (t * n) // R > ((t - 1) * n) // R
 
     def validate(self) -> None:
         """Raise :class:`SpecError` naming the first bad knob as ``<field>`` (the CLI shows its flag
@@ -243,6 +288,20 @@ class TrainSpec:
                 f"<worker_speeds> needs <workers> = {self.workers} positive values, "
                 f"got {','.join(f'{s:g}' for s in self.worker_speeds)}",
             )
+        need(
+            self.speed_model in SPEED_MODELS,
+            f"<speed_model> must be one of {SPEED_MODELS}, got {self.speed_model!r}",
+        )
+        need(self.split in SPLITS, f"<split> must be one of {SPLITS}, got {self.split!r}")
+        if self.method == "loscar" and self.speed_model == "steps":
+            # ranks evaluate together (a collective): only at a round end has every rank merged
+            R = self.round_steps()
+            for name in ("steps", "eval_every"):
+                need(
+                    getattr(self, name) % R == 0,
+                    f"<{name}> must be a multiple of a LOSCAR round (N + Q = {R} steps) with "
+                    f"<speed_model> 'steps', got {getattr(self, name)}",
+                )
 
     def with_(self, **changes: Any) -> TrainSpec:
         return replace(self, **changes)

@@ -24,6 +24,8 @@ class CommTotals:
 
     @classmethod
     def read(cls, strategy: Any) -> CommTotals:
+        if strategy is None:  # LOSCAR at p = 0: nothing is ever sent
+            return cls()
         m = strategy.metrics
         extra: dict = {"compute_s": float(getattr(m, "compute_s", 0.0))}
         skipped = getattr(m, "num_skipped", None)
@@ -51,7 +53,8 @@ def build_strategy(
     metrics_callback: Any = None,
 ) -> Any:
     """The runtime strategy for ``spec.method`` (not 'dp', which the harness implements itself);
-    ``metrics_callback`` receives each SyncRecord (see ``lowcomm_kernels.runtime.sinks``)."""
+    ``metrics_callback`` receives each SyncRecord (see ``lowcomm_kernels.runtime.sinks``). None for
+    LOSCAR at density 0, the no-communication baseline: each worker trains alone."""
     import lowcomm_kernels.runtime as rt
 
     common: dict[str, Any] = {
@@ -88,8 +91,9 @@ def build_strategy(
             **common,
         )
     if spec.method == "loscar":
-        local = spec.resolved_local_steps()
-        overlap = spec.resolved_overlap_steps()
+        if spec.density == 0:
+            return None
+        local, overlap = spec.rank_step_counts()  # per rank: fewer steps for a slower worker
         return rt.LOSCAR(
             model,
             optimizer,

@@ -103,12 +103,19 @@ def wire(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
     return configs
 
 
+def loscar_regimes(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
+    from .study_loscar import configs  # on the digits MLP: see study_loscar.py
+
+    return configs(base)
+
+
 STUDIES: dict[str, Callable[[TrainSpec], list[tuple[str, TrainSpec]]]] = {
     "matched": matched,
     "lambda": lam,
     "gamma": gamma,
     "overlap": overlap,
     "wire": wire,
+    "loscar-regimes": loscar_regimes,
 }
 
 
@@ -186,10 +193,15 @@ def wire_plot(labels: list[str], results: list[RunResult], path: Path) -> None:
 
 
 def run_resumable(
-    configs: list[tuple[str, list[TrainSpec]]], corpus: object, folder: Path, progress: bool
+    configs: list[tuple[str, list[TrainSpec]]],
+    corpus: object,
+    folder: Path,
+    progress: bool,
+    run: Callable[[list[TrainSpec]], list[RunResult]] | None = None,
 ) -> list[RunResult]:
     """Run each configuration's specs in one launch and save its results to ``folder`` at once; a
-    configuration whose file holds results of exactly these specs is read back instead of run."""
+    configuration whose file holds results of exactly these specs is read back instead of run.
+    ``run`` runs one configuration's specs (default: the LM task on ``corpus``)."""
     from .report import write_json
     from .runner import run_specs
 
@@ -204,7 +216,10 @@ def run_resumable(
                 results += [RunResult.from_dict(d) for d in saved["runs"]]
                 print(f"reusing {label} ({len(specs)} runs) from {path}")
                 continue
-        done = run_specs(specs, corpus, progress=progress)  # type: ignore[arg-type]
+        if run is None:
+            done = run_specs(specs, corpus, progress=progress)  # type: ignore[arg-type]
+        else:
+            done = run(specs)
         write_json(path, {"label": label, "specs": key, "runs": [r.to_dict() for r in done]})
         results += done
     return results
@@ -302,6 +317,10 @@ def run_study(args: argparse.Namespace) -> int:
 
     if args.study not in STUDIES:
         raise UsageError(f"unknown study {args.study!r}; choose from {', '.join(STUDIES)}")
+    if args.study == "loscar-regimes":
+        from .study_loscar import run_loscar_regimes
+
+        return run_loscar_regimes(args)
     if args.task != "lm":
         raise UsageError("--study runs on the language-model task (--task lm)")
     base = spec_from_args(args, "cocodc", LM["study-quick" if args.quick else "study"])

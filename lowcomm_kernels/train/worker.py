@@ -244,7 +244,7 @@ class RankRun:
         )
         self.train_group = dist.new_group(backend="gloo")
         self.eval_group = dist.new_group(backend="gloo")
-        self.shard = worker_shard(train_data, rank, world)
+        self.shard = worker_shard(train_data, rank, world, spec.split)
         self.windows = eval_set(val_data, spec.model.seq_len, spec.eval_bytes)
         self.gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank)
         self.dp = (
@@ -262,7 +262,7 @@ class RankRun:
         # The scheduler is created after the strategy: the runtime may re-home parameters into flat
         # buffers, but the optimizer object (and its param_groups' lr) stays the user's.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
-        self.speed = spec.worker_speeds[rank] if spec.worker_speeds else 1.0
+        self.speed = spec.worker_speeds[rank] if spec.worker_speeds and spec.speed_model == "sleep" else 1.0
         self.result = RunResult(
             spec.label,
             spec.method,
@@ -318,6 +318,9 @@ class RankRun:
             self.t_start = time.perf_counter()
             self.evaluate(0)
             for step in range(1, spec.steps + 1):
+                if not spec.steps_on(self.rank, step):  # speed_model 'steps': a slower worker idles
+                    self.scheduler.step()  # the learning rate follows the ticks, the same on every rank
+                    continue  # (never an evaluation tick: those are round ends, where every rank steps)
                 t_step = time.perf_counter()
                 with self.compute_range():
                     x, y = sample_batch(self.shard, spec.batch_size, spec.model.seq_len, self.gen)

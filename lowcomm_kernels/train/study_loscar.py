@@ -1,0 +1,398 @@
+"""``lowcomm compare --study loscar-regimes``: LOSCAR-SGD against Streaming DiLoCo, DiLoCo, data-parallel
+and no communication, in the regimes LOSCAR was designed for, on the non-convex digits MLP (``mlp.py``).
+
+Declared before any run (nothing below is chosen from the study's results):
+
+- **Regimes**, 2 x 2 x 2: worker speeds {all equal, one of the 4 workers 2x slower}, link delay
+  {short, long}, data split {iid, contiguous}. Slow workers follow ``--speed-model steps``: the slow
+  LOSCAR worker runs floor(N/2) + max(1, floor(Q/2)) steps per round; every other method waits
+  for it (the time model charges 2 step times per step; see ``mlp.modeled_time``).
+- **Schedule**: a round is R = N + Q = 16 ticks; short delay N = 14, Q = 2; long delay N = 4, Q = 12
+  (the sync needs most of the round). The link's latency is Q step times (T = MLPConfig.step_time_s)
+  and its bandwidth 100 Mbit/s, so LOSCAR and Streaming DiLoCo (tau = Q) just hide a sync while
+  DiLoCo (blocking) and data-parallel (every step) pay for it. LOSCAR sends p = 1/4 of the
+  coordinates per round; DiLoCo syncs the whole model and Streaming DiLoCo one of K = 4 fragments
+  every H = K * R = 64 ticks / R ticks: the same bytes per H for the three. The p = 0 baseline is
+  LOSCAR's schedule with nothing sent (each worker alone).
+- **Length**: every method runs the same number of ticks (steps of the fastest worker): ``ROUNDS``
+  rounds of R. SGD at lr 0.1, batch 32, the same for every method.
+- **Tuning**: DiLoCo's and Streaming DiLoCo's outer learning rate (Nesterov, momentum 0.9) is chosen
+  from ``OUTER_LRS`` by the lowest mean final test loss of the workers' own models on the tuning seeds
+  (``TUNE_SEEDS``, disjoint from the study's) in the homogeneous / short / iid regime. LOSCAR has
+  no outer step (its merge has no step size).
+- **Metrics**: the primary one is the final test loss of the workers' own models (mean over
+  workers: the model each worker holds, the only one LOSCAR and p = 0 ever have); also the averaged
+  model's loss, ticks and modeled seconds until the own-model loss first reaches ``TARGET``, and per
+  regime the paired (by seed) difference LOSCAR - other method of the final own-model loss, with its
+  t statistic and two-sided p value (n - 1 degrees of freedom).
+
+Runs that the regime does not change are run once and shared: a method's computation depends on
+the delay only through N, Q, tau (DiLoCo and data-parallel not at all), and on the speeds only for
+LOSCAR and p = 0 (the others run every step on every worker); the link enters only the time model,
+which is applied per regime. So a seed needs 20 runs (2 dp, 2 DiLoCo, 4 Streaming, 8 LOSCAR, 4 p = 0)
+for the 40 rows.
+
+Budget, from the pilot (``python -m lowcomm_kernels.train.study_loscar --pilot``: one 64-round run of
+each method in the homogeneous / long / iid regime, 4 workers, one spawn): CPU seconds of all ranks
+per run, LOSCAR 7.9, Streaming DiLoCo 7.4, DiLoCo 6.7, data-parallel 13.1, p = 0 6.4, a mean of
+7.9 s over a seed's 20 runs; 210 s of wall-clock for the five at load average ~25 on the 2-core dev
+machine. The study is 100 runs + 12 tuning runs (about 7 CPU s each): about 880 CPU s, i.e. 7-8
+minutes on 2 free cores plus 6 spawns, and at most about 40 minutes at that pilot's load (210 s per
+5 runs). Final own-model losses in the pilot: 0.12-0.14 for the four communicating methods, 0.18
+for p = 0, whence the target 0.3 (reached by all of them in that regime, at different times).
+``--quick`` (for tests):
+4 rounds, 2 seeds, one outer learning rate. Resumable: each launch's runs are saved under
+``<out>/runs`` and ``<out>/tune`` as they finish (``studies.run_resumable``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+from .mlp import MLPConfig, modeled_time
+from .report import RunResult
+from .spec import TrainSpec
+
+NAME = "loscar-regimes"
+R, K = 16, 4
+DELAYS = {"short": (14, 2), "long": (4, 12)}  # (N, Q): the sync needs Q step times
+SPEEDS = {"homogeneous": None, "one 2x slower": (1.0, 1.0, 1.0, 2.0)}
+SPLIT_NAMES = ("iid", "contiguous")
+METHODS = ("loscar", "streaming", "diloco", "dp", "p0")
+LABELS = {
+    "loscar": "LOSCAR p=1/4",
+    "streaming": "Streaming DiLoCo",
+    "diloco": "DiLoCo",
+    "dp": "data-parallel",
+    "p0": "no communication (p=0)",
+}
+ROUNDS = {"full": 64, "quick": 4}
+SEEDS = {"full": 5, "quick": 2}
+OUTER_LRS = {"full": (0.4, 0.7, 1.0), "quick": (0.7,)}
+TUNE_SEEDS = (100, 101)
+#: the own-model test loss to reach, declared before the study's runs (from the pilot, see the module
+#: docstring: every method ends below 0.19 in the homogeneous / long / iid regime)
+TARGET = 0.3
+BANDWIDTH = 12.5e6  # 100 Mbit/s
+
+
+@dataclass(frozen=True)
+class Regime:
+    speeds: str
+    delay: str
+    split: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.speeds}, {self.delay} delay, {self.split}"
+
+
+REGIMES = [Regime(s, d, sp) for s in SPEEDS for d in DELAYS for sp in SPLIT_NAMES]
+
+
+def base_spec(quick: bool, cfg: MLPConfig) -> TrainSpec:
+    return TrainSpec(
+        method="loscar",
+        workers=4,
+        steps=ROUNDS["quick" if quick else "full"] * R,
+        batch_size=32,
+        lr=0.1,
+        sync_every=K * R,
+        num_fragments=K,
+        density=1 / K,
+        eval_every=R,
+        speed_model="steps",
+        bandwidth_bytes_per_s=BANDWIDTH,
+    )
+
+
+def row_spec(base: TrainSpec, regime: Regime, method: str, outer_lr: dict, cfg: MLPConfig) -> TrainSpec:
+    """The full description of one row: the method in the regime, with the link of the regime."""
+    N, Q = DELAYS[regime.delay]
+    spec = base.with_(
+        method="loscar" if method == "p0" else method,
+        density=0.0 if method == "p0" else base.density,
+        local_steps=N,
+        overlap_steps=Q,
+        fragment_sync_delay=Q,
+        worker_speeds=SPEEDS[regime.speeds],
+        split=regime.split,
+        latency_s=Q * cfg.step_time_s,
+        name=LABELS[method],
+    )
+    if method in outer_lr:
+        spec = spec.with_(outer_lr=outer_lr[method])
+    return spec
+
+
+def run_spec(row: TrainSpec) -> TrainSpec:
+    """The spec that is actually run for ``row``: what does not change the computation set to one
+    value, so rows that differ only in it share their runs (the link: the time model only)."""
+    spec = row.with_(latency_s=0.0, bandwidth_bytes_per_s=BANDWIDTH)
+    if spec.method != "loscar":  # every worker runs every step: the speeds enter the time model only
+        spec = spec.with_(
+            worker_speeds=None, local_steps=DELAYS["short"][0], overlap_steps=DELAYS["short"][1]
+        )
+    if spec.method != "streaming":  # tau is Streaming DiLoCo's alone (LOSCAR has N and Q)
+        spec = spec.with_(fragment_sync_delay=DELAYS["short"][1])
+    if spec.method == "loscar" and spec.density == 0:  # nothing sent: only each rank's steps per round matter
+        short = spec.with_(local_steps=DELAYS["short"][0], overlap_steps=DELAYS["short"][1])
+        if _steps_per_round(short) == _steps_per_round(spec):
+            spec = short
+    return spec
+
+
+def _steps_per_round(spec: TrainSpec) -> list[int]:
+    local, overlap = spec.rank_step_counts()
+    return [n + q for n, q in zip(local, overlap, strict=True)]
+
+
+def configs(base: TrainSpec | None = None) -> list[tuple[str, TrainSpec]]:
+    """The study's rows as (label, spec), before tuning (outer lr at its default), for inspection.
+    The study runs on the digits MLP with its own schedule: an LM ``base`` is not used."""
+    cfg = MLPConfig()
+    return [(f"{rg.label}: {LABELS[m]}", spec) for rg, m, spec in rows(base_spec(False, cfg), {}, cfg)]
+
+
+def rows(base: TrainSpec, outer_lr: dict, cfg: MLPConfig) -> list[tuple[Regime, str, TrainSpec]]:
+    """Every (regime, method, full spec) of the study, in table order."""
+    return [(rg, m, row_spec(base, rg, m, outer_lr, cfg)) for rg in REGIMES for m in METHODS]
+
+
+def tuning_configs(base: TrainSpec, lrs: tuple, cfg: MLPConfig) -> list[tuple[str, list[TrainSpec]]]:
+    regime = Regime("homogeneous", "short", "iid")
+    specs = []
+    for method in ("diloco", "streaming"):
+        for lr in lrs:
+            row = row_spec(base, regime, method, {method: lr}, cfg)
+            specs += [run_spec(row).with_(seed=s, name=f"tune {method} outer_lr={lr:g}") for s in TUNE_SEEDS]
+    return [("tuning", specs)]
+
+
+def study_configs(
+    base: TrainSpec, outer_lr: dict, seeds: list[int], cfg: MLPConfig
+) -> list[tuple[str, list[TrainSpec]]]:
+    """One launch per method: its distinct run specs x seeds (names are the run keys)."""
+    out = []
+    for method in METHODS:
+        distinct: dict[str, TrainSpec] = {}
+        for _, m, row in rows(base, outer_lr, cfg):
+            if m == method:
+                spec = run_spec(row)
+                distinct.setdefault(run_key(spec), spec)
+        specs = [s.with_(seed=seed, name=f"{k} seed={seed}") for k, s in distinct.items() for seed in seeds]
+        out.append((LABELS[method], specs))
+    return out
+
+
+def run_key(spec: TrainSpec) -> str:
+    """What identifies a run spec apart from its seed."""
+    speeds = "" if spec.worker_speeds is None else ",".join(f"{c:g}" for c in spec.worker_speeds)
+    return (
+        f"{spec.method} p={spec.density:g} N={spec.resolved_local_steps()} Q={spec.resolved_overlap_steps()} "
+        f"tau={spec.fragment_sync_delay} outer_lr={spec.outer_lr:g} speeds={speeds or '1'} split={spec.split}"
+    )
+
+
+def retime(run: RunResult, row: TrainSpec, cfg: MLPConfig) -> list[float]:
+    """The modeled seconds of each evaluation point of ``run`` under ``row``'s speeds and link."""
+    syncs = run.extra["syncs_at"]
+    return [modeled_time(row, cfg, p.step, s, p.bytes_sent) for p, s in zip(run.points, syncs, strict=True)]
+
+
+def paired_t(diffs: list[float]) -> tuple[float, float, float, float]:
+    """(mean, sample std, t, two-sided p) of paired differences; t and p are nan below 2 pairs or
+    with zero spread."""
+    n = len(diffs)
+    if n < 2:
+        return (diffs[0] if diffs else math.nan), math.nan, math.nan, math.nan
+    m, s = statistics.fmean(diffs), statistics.stdev(diffs)
+    if s == 0:
+        return m, s, math.nan, math.nan
+    t = m / (s / math.sqrt(n))
+    from scipy import stats  # scikit-learn's own dependency
+
+    return m, s, t, float(2 * stats.t.sf(abs(t), n - 1))
+
+
+def _ms(values: list[float | None], fmt: str = "{:.3f}") -> str:
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return "n/a"
+    sd = statistics.stdev(vals) if len(vals) > 1 else 0.0
+    return f"{fmt.format(statistics.fmean(vals))} ± {fmt.format(sd)}"
+
+
+def summarise(
+    base: TrainSpec, outer_lr: dict, seeds: list[int], results: list[RunResult], cfg: MLPConfig
+) -> tuple[str, list[dict]]:
+    """Markdown tables and one dict per (regime, method) row."""
+    by_name = {r.name: r for r in results}
+    table = [
+        f"target: workers' own models' test loss <= {TARGET} (declared before the runs)",
+        "",
+        "| regime | method | seeds | final own-model loss | final averaged-model loss | own-model accuracy "
+        "| ticks to target | modeled s to target | reached | bytes/worker (kB) |",
+        "|" + "---|" * 10,
+    ]
+    records = []
+    paired = [
+        "",
+        "Paired by seed: LOSCAR − method, final own-model test loss (negative: LOSCAR lower)",
+        "",
+        "| regime | vs | mean diff | std | t | p (two-sided) |",
+        "|" + "---|" * 6,
+    ]
+    for rg in REGIMES:
+        own_final: dict[str, list[float]] = {}
+        for _, m, row in [x for x in rows(base, outer_lr, cfg) if x[0] == rg]:
+            key = run_key(run_spec(row))
+            runs = [by_name[f"{key} seed={s}"] for s in seeds if f"{key} seed={s}" in by_name]
+            own = [r.final_loss for r in runs]  # the mean of the workers' own models
+            own_final[m] = own
+            hits_tick, hits_s = [], []
+            for r in runs:
+                times = retime(r, row, cfg)
+                i = next((j for j, p in enumerate(r.points) if p.val_loss <= TARGET), None)
+                hits_tick.append(None if i is None else r.points[i].step)
+                hits_s.append(None if i is None else times[i])
+            reached = sum(h is not None for h in hits_tick)
+            table.append(
+                f"| {rg.label} | {LABELS[m]} | {len(runs)} | {_ms(own)} | "
+                f"{_ms([r.points[-1].val_loss_avg_model for r in runs])} | "
+                f"{_ms([r.extra['own_acc'][-1] for r in runs])} | {_ms(hits_tick, '{:.0f}')} | "
+                f"{_ms(hits_s, '{:.2f}')} | {reached}/{len(runs)} | "
+                f"{_ms([r.bytes_sent / 1e3 for r in runs], '{:.1f}')} |"
+            )
+            records.append(
+                dict(
+                    regime=rg.label,
+                    method=m,
+                    run_key=key,
+                    seeds=len(runs),
+                    final_own_loss=own,
+                    final_avg_loss=[r.points[-1].val_loss_avg_model for r in runs],
+                    ticks_to_target=hits_tick,
+                    modeled_s_to_target=hits_s,
+                )
+            )
+        for m in METHODS[1:]:
+            a, b = own_final.get("loscar", []), own_final.get(m, [])
+            if len(a) != len(b) or not a:
+                continue
+            mean, sd, t, p = paired_t([x - y for x, y in zip(a, b, strict=True)])
+            paired.append(f"| {rg.label} | {LABELS[m]} | {mean:+.4f} | {sd:.4f} | {t:.2f} | {p:.3g} |")
+    return "\n".join(table + paired), records
+
+
+def choose_outer_lr(results: list[RunResult], lrs: tuple) -> dict:
+    """Per method, the outer lr with the lowest mean final own-model loss over the tuning seeds."""
+    best = {}
+    for method in ("diloco", "streaming"):
+        scores = {
+            lr: statistics.fmean(
+                [r.final_loss for r in results if r.name == f"tune {method} outer_lr={lr:g}"]
+            )
+            for lr in lrs
+        }
+        best[method] = min(scores, key=lambda lr: scores[lr])
+    return best
+
+
+def run_loscar_regimes(args: argparse.Namespace) -> int:
+    from ..runtime.launch import WorkerError
+    from .args import out_dir
+    from .errors import UsageError
+    from .mlp import run_mlp_specs
+    from .provenance import collect
+    from .report import write_json
+    from .runner import report_failure
+    from .studies import run_resumable
+
+    if args.task == "logreg":
+        raise UsageError(f"--study {NAME} runs on the digits MLP; leave out --task logreg")
+    size = "quick" if args.quick else "full"
+    seeds = list(range(args.seed or 0, (args.seed or 0) + (args.seeds or SEEDS[size])))
+    cfg = MLPConfig()
+    base = base_spec(args.quick, cfg)
+    lrs = OUTER_LRS[size]
+    out = out_dir(args, f"study-{NAME}")
+    progress = not args.no_progress
+    t0 = time.perf_counter()
+
+    def run(specs: list[TrainSpec]) -> list[RunResult]:
+        return run_mlp_specs(specs, cfg, progress=progress)
+
+    try:
+        tuned = run_resumable(tuning_configs(base, lrs, cfg), None, out / "tune", progress, run=run)
+        outer_lr = choose_outer_lr(tuned, lrs)
+        results = run_resumable(
+            study_configs(base, outer_lr, seeds, cfg), None, out / "runs", progress, run=run
+        )
+    except WorkerError as exc:
+        return report_failure(exc, out, "study")
+    table, records = summarise(base, outer_lr, seeds, results, cfg)
+    cmd = (
+        f"lowcomm compare --study {NAME}"
+        + (" --quick" if args.quick else "")
+        + (f" --seeds {args.seeds}" if args.seeds else "")
+    )
+    header = (
+        f"study `{NAME}`: digits MLP (hidden {cfg.hidden}), 4 workers, {base.steps // R} rounds of R = {R} "
+        f"ticks, SGD lr {base.lr}, batch {base.batch_size}, {len(seeds)} seeds; time model: step "
+        f"{cfg.step_time_s} s, link latency Q step times, {BANDWIDTH * 8 / 1e6:g} Mbit/s; outer lr "
+        f"tuned on seeds {TUNE_SEEDS} from {lrs}: DiLoCo {outer_lr['diloco']:g}, Streaming DiLoCo "
+        f"{outer_lr['streaming']:g}"
+    )
+    (out / f"{NAME}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{table}\n")
+    write_json(
+        out / "results.json",
+        {
+            "study": NAME,
+            "command": cmd,
+            "target_own_loss": TARGET,
+            "outer_lr": outer_lr,
+            "rows": records,
+            "runs": [r.to_dict() for r in results],
+            "tuning_runs": [r.to_dict() for r in tuned],
+            "elapsed_s": time.perf_counter() - t0,
+            "provenance": collect(),
+        },
+    )
+    print(
+        f"\n{header}\n\n{table}\n\nwrote {out / (NAME + '.md')}, {out / 'results.json'} "
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
+    return 0
+
+
+def pilot() -> None:
+    """One full-length run per method in the homogeneous / long / iid regime: CPU seconds of all ranks
+    (the study's sizing)."""
+    from .mlp import run_mlp_specs
+
+    cfg = MLPConfig()
+    base = base_spec(False, cfg)
+    regime = Regime("homogeneous", "long", "iid")
+    specs = [run_spec(row_spec(base, regime, m, {}, cfg)) for m in METHODS]
+    t0 = time.perf_counter()
+    res = run_mlp_specs(specs, cfg, progress=False)
+    print(
+        f"pilot: {len(specs)} runs of {base.steps} ticks in {time.perf_counter() - t0:.0f} s wall (one spawn)"
+    )
+    for r in res:
+        print(
+            f"  {r.name}: cpu_s (all ranks) {r.extra['cpu_s_all_ranks']:.1f}, final own loss "
+            f"{r.final_loss:.3f}, averaged {r.points[-1].val_loss_avg_model:.3f}"
+        )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    if "--pilot" in sys.argv:
+        pilot()
