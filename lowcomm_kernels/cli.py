@@ -23,6 +23,8 @@ from .train.spec import (
     SCORES,
     SPEED_MODELS,
     SPLITS,
+    TAYLOR_CONTROLS,
+    TIMINGS,
     WIRE_DTYPE_NAMES,
 )
 
@@ -140,6 +142,18 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     knob(o, "--gamma", "gamma", "CoCoDC link utilisation (default 0.4)")
     o.add_argument("--syncs-per-period", type=_syncs, help="CoCoDC N per H: 'auto' or an int")
     o.add_argument("--score", choices=SCORES, help="CoCoDC fragment choice")
+    o.add_argument(
+        "--cocodc-timing",
+        choices=TIMINGS,
+        help="CoCoDC's adaptive N from the emulated link and --step-time-ms (default, reproducible) "
+        "or from step and sync times measured at run time",
+    )
+    knob(o, "--step-time-ms", "step_time_s", "CoCoDC's emulated inner step time (default 20)", False)
+    o.add_argument(
+        "--taylor-control",
+        choices=TAYLOR_CONTROLS,
+        help="CoCoDC control of the Taylor term: flip its sign, or a random direction of its norm",
+    )
     knob(o, "--density", "density", "LOSCAR p: fraction of coordinates averaged")
     knob(o, "--local-steps", "local_steps", "LOSCAR steps before sending")
     knob(o, "--overlap-steps", "overlap_steps", "LOSCAR steps while in flight")

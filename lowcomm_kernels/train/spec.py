@@ -32,6 +32,8 @@ METHOD_LABELS = {
 LAM_MODES = tuple(schedule.LAM_MODES)
 MERGES = tuple(schedule.LOSCAR_MERGES)
 SCORES = tuple(schedule.SCORES)
+TIMINGS = tuple(schedule.TIMINGS)  # how CoCoDC's adaptive N gets its step and sync times
+TAYLOR_CONTROLS = tuple(schedule.TAYLOR_CONTROLS)  # CoCoDC's controls of the Taylor term
 WIRE_DTYPE_NAMES = tuple(schedule.WIRE_FORMATS)
 #: the model's parameter dtype (bf16 / fp16: the strategies keep a float32 outer master)
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -95,6 +97,7 @@ RANGES: dict[str, Range] = {
     "overlap_steps": NON_NEGATIVE,
     "seed": Range(0, 2**32 - 1),  # the data order's generator is seeded with seed * 1_000_003 + rank
     "lr": POSITIVE,
+    "step_time_s": POSITIVE,
     "outer_lr": POSITIVE,
     "bandwidth_bytes_per_s": POSITIVE,
     "latency_s": NON_NEGATIVE,
@@ -145,6 +148,11 @@ class TrainSpec:
     gamma: float = 0.4
     syncs_per_period: str | int = "auto"  # N
     score: str = "l2_global"
+    # CoCoDC's adaptive N: T_c and T_s from the emulated link and this emulated step time (reproducible),
+    # or measured at run time ('measured')
+    cocodc_timing: str = "emulated"
+    step_time_s: float = schedule.DEFAULT_STEP_TIME_S
+    taylor_control: str = "none"  # CoCoDC control of the Taylor term: 'flip' its sign, 'random' direction
     density: float = 0.25  # LOSCAR p
     local_steps: int | None = None  # LOSCAR N_i; None -> sync_every // num_fragments - overlap
     overlap_steps: int | None = None  # LOSCAR Q; None -> fragment_sync_delay
@@ -244,6 +252,14 @@ class TrainSpec:
         need(self.lam_mode in LAM_MODES, f"<lam_mode> must be one of {LAM_MODES}, got {self.lam_mode!r}")
         need(self.merge in MERGES, f"<merge> must be one of {MERGES}, got {self.merge!r}")
         need(self.score in SCORES, f"<score> must be one of {SCORES}, got {self.score!r}")
+        need(
+            self.cocodc_timing in TIMINGS,
+            f"<cocodc_timing> must be one of {TIMINGS}, got {self.cocodc_timing!r}",
+        )
+        need(
+            self.taylor_control in TAYLOR_CONTROLS,
+            f"<taylor_control> must be one of {TAYLOR_CONTROLS}, got {self.taylor_control!r}",
+        )
         need(
             self.wire_dtype in WIRE_DTYPE_NAMES,
             f"<wire_dtype> must be one of {WIRE_DTYPE_NAMES}, got {self.wire_dtype!r}",

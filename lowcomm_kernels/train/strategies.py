@@ -42,6 +42,9 @@ class CommTotals:
                 for f in frags:
                     counts[str(f)] = counts.get(str(f), 0) + 1
                 extra["syncs_per_fragment"] = counts
+        n_history = getattr(strategy, "n_history", None)
+        if n_history:  # CoCoDC: the N chosen in each period of H steps
+            extra["syncs_per_period"] = [int(n) for n in n_history]
         return cls(float(m.bytes_sent), float(m.exposed_comm_s), int(m.num_syncs), extra)
 
 
@@ -86,6 +89,11 @@ def build_strategy(
             gamma=spec.gamma,
             syncs_per_period=spec.syncs_per_period,
             score=spec.score,
+            timing=spec.cocodc_timing,
+            step_time_s=spec.step_time_s,
+            timing_link=rt.WAN(spec.latency_s, spec.bandwidth_bytes_per_s),  # the emulated N's link model
+            taylor_control=spec.taylor_control,
+            control_seed=spec.seed,
             **stream,
             **outer,
             **common,
