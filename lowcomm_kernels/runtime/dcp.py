@@ -12,9 +12,19 @@ when both sides hold the same number of pending results. ``DCPState`` gives DCP 
 
 g and u are replicated on every rank (same fully-qualified names everywhere, so DCP stores them
 once and any number of ranks can read them back). ``load_state_dict`` goes through the strategy's
-``load_state_dict``: the same checks (method, model, fragments, dtypes and shapes) apply, and a
-checkpoint loads into the same ``world_size`` (under ``manager=`` that is ``num_replicas``, the
-slot count, so a job resumes with any number of live replicas).
+``load_state_dict``: the same checks (method, model, fragments, dtypes and shapes) apply.
+
+Another number of ranks. A checkpoint written by R ranks (or under ``manager=`` with
+``num_replicas=R``) resumes with R' ≠ R, up or down: the outer state (g, u, the schedule, the
+pending results) is replicated, so it is the same for any R'. What depends on R is adapted on load:
+a pending result's sum over R ranks is rescaled to R' (so the strategy's division by R' gives the
+same average), and so are the summed extras of its control vector (CoCoDC's timings and scores);
+its per-rank facts (non-finite counts, broken views, schedule points) become R' slots carrying the
+same decision: a result that the R ranks would have skipped is skipped by the R' ranks too. LOSCAR
+resumes with another number of ranks only with the same ``local_steps`` / ``overlap_steps`` on every
+rank and at a round end (no round in flight); per-rank lists raise ``CheckpointError`` naming them.
+Per-rank tensors (the model's parameters between syncs, a pending snapshot) are stored once by DCP
+like any tensor with the same name on every rank, so every resumed rank starts from one rank's copy.
 """
 
 from __future__ import annotations
@@ -60,4 +70,62 @@ class DCPState:
         for key in ("g", "u"):
             if key in sd:
                 full[key] = sd[key]
+        skipped = _resize(full, self.strategy)
         self.strategy.load_state_dict(full)
+        if skipped:
+            from .ft import FailedRound
+
+            for i in skipped:  # a result the saved ranks would have skipped: skipped by these ranks too
+                pd = self.strategy.pending[i]
+                pd.control_host = FailedRound(pd.control_host)
+
+
+def _resize(full: dict[str, Any], strategy: Any) -> list[int]:
+    """Adapt a state saved by another number of ranks to ``strategy.world`` in place (see the module
+    docstring); returns the indices of the pending results to skip. Nothing when the sizes match."""
+    shape = full.get("shape")
+    if not isinstance(shape, dict) or not isinstance(shape.get("world_size"), int):
+        return []  # the strategy's own checks name what is wrong
+    old, new = int(shape["world_size"]), strategy.world
+    if old == new or old < 1:
+        return []
+    if "local_steps" in full:  # LOSCAR
+        steps, overlap = full.get("local_steps"), full.get("overlap_steps")
+        if not isinstance(steps, list) or not isinstance(overlap, list) or not steps or not overlap:
+            raise CheckpointError("checkpoint entries local_steps / overlap_steps should be lists")
+        if len(set(steps)) > 1 or len(set(overlap)) > 1:
+            raise CheckpointError(
+                f"local_steps / overlap_steps: the checkpoint has per-rank lists {steps} / {overlap} for "
+                f"{old} ranks; a LOSCAR run with per-rank steps resumes only with the same {old} ranks "
+                "(one value per rank has no meaning for another number of ranks)"
+            )
+        if full.get("inflight") is not None:
+            raise CheckpointError(
+                f"the LOSCAR checkpoint was saved with round {full['inflight'].get('round')} in flight "
+                f"by {old} ranks; to resume with {new} ranks save at a round end "
+                "(when strategy.at_round_end is True)"
+            )
+        full["local_steps"], full["overlap_steps"] = [steps[0]] * new, [overlap[0]] * new
+    pending = full.get("pending")
+    skip: list[int] = []
+    facts = strategy.FACTS
+    for i, q in enumerate(pending if isinstance(pending, list) else []):
+        control, delta = q.get("control") if isinstance(q, dict) else None, q.get("delta")
+        if not isinstance(control, torch.Tensor) or control.numel() < facts * old:
+            raise CheckpointError(f"checkpoint entry pending[{i}].control should hold {facts * old} facts")
+        points = control[2 * old : 3 * old]
+        if not bool((points == points[0]).all()):
+            raise CheckpointError(
+                f"checkpoint entry pending[{i}]: its {old} ranks sent it at different points of their "
+                "schedules; it cannot be resumed (with any number of ranks)"
+            )
+        out = torch.zeros(facts * new + control.numel() - facts * old, dtype=control.dtype)
+        out[2 * new : 3 * new] = points[0]
+        out[facts * new :] = control[facts * old :] * (new / old)
+        if bool((control[: 2 * old] > 0).any()):  # non-finite values or broken views: a skipped sync
+            skip.append(i)
+        q["control"] = out
+        if isinstance(delta, torch.Tensor):
+            q["delta"] = (delta.double() * (new / old)).to(delta.dtype)
+    shape["world_size"] = new
+    return skip

@@ -1,5 +1,6 @@
 """A strategy inside torch.distributed.checkpoint (runtime.dcp.DCPState): save with results pending,
-resume into a fresh strategy, and the trajectory goes on exactly as without the interruption."""
+resume into a fresh strategy, and the trajectory goes on exactly as without the interruption; resume
+with another number of ranks (up and down), and refuse it where it has no meaning."""
 
 import os
 import socket
@@ -12,7 +13,10 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from lowcomm_kernels.runtime import StreamingDiLoCo
+from lowcomm_kernels.runtime.checkpoint import CheckpointError
 from lowcomm_kernels.runtime.dcp import DCPState
+from lowcomm_kernels.runtime.launch import spawn_local
+from tests.runtime import dcp_worker
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +89,66 @@ def test_dcp_refuses_another_model(group, tmp_path):
     with pytest.raises(CheckpointException):  # DCP itself refuses a g of another size
         dcp.load({"strategy": DCPState(s2)}, checkpoint_id=str(tmp_path))
     s2.close()
+
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dcp_worker.py")
+RESIZE = {
+    # saved at step 5 with fragment 1 in flight (sent at 4, applied at 6)
+    "streaming": ({"sync_every": 8, "num_fragments": 2, "fragment_sync_delay": 2}, 5),
+    # saved at step 11 with a fragment in flight
+    "cocodc": ({"sync_every": 8, "num_fragments": 2, "fragment_sync_delay": 2, "syncs_per_period": 4}, 11),
+    # saved at step 10, a round end (rounds of 3 + 2 steps)
+    "loscar": ({"density": 0.4, "local_steps": 3, "overlap_steps": 2}, 10),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls", sorted(RESIZE))
+def test_dcp_resumes_with_another_number_of_ranks(group, tmp_path, cls):
+    """Saved by 2 ranks, resumed by 3 (spawned) and by 1 (this process): the resumed global state is
+    the saved one, a result pending at the save is applied with the same average, and training goes on
+    with every rank holding the same global state."""
+    kw, at = RESIZE[cls]
+    base = {"cls": cls, "kw": kw, "path": str(tmp_path)}
+    saved = spawn_local(f"{WORKER}:run", 2, ({**base, "steps": at, "save": True, "one": 1},), timeout_s=240)
+    ref = saved[0]["saved"]
+    assert ref["step"] == at
+    if cls != "loscar":
+        assert ref["pending"], "the save should hold a result in flight"
+    up = spawn_local(f"{WORKER}:run", 3, ({**base, "load": True, "one": 1, "after": 12},), timeout_s=240)
+    down = [dcp_worker.run(0, 1, {**base, "load": True, "one": 1, "after": 12})]
+    for res in (up, down):
+        for r in res:
+            loaded = r["loaded"]
+            if cls == "loscar":
+                assert loaded == ref
+                assert torch.isfinite(r["x_final"]).all()
+                assert r["final"]["round"] > ref["round"]
+            else:
+                assert torch.equal(loaded["g"], ref["g"]) and torch.equal(loaded["u"], ref["u"])
+                assert loaded["step"] == ref["step"] and loaded["pending"] == ref["pending"]
+                # the pending result, averaged over 2 ranks when it was sent, is applied with the
+                # same average by 3 ranks or 1: g after the next step equals the 2-rank run's
+                torch.testing.assert_close(
+                    r["after_one"]["g"], saved[0]["after_one"]["g"], rtol=1e-6, atol=1e-7
+                )
+                assert not torch.equal(r["final"]["g"], ref["g"])  # training went on
+                assert torch.isfinite(r["final"]["g"]).all()
+            assert r["final"]["step"] == at + 13
+        first = res[0]["final"]
+        for r in res[1:]:  # the global state stays replicated on the new number of ranks
+            for k, v in first.items():
+                assert torch.equal(v, r["final"][k]) if isinstance(v, torch.Tensor) else v == r["final"][k]
+
+
+@pytest.mark.slow
+def test_dcp_refuses_per_rank_loscar_steps_on_another_number_of_ranks(group, tmp_path):
+    """LOSCAR with per-rank local_steps cannot resume on another number of ranks: the error names
+    local_steps."""
+    kw = {"density": 0.4, "local_steps": [2, 3], "overlap_steps": 1}
+    sc = {"cls": "loscar", "kw": kw, "path": str(tmp_path), "rounds": 3, "save": True}
+    spawn_local(f"{WORKER}:run", 2, (sc,), timeout_s=240)
+    with pytest.raises(CheckpointError, match="local_steps"):
+        dcp_worker.run(
+            0, 1, {"cls": "loscar", "kw": {**kw, "local_steps": 2}, "path": str(tmp_path), "load": True}
+        )

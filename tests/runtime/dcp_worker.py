@@ -1,0 +1,66 @@
+"""Worker for tests/runtime/test_dcp.py: one rank that trains, saves the strategy with
+torch.distributed.checkpoint (DCPState) and/or resumes from such a save, on however many ranks
+``spawn_local`` starts (or in the test process itself, on its one-rank default group).
+Loaded by file path, so imports are absolute."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+import lowcomm_kernels.runtime as rt
+from lowcomm_kernels.runtime.dcp import DCPState
+from tests.runtime.rt_common import inner_step, make_model, make_opt
+
+CLASSES = {"diloco": rt.DiLoCo, "streaming": rt.StreamingDiLoCo, "cocodc": rt.CoCoDC, "loscar": rt.LOSCAR}
+
+
+def _outer(st) -> dict:
+    """The replicated global state: g and u (dense) or the round counter (LOSCAR), and the schedule."""
+    if isinstance(st, rt.LOSCAR):
+        return {"round": st.round, "s": st.s, "step": st.step_count}
+    return {
+        "g": st.g.clone(),
+        "u": st.u.clone(),
+        "step": st.step_count,
+        "pending": [(pd.fragment, pd.send_step, pd.apply_step) for pd in st.pending],
+    }
+
+
+def run(rank: int, world: int, sc: dict) -> dict:
+    """Build the strategy (sc: cls, kw); if sc["load"], resume from sc["path"]; train sc["steps"] more
+    steps (or, with sc["rounds"], until LOSCAR finished that many rounds); if sc["save"], save to
+    sc["path"]; then train sc["after"] more steps. Returns the outer state at each point."""
+    model = make_model(torch.float32)
+    opt = make_opt(model)
+    st = CLASSES[sc["cls"]](model, opt, **sc["kw"])
+    out: dict = {}
+    if sc.get("load"):
+        state = {"model": model.state_dict(), "strategy": DCPState(st)}
+        dcp.load(state, checkpoint_id=sc["path"])
+        model.load_state_dict(state["model"])
+        out["loaded"] = _outer(st)
+        out["x_loaded"] = st.frags.flat.clone()
+    losses = []
+
+    def train(n: int) -> None:
+        for _ in range(n):
+            losses.append(inner_step(model, opt, rank, st.step_count + 1))
+            st.step()
+
+    if sc.get("rounds"):
+        while not (st.round == sc["rounds"] and st.at_round_end):
+            train(1)
+    else:
+        train(sc.get("steps", 0))
+    if sc.get("save"):
+        dcp.save({"model": model.state_dict(), "strategy": DCPState(st)}, checkpoint_id=sc["path"])
+        out["saved"] = _outer(st)
+    train(sc.get("one", 0))
+    out["after_one"] = _outer(st)
+    train(sc.get("after", 0))
+    out["final"] = _outer(st)
+    out["x_final"] = st.frags.flat.clone()
+    out["losses"] = losses
+    st.close()
+    return out
