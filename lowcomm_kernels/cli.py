@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from .train.args import add_tensorboard_flag
 from .train.errors import UsageError
+from .train.faults import add_fault_flags
 from .train.spec import (
     INT_FIELDS,
     LAM_MODES,
@@ -213,11 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_run_args(c)
     add_tensorboard_flag(c)
+    add_fault_flags(c, baseline=True)
     t = sub.add_parser("train", help="train one method with every knob")
     t.add_argument("--method", required=True, choices=METHODS)
     t.add_argument("--target", type=_float, help="target validation loss for the table")
     add_run_args(t)
     add_tensorboard_flag(t)
+    add_fault_flags(t, baseline=True)
     pr = sub.add_parser("profile", help="short 2-rank run under torch.profiler: Chrome trace + timeline PNG")
     pr.add_argument("--method", default="cocodc", choices=[m for m in METHODS])
     add_run_args(pr)

@@ -95,7 +95,24 @@ def run_and_report(
     return results, tgt
 
 
+def _faults(args: argparse.Namespace, command: str) -> bool:
+    """Whether --faults is given (``train.faults`` runs the command then); --fault-free needs it."""
+    if getattr(args, "faults", None) is None:
+        if getattr(args, "fault_free", False):
+            raise UsageError("--fault-free goes with --faults (the run it is compared with)")
+        return False
+    if command == "compare" and (args.study or args.task != "lm"):
+        raise UsageError(
+            "--faults works with the language-model runs of compare, not --study or --task logreg"
+        )
+    return True
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
+    if _faults(args, "compare"):
+        from .faults import run_faults_command
+
+        return run_faults_command(args, "compare")
     if args.tensorboard is not None and (args.study or args.task != "lm"):
         raise UsageError(
             "--tensorboard works with the language-model runs of compare, not --study or --task logreg"
@@ -124,6 +141,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    if _faults(args, "train"):
+        from .faults import run_faults_command
+
+        return run_faults_command(args, "train")
     specs = build_specs(args, [args.method], presets.LM["default"])
     corpus = load_checked_corpus(args.data, specs)
     out = out_dir(args, f"train-{args.method}")

@@ -54,10 +54,12 @@ def build_strategy(
     optimizer: torch.optim.Optimizer,
     group: Any,
     metrics_callback: Any = None,
+    manager: Any = None,
 ) -> Any:
     """The runtime strategy for ``spec.method`` (not 'dp', which the harness implements itself);
     ``metrics_callback`` receives each SyncRecord (see ``lowcomm_kernels.runtime.sinks``). None for
-    LOSCAR at density 0, the no-communication baseline: each worker trains alone."""
+    LOSCAR at density 0, the no-communication baseline: each worker trains alone. With a torchft
+    ``manager`` (``--faults``) it is one of ``spec.workers`` replicas: no fixed group, no emulated WAN."""
     import lowcomm_kernels.runtime as rt
 
     common: dict[str, Any] = {
@@ -68,6 +70,9 @@ def build_strategy(
         "quant_block": spec.quant_block,
         "error_feedback": spec.error_feedback,
     }
+    if manager is not None:
+        del common["process_group"], common["wan"]
+        common.update(manager=manager, num_replicas=spec.workers)
     outer: dict[str, Any] = {"outer_lr": spec.outer_lr, "outer_momentum": spec.outer_momentum}
     if spec.method == "diloco":
         return rt.DiLoCo(model, optimizer, sync_every=spec.sync_every, **outer, **common)

@@ -1,0 +1,759 @@
+"""``--faults``: the main job (``lowcomm train`` / ``lowcomm compare``) through a lost and a returning worker.
+
+The schedule is a comma list of events, each ``kill:W@S`` or ``return:W@S``::
+
+    --faults "kill:2@200,return:2@260"
+
+- ``kill:W@S``: worker W is SIGKILLed right after its optimizer step S (it stops there and the
+  parent kills it, so the step is exact);
+- ``return:W@S``: a fresh process for worker W is started once worker 0 has reached step S and the
+  kill happened; the live workers wait at step S until the new process is up, then train on; it
+  joins the quorum at its first optimizer step and is healed from a healthy peer at the next sync.
+
+Rules (each broken one is a :class:`UsageError` naming ``--faults``, before any process starts):
+W in 1 .. --workers - 1 (worker 0 stays alive: it reports), a kill only of a live worker and a return
+only of a killed one, steps increasing per worker, a kill at 1 .. --steps - 1, a return after the kill
+with ``S + --sync-every <= --steps`` (it heals at a sync), and at least two workers alive at every step
+(a quorum needs two).
+
+With ``--faults`` the workers run as torchft replicas (``runtime.ft``): one process per replica, a
+``LighthouseServer`` in the parent, each strategy built with ``manager=``; there is no fixed gloo
+group. So there is no emulated WAN (``--latency-ms`` / ``--bandwidth-mbps`` do not apply), no quantized
+wire format, and the data-parallel baseline ``dp`` is refused (it needs an all-reduce per step over a
+fixed group). Evaluation: each live replica evaluates its own parameters on the validation batches
+(there is no fixed group to average over); the run's curve is worker 0's, the lowest-numbered live
+replica at every step, and every replica's own curve is kept in results.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import UsageError
+
+FLAG = "--faults"
+SYNTAX = "comma list of kill:W@S and return:W@S (worker W, step S), e.g. kill:2@200,return:2@260"
+_EVENT = re.compile(r"^(kill|return):(\d+)@(\d+)$")
+REPORTER = 0  # the replica whose curve is the run's (the schedule never kills it)
+# torchft's timeouts for the CLI's replicas (seconds); see docs/fault_tolerance.md
+COLLECTIVE_TIMEOUT_S = 10.0
+QUORUM_TIMEOUT_S = 300.0
+JOIN_TIMEOUT_MS = 30000
+HEARTBEAT_TIMEOUT_MS = 1000
+HOLD_TIMEOUT_S = 300.0  # the live workers wait this long at a return step for the new process
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str  # "kill" or "return"
+    worker: int
+    step: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.worker}@{self.step}"
+
+
+@dataclass(frozen=True)
+class FaultSchedule:
+    events: tuple[Fault, ...]
+
+    def __str__(self) -> str:
+        return ",".join(str(e) for e in self.events)
+
+    def kills(self) -> list[Fault]:
+        return [e for e in self.events if e.kind == "kill"]
+
+    def returns(self) -> list[Fault]:
+        return [e for e in self.events if e.kind == "return"]
+
+
+NO_FAULTS = FaultSchedule(())
+
+
+def parse_faults(
+    text: str, *, workers: int, steps: int, sync_every: int, sync_flag: str = "--sync-every"
+) -> FaultSchedule:
+    """The schedule of ``--faults text`` for a run of ``workers`` workers and ``steps`` steps with a
+    sync every ``sync_every`` steps (the flag that sets it: ``sync_flag``), or a UsageError naming the
+    flag and the bad event."""
+    if not text or not text.strip():
+        raise UsageError(f"{FLAG} needs at least one event: {SYNTAX}")
+    events = []
+    for part in text.split(","):
+        item = part.strip()
+        m = _EVENT.match(item)
+        if m is None:
+            raise UsageError(f"{FLAG}: cannot read {item!r}: {SYNTAX}")
+        events.append(Fault(m[1], int(m[2]), int(m[3])))
+    for e in events:
+        if e.worker == REPORTER:
+            raise UsageError(
+                f"{FLAG}: {e}: worker 0 stays alive (it evaluates and reports the run); "
+                f"choose a worker in 1 .. {workers - 1}"
+            )
+        if not 0 < e.worker < workers:
+            raise UsageError(f"{FLAG}: {e}: no worker {e.worker} with --workers {workers}")
+        if e.kind == "kill" and not 1 <= e.step < steps:
+            raise UsageError(f"{FLAG}: {e}: a kill step must lie in 1 .. {steps - 1} (--steps {steps})")
+        if e.kind == "return" and e.step + sync_every > steps:
+            raise UsageError(
+                f"{FLAG}: {e}: a returning worker heals at a sync, so the return step plus "
+                f"{sync_flag} {sync_every} must not pass --steps {steps}"
+            )
+    by_worker: dict[int, list[Fault]] = {}
+    for e in events:
+        by_worker.setdefault(e.worker, []).append(e)
+    for w, evs in by_worker.items():
+        evs.sort(key=lambda e: (e.step, e.kind != "kill"))
+        alive = True
+        for prev, e in zip([None, *evs], evs, strict=False):
+            if prev is not None and prev.step == e.step:
+                raise UsageError(f"{FLAG}: {prev} and {e}: two events of worker {w} at one step")
+            if e.kind == "kill" and not alive:
+                raise UsageError(f"{FLAG}: {e}: worker {w} is already dead (killed at step {prev.step})")
+            if e.kind == "return" and alive:
+                what = "was never killed" if prev is None else f"is alive again since step {prev.step}"
+                raise UsageError(f"{FLAG}: {e}: worker {w} {what}; a return needs an earlier kill")
+            alive = e.kind == "return"
+    # at least two live workers at every step (a quorum needs two); a return counts from its step
+    dead = 0
+    for e in sorted(events, key=lambda e: (e.step, e.kind == "kill")):
+        dead += 1 if e.kind == "kill" else -1
+        if workers - dead < 2:
+            raise UsageError(
+                f"{FLAG}: {e} leaves {workers - dead} live worker(s) of {workers}; "
+                "a quorum needs at least two"
+            )
+    return FaultSchedule(tuple(sorted(events, key=lambda e: (e.step, e.worker))))
+
+
+def check_fault_spec(spec: Any) -> None:
+    """What a TrainSpec may not use with --faults, as a UsageError naming the flags."""
+    if spec.method == "dp":
+        raise UsageError(
+            f"{FLAG}: the data-parallel baseline (dp) needs a fixed process group for its all-reduce per "
+            "step; choose --methods/--method among diloco, streaming, cocodc, loscar"
+        )
+    if spec.method == "loscar" and spec.density == 0:
+        raise UsageError(
+            f"{FLAG}: LOSCAR at --density 0 never communicates: there is no quorum to lose a worker from"
+        )
+    from .spec import WIRE_DTYPE_NAMES
+
+    if spec.wire_dtype not in ("fp32", "bf16") and spec.wire_dtype in WIRE_DTYPE_NAMES:
+        raise UsageError(
+            f"{FLAG}: --wire-dtype {spec.wire_dtype}: a quantized wire format uses a process group of its "
+            "own and cannot run under torchft; use fp32 or bf16"
+        )
+
+
+def add_fault_flags(p: argparse.ArgumentParser, *, baseline: bool) -> None:
+    """``--faults`` (and ``--fault-free``) for train and compare."""
+    g = p.add_argument_group("faults (torchft replicas)")
+    g.add_argument(
+        FLAG,
+        metavar="SCHEDULE",
+        help=f"run the workers as torchft replicas and inject faults: {SYNTAX}. Worker W is SIGKILLed "
+        "after its step S; a returning worker restarts when worker 0 reaches S and heals from a peer "
+        "at the next sync. Worker 0 is never killed; two workers stay alive; no emulated WAN, no dp",
+    )
+    if baseline:
+        g.add_argument(
+            "--fault-free",
+            action="store_true",
+            help="with --faults: also run each method without the faults (the same replicas, no kill) "
+            "and compare the final losses; one more run of the same length per method",
+        )
+
+
+# ----- one replica process ------------------------------------------------------------------------
+
+
+def _replica(
+    conn: Any,
+    index: int,
+    incarnation: int,
+    spec: Any,
+    train: Any,
+    val: Any,
+    lighthouse: str,
+    kill_step: int | None,
+    holds: list[tuple[int, Any]],
+    log_path: str | None,
+) -> None:
+    """A replica's process: the same model, data shard, optimizer and strategy as the fixed-group
+    worker, under a torchft Manager. Messages to the parent go over ``conn``; torchft's log and any
+    other output go to ``log_path``. ``holds``: (step, event) pairs: wait at the step until the event
+    is set (step 0: before the first step, until every replica of the start is up)."""
+    if log_path is not None:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    try:
+        _replica_loop(conn, index, incarnation, spec, train, val, lighthouse, kill_step, holds)
+        code = 0
+    except BaseException as e:
+        try:
+            conn.send(("error", index, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        except OSError:
+            pass
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # the manager's threads would keep a clean exit waiting on peers
+
+
+def _replica_loop(
+    conn: Any,
+    index: int,
+    incarnation: int,
+    spec: Any,
+    train: Any,
+    val: Any,
+    lighthouse: str,
+    kill_step: int | None,
+    holds: list[tuple[int, Any]],
+) -> None:
+    from datetime import timedelta
+
+    import torch
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+
+    from .corpus import eval_set, sample_batch, worker_shard
+    from .model import TinyLlama, num_parameters
+    from .report import EvalPoint, RunResult
+    from .spec import PARAM_DTYPES
+    from .strategies import CommTotals, build_strategy
+    from .worker import EVAL_BATCH_WINDOWS, _flat_float32, _windows_loss_sum, lr_lambda
+
+    torch.set_num_threads(1)
+    torch.manual_seed(spec.seed)  # the same initial model on every replica
+    model = TinyLlama(spec.model).to(PARAM_DTYPES[spec.param_dtype])
+    eval_model = TinyLlama(spec.model)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=spec.lr, betas=(0.9, 0.95), weight_decay=spec.weight_decay
+    )
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S)),
+        min_replica_size=2,
+        load_state_dict=None,
+        state_dict=None,
+        replica_id=f"lowcomm_{index}",
+        store_addr="localhost",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        use_async_quorum=False,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
+        connect_timeout=timedelta(seconds=30),
+    )
+    strategy = build_strategy(spec, model, optimizer, None, manager=manager)
+    tr = strategy.transport
+    shard = worker_shard(train, index, spec.workers, getattr(spec, "split", "contiguous"))
+    windows = eval_set(val, spec.model.seq_len, spec.eval_bytes)  # the fixed-group runs' windows
+    eval_batches = windows.batches(range(windows.n_windows), EVAL_BATCH_WINDOWS)
+    # a returning replica draws other batches than its first life did
+    gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + index + 7919 * incarnation)
+    lr_at = lr_lambda(spec)
+    speed = spec.worker_speeds[index] if spec.worker_speeds else 1.0
+    result = RunResult(spec.label, spec.method, spec.to_dict(), num_params=num_parameters(model))
+    result.val_loss_basis = f"worker {index}'s own model"  # no fixed group to average over
+    result.eval_bytes_scored = windows.scored_bytes
+    eval_s = 0.0
+    seen = {"rounds": 0, "committed": 0, "failed": 0}
+
+    @torch.no_grad()
+    def evaluate(step: int) -> None:
+        nonlocal eval_s
+        t0 = time.perf_counter()
+        torch.nn.utils.vector_to_parameters(_flat_float32(model), eval_model.parameters())
+        loss = _windows_loss_sum(eval_model, eval_batches) / windows.scored_bytes
+        m = CommTotals.read(strategy)
+        result.points.append(
+            EvalPoint(step, t0 - t_start - eval_s, m.bytes_sent, m.exposed_s, loss, val_loss_workers=[loss])
+        )
+        eval_s += time.perf_counter() - t0
+        conn.send(("eval", index, step, loss, _state_hash(strategy)))
+
+    conn.send(("ready", index, incarnation))
+
+    def hold(step: int) -> None:
+        for at, ev in holds:
+            if step >= at and not ev.is_set() and not ev.wait(HOLD_TIMEOUT_S):
+                raise RuntimeError(f"waited {HOLD_TIMEOUT_S:.0f} s at step {step} for the other workers")
+
+    hold(0)
+    t_start = time.perf_counter()
+    with strategy:
+        if incarnation == 0:
+            evaluate(0)
+        healed_sent = incarnation == 0
+        while strategy.step_count < spec.steps:  # a healed replica jumps ahead to the peers' step
+            t_step = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = spec.lr * lr_at(strategy.step_count)
+            x, y = sample_batch(shard, spec.batch_size, spec.model.seq_len, gen)
+            loss = model.loss(x, y)
+            loss.backward()
+            if spec.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
+            optimizer.step()  # the strategy's hook: quorum, rounds, merges (and the heal at the first)
+            optimizer.zero_grad(set_to_none=True)
+            step = strategy.step_count
+            if not healed_sent and tr.joined:
+                healed_sent = True
+                conn.send(("healed", index, tr.healed_at))
+            if tr.rounds > seen["rounds"]:
+                committed = tr.participants[seen["committed"] :]
+                failed = tr.failed_rounds - seen["failed"]
+                seen.update(rounds=tr.rounds, committed=len(tr.participants), failed=tr.failed_rounds)
+                quorum = int(manager.num_participants())
+                conn.send(("rounds", index, step, committed, failed, quorum, time.time()))
+            conn.send(("step", index, step, float(loss)))
+            if speed != 1.0:  # emulate a slower worker: stretch its step time
+                time.sleep(max(0.0, (speed - 1.0) * (time.perf_counter() - t_step)))
+            if step % spec.eval_every == 0 or step == spec.steps:
+                evaluate(step)
+            if kill_step is not None and step >= kill_step:
+                conn.send(("kill-me", index, step))
+                while True:  # the parent SIGKILLs this process now
+                    time.sleep(1.0)
+            hold(step)
+        t_end = time.perf_counter()
+    m = CommTotals.read(strategy)
+    result.train_wall_s = t_end - t_start - eval_s
+    result.bytes_sent, result.exposed_s, result.syncs = m.bytes_sent, m.exposed_s, m.syncs
+    result.extra = dict(m.extra, eval_s=eval_s)
+    conn.send(("done", index, result.to_dict(), _state_hash(strategy)))
+    manager.shutdown(wait=False)
+
+
+def _state_hash(strategy: Any) -> int:
+    """The hash of the global state g that every replica holds after a sync (the dense methods); for
+    LOSCAR, which keeps no global copy, of this replica's own parameters."""
+    from ..runtime.base import tensor_hash
+
+    g = getattr(strategy, "g", None)
+    return tensor_hash(g if g is not None else strategy.frags.flat)
+
+
+# ----- the parent: lighthouse, replicas, the schedule ---------------------------------------------
+
+
+class FaultRunError(RuntimeError):
+    def __init__(self, worker: int, summary: str, detail: str = "") -> None:
+        super().__init__(f"worker {worker}: {summary}")
+        self.worker, self.summary, self.detail = worker, summary, detail
+
+
+def run_with_faults(
+    spec: Any,
+    corpus: Any,
+    schedule: FaultSchedule,
+    *,
+    on_progress: Any = None,
+    idle_timeout_s: float = 600.0,
+    log_dir: Path | None = None,
+) -> Any:
+    """Run ``spec`` as ``spec.workers`` torchft replicas through ``schedule``; return worker 0's
+    RunResult with ``extra["faults"]``: the events, every round worker 0 saw (step, committed,
+    replicas contributing, quorum size), the per-replica curves (step, own loss, hash of g: see
+    :func:`_state_hash`) and the final hashes.
+    ``on_progress(step, val_loss | None)`` follows worker 0; each replica's output (torchft's log)
+    goes to ``log_dir/worker<i>.log`` (appended; discarded without ``log_dir``). Raises
+    :class:`FaultRunError` when a replica fails or nothing happens for ``idle_timeout_s``."""
+    from multiprocessing.connection import wait
+
+    import torch.multiprocessing as mp
+    from torchft._torchft import LighthouseServer
+
+    from .report import RunResult
+
+    ctx = mp.get_context("spawn")
+    train, val = corpus.train.share_memory_(), corpus.val.share_memory_()
+    lh = LighthouseServer(
+        bind="[::]:0",
+        min_replicas=2,
+        join_timeout_ms=JOIN_TIMEOUT_MS,
+        heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+    )
+    returns = schedule.returns()
+    hold_events = [ctx.Event() for _ in returns]
+    go = ctx.Event()  # set once every replica of the start is up: they join the first quorum together
+    up: set[int] = set()
+    procs: dict[int, Any] = {}
+    conns: dict[Any, int] = {}
+    incarnations = dict.fromkeys(range(spec.workers), 0)
+    t0 = time.time()
+
+    def start(i: int, kill_step: int | None, own: int | None) -> None:
+        r, w = ctx.Pipe(duplex=False)
+        holds = [(0, go)]
+        holds += [
+            (f.step, ev) for k, (f, ev) in enumerate(zip(returns, hold_events, strict=True)) if k != own
+        ]
+        log = None if log_dir is None else str(log_dir / f"worker{i}.log")
+        args = (w, i, incarnations[i], spec, train, val, lh.address(), kill_step, holds, log)
+        p = ctx.Process(target=_replica, args=args, daemon=True)
+        p.start()
+        w.close()
+        procs[i], conns[r] = p, i
+
+    def next_kill(i: int, after: int) -> int | None:
+        return next((f.step for f in schedule.kills() if f.worker == i and f.step > after), None)
+
+    events: list[dict] = []
+    rounds: list[dict] = []
+    curves: dict[str, list] = {str(i): [] for i in range(spec.workers)}
+    final_hash: dict[str, int] = {}
+    result: RunResult | None = None
+    killed: dict[int, float] = {}  # worker -> time of its kill (dead now)
+    returned: set[int] = set()  # indices into `returns` already started
+    step0 = 0
+    try:
+        for i in range(spec.workers):
+            start(i, next_kill(i, 0), None)
+        last_msg = time.time()
+        while conns:
+            ready = wait(list(conns), timeout=1.0)
+            if not ready and time.time() - last_msg > idle_timeout_s:
+                raise FaultRunError(REPORTER, f"no worker made progress for {idle_timeout_s:.0f} s (hung)")
+            for c in ready:
+                i = conns[c]
+                try:
+                    msg = c.recv()
+                except (EOFError, OSError):
+                    del conns[c]
+                    p = procs[i]
+                    p.join(timeout=30)
+                    if i not in killed and p.exitcode != 0:
+                        raise FaultRunError(i, f"exited with code {p.exitcode} without a result") from None
+                    continue
+                last_msg = time.time()
+                kind = msg[0]
+                if kind == "error":
+                    raise FaultRunError(i, msg[2], msg[3])
+                if kind == "step" and i == REPORTER:
+                    step0 = msg[2]
+                    if on_progress is not None:
+                        on_progress(step0, None)
+                elif kind == "eval":
+                    curves[str(i)].append([msg[2], msg[3], msg[4]])
+                    if i == REPORTER and on_progress is not None:
+                        on_progress(msg[2], msg[3])
+                elif kind == "rounds" and i == REPORTER:
+                    _, _, step, committed, failed, quorum, t = msg
+                    for n in committed:
+                        rounds.append(dict(step=step, committed=True, replicas=n, quorum=quorum, t_s=t - t0))
+                    for _ in range(failed):
+                        rounds.append(dict(step=step, committed=False, replicas=0, quorum=quorum, t_s=t - t0))
+                elif kind == "kill-me":
+                    procs[i].kill()  # SIGKILL
+                    procs[i].join(timeout=30)
+                    killed[i] = time.time()
+                    events.append(
+                        dict(kind="kill", worker=i, step=msg[2], reporter_step=step0, t_s=killed[i] - t0)
+                    )
+                elif kind == "healed":
+                    ev = next(e for e in reversed(events) if e["kind"] == "return" and e["worker"] == i)
+                    ev["healed_at"] = msg[2]  # None: joined without a heal
+                elif kind == "ready":
+                    up.add(i)
+                    if len(up) == spec.workers:
+                        go.set()
+                    own = next(
+                        (k for k in returned if returns[k].worker == i and not hold_events[k].is_set()), None
+                    )
+                    if own is not None:
+                        hold_events[own].set()
+                elif kind == "done":
+                    final_hash[str(i)] = msg[3]
+                    if i == REPORTER:
+                        result = RunResult.from_dict(msg[2])
+            for k, f in enumerate(returns):  # start a returning worker once its kill happened
+                if k in returned or f.worker not in killed or step0 < f.step:
+                    continue
+                returned.add(k)
+                del killed[f.worker]
+                incarnations[f.worker] += 1
+                events.append(
+                    dict(
+                        kind="return", worker=f.worker, step=f.step, reporter_step=step0, t_s=time.time() - t0
+                    )
+                )
+                start(f.worker, next_kill(f.worker, f.step), k)
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=30)
+        lh.shutdown()
+    if result is None:
+        raise FaultRunError(REPORTER, "finished without a result")
+    committed = [r for r in rounds if r["committed"]]
+    kill_to_commit = []
+    for e in events:
+        if e["kind"] == "kill":
+            after = [r for r in committed if r["t_s"] > e["t_s"]]
+            e["to_next_commit_s"] = after[0]["t_s"] - e["t_s"] if after else None
+            kill_to_commit.append(e["to_next_commit_s"])
+    result.extra["faults"] = dict(
+        schedule=str(schedule),
+        reported_by=REPORTER,
+        events=events,
+        syncs=rounds,
+        syncs_committed=len(committed),
+        syncs_failed=len(rounds) - len(committed),
+        kill_to_next_commit_s=kill_to_commit,
+        replica_curves=curves,
+        final_g_hash=final_hash,
+    )
+    return result
+
+
+# ----- the command --------------------------------------------------------------------------------
+
+
+def _round_gap(spec: Any) -> tuple[int, str]:
+    """The steps between two rounds of ``spec``'s method and the flag(s) that set them."""
+    if spec.method == "loscar":
+        return spec.resolved_local_steps() + spec.resolved_overlap_steps(), "--local-steps + --overlap-steps"
+    return spec.sync_every, "--sync-every"
+
+
+def fault_methods(args: argparse.Namespace, command: str) -> list[str]:
+    from .args import parse_methods
+    from .spec import METHODS
+
+    if command == "train":
+        return [args.method]
+    if args.methods == ",".join(METHODS):  # compare's default: every method that runs under torchft
+        return [m for m in METHODS if m != "dp"]
+    return parse_methods(args.methods)
+
+
+def run_faults_command(args: argparse.Namespace, command: str) -> int:
+    """``lowcomm train|compare --faults``: validate, run each method (and its fault-free twin with
+    --fault-free), write results.json, table.md, the curves and the fault plot, print the tables."""
+    from . import presets, provenance
+    from .args import out_dir
+    from .commands import build_specs, load_checked_corpus
+    from .extras import require
+    from .report import auto_target, comparison_rows, format_table, plot_curves, write_json
+    from .runner import _Progress
+
+    if getattr(args, "tensorboard", None) is not None:
+        raise UsageError(f"--tensorboard is not supported with {FLAG}")
+    # torchft's own log (the Lighthouse's quorum lines) at warnings unless the user set RUST_LOG; it is
+    # read when torchft is first imported. Each replica's full output goes to out/logs-<method>/.
+    os.environ.setdefault("RUST_LOG", "warn")
+    require("torchft", "ft", FLAG)
+    quick = command == "compare" and args.quick
+    specs = build_specs(args, fault_methods(args, command), presets.LM["quick" if quick else "default"])
+    for spec in specs:
+        check_fault_spec(spec)
+    s0 = specs[0]
+    # a returning worker heals at the next round: the longest gap between rounds of any method
+    gap, flag = max(_round_gap(s) for s in specs)
+    schedule = parse_faults(args.faults, workers=s0.workers, steps=s0.steps, sync_every=gap, sync_flag=flag)
+    corpus = load_checked_corpus(args.data, specs)
+    out = out_dir(args, f"{command}-faults")
+    baseline = bool(getattr(args, "fault_free", False))
+    runs: list[tuple[Any, FaultSchedule]] = []
+    for spec in specs:
+        runs.append((spec, schedule))
+        if baseline:
+            runs.append((spec, NO_FAULTS))
+    labels = [s.label + ("" if sch.events else " (fault-free)") for s, sch in runs]
+    bars = _Progress([s for s, _ in runs], not args.no_progress)
+    t_all = time.perf_counter()
+    results = []
+    try:
+        for k, (spec, sch) in enumerate(runs):
+            try:
+                logs = out / f"logs-{spec.method}{'' if sch.events else '-fault-free'}"
+                logs.mkdir(exist_ok=True)
+                res = run_with_faults(
+                    spec, corpus, sch, on_progress=lambda s, v, k=k: bars.update(k, s, v), log_dir=logs
+                )
+            except FaultRunError as exc:
+                bars.close()
+                if exc.detail:
+                    (out / "error.txt").write_text(exc.detail)
+                where = f" (traceback in {out / 'error.txt'})" if exc.detail else ""
+                print(f"error: {FLAG} run of {labels[k]} failed: {exc}{where}", file=sys.stderr)
+                return 1
+            res.name = labels[k]
+            results.append(res)
+    finally:
+        bars.close()
+    elapsed = time.perf_counter() - t_all
+    for res in results:  # the faulty run's final loss against its fault-free twin
+        if "faults" in res.extra and res.extra["faults"]["events"]:
+            twin = next((r for r in results if r.name == res.name + " (fault-free)"), None)
+            res.extra["faults"]["fault_free_final_loss"] = twin.final_loss if twin else None
+    tgt = args.target if args.target is not None else auto_target(results)
+    title = f"lowcomm {command} --faults {schedule}: {s0.workers} workers, {s0.steps} steps"
+    table, ftable = format_table(results, tgt), format_fault_table(results)
+    write_json(
+        out / "results.json",
+        {
+            "title": title,
+            "corpus": corpus.describe(),
+            "faults": str(schedule),
+            "target_val_loss": tgt,
+            "rows": comparison_rows(results, tgt),
+            "runs": [r.to_dict() for r in results],
+            "elapsed_s": elapsed,
+            "provenance": provenance.collect(),
+        },
+    )
+    (out / "table.md").write_text(f"# {title}\n\n{corpus.describe()}\n\n{table}\n\n{ftable}\n")
+    plots = plot_curves(results, out, tgt)
+    plots.append(plot_faults(results, out / "val_loss_faults.png", title))
+    print(f"\n{title} — {corpus.describe()}\n")
+    print(table)
+    print()
+    print(ftable)
+    print(
+        f"\nwall-clock of the whole command: {elapsed:.0f} s; "
+        f"wrote {out / 'results.json'}, {out / 'table.md'}, " + ", ".join(p.name for p in plots)
+    )
+    return 0
+
+
+FAULT_HEADER = (
+    "run",
+    "syncs committed",
+    "syncs failed",
+    "kill -> next committed sync",
+    "returned worker healed at",
+    "final val loss",
+    "fault-free final",
+    "difference",
+)
+
+
+def format_fault_table(results: list[Any]) -> str:
+    """One row per run with faults: the rounds worker 0 saw, the recovery times and the final loss
+    against the fault-free twin (when --fault-free ran it)."""
+    lines = [
+        "fault tolerance (rounds as worker 0 saw them; its own parameters evaluated):",
+        "",
+        "| " + " | ".join(FAULT_HEADER) + " |",
+        "|" + "|".join("---" for _ in FAULT_HEADER) + "|",
+    ]
+    for r in results:
+        f = r.extra.get("faults")
+        if not f or not f["events"]:
+            continue
+        rec = ", ".join("-" if s is None else f"{s:.2f} s" for s in f["kill_to_next_commit_s"]) or "-"
+        healed = ", ".join(
+            f"w{e['worker']}: step {e['healed_at']}"
+            if e.get("healed_at") is not None
+            else f"w{e['worker']}: not healed"
+            for e in f["events"]
+            if e["kind"] == "return"
+        )
+        twin = f.get("fault_free_final_loss")
+        cells = [
+            r.name,
+            str(f["syncs_committed"]),
+            str(f["syncs_failed"]),
+            rec,
+            healed or "-",
+            f"{r.final_loss:.4f}",
+            "not run (--fault-free)" if twin is None else f"{twin:.4f}",
+            "-" if twin is None else f"{r.final_loss - twin:+.4f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def event_marks(faults: dict) -> list[tuple[int, str, str]]:
+    """(step, label, kind) of each event of a run's ``extra["faults"]``, as the fault plot draws them:
+    a kill at its step, a return at the step it was healed at."""
+    marks = []
+    for e in faults.get("events", []):
+        w = e["worker"]
+        if e["kind"] == "kill":
+            marks.append((e["step"], f"worker {w} killed", "kill"))
+        elif e.get("healed_at") is not None:
+            marks.append((e["healed_at"], f"worker {w} back, healed at step {e['healed_at']}", "return"))
+        else:
+            marks.append((e["step"], f"worker {w} back at step {e['step']}, not healed", "return"))
+    return marks
+
+
+def plot_faults(results: list[Any], path: Path, title: str) -> Path:
+    """Validation loss vs step of every run (worker 0's parameters; fault-free twins dashed; the
+    other replicas' own curves thin), with a vertical line per kill and per return."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    marked: set[tuple] = set()
+    later: list[float] = []
+    for r in results:
+        f = r.extra.get("faults") or {}
+        faulty = bool(f.get("events"))
+        base = r.name.removesuffix(" (fault-free)")
+        color = colors[[x.name.removesuffix(" (fault-free)") for x in results].index(base) % len(colors)]
+        pts = r.points
+        ax.plot(
+            [p.step for p in pts],
+            [p.val_loss for p in pts],
+            color=color,
+            ls="-" if faulty else "--",
+            marker="." if faulty else None,
+            label=f"{r.name}, worker {f.get('reported_by', REPORTER)}" if faulty else r.name,
+        )
+        later += [p.val_loss for p in pts[1:] if math.isfinite(p.val_loss)]
+        if not faulty:
+            continue
+        for w, curve in f["replica_curves"].items():
+            if int(w) == f["reported_by"] or not curve:
+                continue
+            ax.plot(
+                [c[0] for c in curve], [c[1] for c in curve], color=color, lw=0.8, alpha=0.6, ls=":",
+                label=f"{r.name}, worker {w}",
+            )  # fmt: skip
+        for x, text, kind in event_marks(f):
+            if (x, text) in marked:
+                continue
+            marked.add((x, text))
+            c = "red" if kind == "kill" else "green"
+            ax.axvline(x, color=c, ls="-.", lw=1)
+            ax.text(
+                x, 0.98, " " + text, rotation=90, va="top", ha="left", fontsize=8, color=c,
+                transform=ax.get_xaxis_transform(),
+            )  # fmt: skip
+    if later:
+        lo, hi = min(later), max(later)
+        ax.set_ylim(lo - 0.05 * (hi - lo + 1e-9), hi + 0.05 * (hi - lo + 1e-9))
+    ax.set_xlabel("inner steps")
+    ax.set_ylabel("validation loss (nats/byte)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
