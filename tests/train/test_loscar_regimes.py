@@ -186,3 +186,20 @@ def test_paired_t_matches_the_textbook_formula():
 def test_study_refuses_the_logreg_task(capsys, tmp_path):
     assert main(["compare", "--study", "loscar-regimes", "--task", "logreg", "--out", str(tmp_path)]) == 2
     assert "digits MLP" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_lm_loscar_with_a_2x_slower_worker_and_the_iid_split(tmp_path):
+    """The LM harness: the slow rank idles on half the ticks, yet both ranks meet at every round's
+    merge and at every evaluation (no collective is left unpaired)."""
+    import json
+
+    out = tmp_path / "lm"
+    argv = ["train", "--method", "loscar", "--workers", "2", "--steps", "8", "--eval-every", "4"]
+    argv += ["--eval-bytes", "512", "--batch-size", "2", "--dim", "16", "--layers", "1", "--heads", "2"]
+    argv += ["--mlp-hidden", "32", "--seq-len", "16", "--local-steps", "3", "--overlap-steps", "1"]
+    argv += ["--worker-speeds", "1,2", "--speed-model", "steps", "--split", "iid", "--latency-ms", "1"]
+    assert main([*argv, "--no-progress", "--out", str(out)]) == 0
+    run = json.loads((out / "results.json").read_text())["runs"][0]
+    assert run["syncs"] == 2 and [p["step"] for p in run["points"]] == [0, 4, 8]
+    assert run["config"]["split"] == "iid" and run["config"]["speed_model"] == "steps"
