@@ -26,7 +26,14 @@ SYNC_TAGS = {"lowcomm/" + f.name for f in dataclasses.fields(SyncRecord)} - {
     "lowcomm/apply_step",
     "lowcomm/reason",
 }
-HARNESS_TAGS = {"train/loss", "train/lr", "val/loss"}
+HARNESS_TAGS = {
+    "train/loss",
+    "train/lr",
+    "val/loss",
+    "val/loss_avg_model",
+    "val/loss_worker_min",
+    "val/loss_worker_max",
+}
 
 
 def read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
@@ -48,6 +55,9 @@ def check_run(folder: Path, run: dict) -> dict[str, list[tuple[int, float]]]:
     assert [st for st, _ in s["train/loss"]] == list(range(1, steps + 1))
     assert all(0 < v < 6 for _, v in s["train/loss"])  # byte-level LM: about ln(256) = 5.5 at the start
     assert s["val/loss"] == [(p["step"], f32(p["val_loss"])) for p in run["points"]]
+    assert s["val/loss_avg_model"] == [(p["step"], f32(p["val_loss_avg_model"])) for p in run["points"]]
+    assert s["val/loss_worker_min"] == [(p["step"], f32(min(p["val_loss_workers"]))) for p in run["points"]]
+    assert s["val/loss_worker_max"] == [(p["step"], f32(max(p["val_loss_workers"]))) for p in run["points"]]
     lr, warmup = run["config"]["lr"], run["config"]["warmup_steps"]
     assert s["train/lr"][:warmup] == [(k, f32(lr * k / warmup)) for k in range(1, warmup + 1)]
     return s
