@@ -289,6 +289,24 @@ def run_mlp_specs(
     return [RunResult.from_dict(d) for d in dicts]
 
 
+#: flags of the LM task that mean nothing here (the model, its data, AdamW and its schedule)
+LM_ONLY = (
+    "data dim layers heads mlp_hidden seq_len eval_bytes warmup_steps weight_decay param_dtype grad_clip "
+    "min_lr_frac"
+).split()
+
+
+def refuse_flags(args: argparse.Namespace, names: list[str], what: str) -> None:
+    """A UsageError naming the first of ``names`` given on the command line, before any run."""
+    from .args import FLAGS
+    from .errors import UsageError
+
+    for name in names:
+        if getattr(args, name, None) not in (None, False):
+            flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+            raise UsageError(f"{flag} does not apply to {what}")
+
+
 def run_mlp_compare(args: argparse.Namespace) -> int:
     """`lowcomm compare --task mlp`: every --methods method on the digits MLP, one seed, the
     comparison table of the LM task (wall-clock = the time model's seconds)."""
@@ -298,6 +316,7 @@ def run_mlp_compare(args: argparse.Namespace) -> int:
     from .report import auto_target, comparison_rows, format_table, write_json
     from .runner import report_failure
 
+    refuse_flags(args, LM_ONLY, "--task mlp (the digits MLP)")
     preset = PRESETS["quick" if args.quick else "default"]
     specs = [spec_from_args(args, m, preset) for m in parse_methods(args.methods)]
     cfg = MLPConfig()

@@ -315,6 +315,15 @@ def run_loscar_regimes(args: argparse.Namespace) -> int:
 
     if args.task == "logreg":
         raise UsageError(f"--study {NAME} runs on the digits MLP; leave out --task logreg")
+    from .args import _SPEC_FIELDS
+    from .mlp import LM_ONLY, refuse_flags
+
+    fixed = [f for f in [*_SPEC_FIELDS, *LM_ONLY, "latency_ms", "bandwidth_mbps", "target"] if f != "seed"]
+    refuse_flags(
+        args,
+        list(dict.fromkeys(fixed)),
+        f"--study {NAME} (its configurations are fixed; see --quick, --seeds)",
+    )
     size = "quick" if args.quick else "full"
     seeds = list(range(args.seed or 0, (args.seed or 0) + (args.seeds or SEEDS[size])))
     cfg = MLPConfig()

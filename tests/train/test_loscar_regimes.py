@@ -186,6 +186,10 @@ def test_paired_t_matches_the_textbook_formula():
 def test_study_refuses_the_logreg_task(capsys, tmp_path):
     assert main(["compare", "--study", "loscar-regimes", "--task", "logreg", "--out", str(tmp_path)]) == 2
     assert "digits MLP" in capsys.readouterr().err
+    assert main(["compare", "--study", "loscar-regimes", "--workers", "2", "--out", str(tmp_path)]) == 2
+    assert "--workers does not apply to --study loscar-regimes" in capsys.readouterr().err
+    assert main(["compare", "--task", "mlp", "--seq-len", "8", "--out", str(tmp_path)]) == 2
+    assert "--seq-len does not apply to --task mlp" in capsys.readouterr().err
 
 
 @pytest.mark.slow
