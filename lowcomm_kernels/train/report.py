@@ -153,6 +153,7 @@ def comparison_rows(results: list[RunResult], target: float) -> list[dict]:
                 "exposed_comm_s": r.exposed_s,
                 "exposed_comm_frac": r.exposed_s / r.train_wall_s if r.train_wall_s > 0 else 0.0,
                 "syncs": r.syncs,
+                "syncs_per_period": r.extra.get("syncs_per_period"),  # CoCoDC: N of each period
                 "eval_bytes_scored": r.eval_bytes_scored,
             }
         )
@@ -188,6 +189,19 @@ def _loss(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.4f}"
 
 
+def _n_per_period(history: list[int] | None) -> str:
+    """CoCoDC's N per period, run-length encoded: ' (N: 4x1, 8x19)'; '' for other methods."""
+    if not history:
+        return ""
+    runs: list[list[int]] = []
+    for n in history:
+        if runs and runs[-1][0] == n:
+            runs[-1][1] += 1
+        else:
+            runs.append([n, 1])
+    return " (N: " + ", ".join(f"{n}x{c}" for n, c in runs) + ")"
+
+
 def format_table(results: list[RunResult], target: float) -> str:
     """Markdown table (also readable as plain text in a terminal), its footnote below it."""
     basis = val_loss_basis(results)
@@ -218,7 +232,7 @@ def format_table(results: list[RunResult], target: float) -> str:
             f"{row['wall_clock_s']:.1f} s",
             fmt_bytes(row["bytes_sent_per_worker"]),
             f"{row['exposed_comm_s']:.2f} s ({100 * row['exposed_comm_frac']:.0f}%)",
-            str(row["syncs"]),
+            str(row["syncs"]) + _n_per_period(row["syncs_per_period"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
