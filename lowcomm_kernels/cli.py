@@ -224,6 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="short 2-rank run under torch.profiler: Chrome trace + timeline PNG")
     pr.add_argument("--method", default="cocodc", choices=[m for m in METHODS])
     add_run_args(pr)
+    add_fault_flags(pr, baseline=False)
     b = sub.add_parser("bench", help="run the microbenchmark suite in bench/ and render bench/RESULTS.md")
     b.add_argument("--bench-dir", help="folder of the benchmarks (default: bench/ of the source checkout)")
     b.add_argument("-k", dest="keyword", help="pytest -k expression to select benchmarks")

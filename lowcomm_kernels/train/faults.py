@@ -28,6 +28,8 @@ replica at every step, and every replica's own curve is kept in results.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import math
 import os
 import re
@@ -235,7 +237,7 @@ def _replica_loop(
     from .report import EvalPoint, RunResult
     from .spec import PARAM_DTYPES
     from .strategies import CommTotals, build_strategy
-    from .worker import EVAL_BATCH_WINDOWS, _flat_float32, _windows_loss_sum, lr_lambda
+    from .worker import EVAL_BATCH_WINDOWS, _flat_float32, _profiler, _windows_loss_sum, lr_lambda, slim_trace
 
     torch.set_num_threads(1)
     torch.manual_seed(spec.seed)  # the same initial model on every replica
@@ -298,7 +300,7 @@ def _replica_loop(
 
     hold(0)
     t_start = time.perf_counter()
-    with strategy:
+    with _profiler(spec) as prof, strategy:  # the profiler: `lowcomm profile --faults`
         if incarnation == 0:
             evaluate(0)
         healed_sent = incarnation == 0
@@ -338,6 +340,13 @@ def _replica_loop(
     result.train_wall_s = t_end - t_start - eval_s
     result.bytes_sent, result.exposed_s, result.syncs = m.bytes_sent, m.exposed_s, m.syncs
     result.extra = dict(m.extra, eval_s=eval_s)
+    if prof is not None:  # a returned worker's trace is trace_rank<W>_back<n>.json
+        name = f"rank{index}" + (f"_back{incarnation}" if incarnation else "")
+        trace = str(Path(spec.profile_dir) / f"trace_{name}.json")
+        prof.export_chrome_trace(trace)
+        slim_trace(trace)
+        records = [dataclasses.asdict(r) for r in strategy.metrics.syncs]
+        (Path(spec.profile_dir) / f"syncs_{name}.json").write_text(json.dumps(records))
     conn.send(("done", index, result.to_dict(), _state_hash(strategy)))
     manager.shutdown(wait=False)
 
@@ -504,6 +513,9 @@ def run_with_faults(
         lh.shutdown()
     if result is None:
         raise FaultRunError(REPORTER, "finished without a result")
+    own = {int(w): {c[0]: c[1] for c in curve} for w, curve in curves.items()}
+    for p in result.points:  # the live workers' own losses at each of worker 0's evaluations
+        p.val_loss_workers = [own[w][p.step] for w in sorted(own) if p.step in own[w]]
     committed = [r for r in rounds if r["committed"]]
     kill_to_commit = []
     for e in events:
@@ -636,6 +648,53 @@ def run_faults_command(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
+def run_faults_profile(args: argparse.Namespace) -> int:
+    """``lowcomm profile --faults``: the profile preset's run as torchft replicas through the schedule,
+    one Chrome trace per replica process (a returned worker's is ``trace_rank<W>_back<n>.json``; a
+    killed process leaves none) and ``timeline.png`` with the quorum and heal ranges."""
+    from . import presets
+    from .args import out_dir
+    from .commands import build_specs, load_checked_corpus
+    from .extras import require
+    from .profile import draw, load_intervals
+    from .runner import _Progress
+
+    os.environ.setdefault("RUST_LOG", "warn")
+    require("torchft", "ft", FLAG)
+    specs = build_specs(args, [args.method], presets.LM["profile"])
+    check_fault_spec(specs[0])
+    gap, flag = _round_gap(specs[0])
+    schedule = parse_faults(
+        args.faults, workers=specs[0].workers, steps=specs[0].steps, sync_every=gap, sync_flag=flag
+    )
+    corpus = load_checked_corpus(args.data, specs)
+    out = out_dir(args, f"profile-{args.method}-faults")
+    spec = specs[0].with_(profile_dir=str(out.resolve()))
+    (out / "logs").mkdir(exist_ok=True)
+    bars = _Progress([spec], not args.no_progress)
+    t0 = time.perf_counter()
+    try:
+        run_with_faults(
+            spec, corpus, schedule, on_progress=lambda s, v: bars.update(0, s, v), log_dir=out / "logs"
+        )
+    except FaultRunError as exc:
+        bars.close()
+        print(f"error: {FLAG} profile run failed: {exc} (replica logs in {out / 'logs'})", file=sys.stderr)
+        return 1
+    finally:
+        bars.close()
+    traces = sorted(out.glob("trace_rank*.json"))
+    names = [t.stem.removeprefix("trace_") for t in traces]
+    per = [load_intervals(t, t.with_name(f"syncs_{n}.json")) for t, n in zip(traces, names, strict=True)]
+    title = f"{spec.label} --faults {schedule}: {spec.workers} torchft replicas, H={spec.sync_every}"
+    draw(per, out / "timeline.png", title, labels=names)
+    for n, spans in zip(names, per, strict=True):
+        print(f"{n}: " + ", ".join(f"{k} {len(v)}" for k, v in spans.items()))
+    print(f"wrote {out / 'timeline.png'} and Chrome traces {', '.join(t.name for t in traces)} "
+          f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
+    return 0
+
+
 FAULT_HEADER = (
     "run",
     "syncs committed",
@@ -742,8 +801,8 @@ def plot_faults(results: list[Any], path: Path, title: str) -> Path:
             c = "red" if kind == "kill" else "green"
             ax.axvline(x, color=c, ls="-.", lw=1)
             ax.text(
-                x, 0.98, " " + text, rotation=90, va="top", ha="left", fontsize=8, color=c,
-                transform=ax.get_xaxis_transform(),
+                x, 0.98, text, rotation=90, va="top", ha="right", fontsize=8, color=c,
+                transform=ax.get_xaxis_transform(), bbox=dict(facecolor="white", alpha=0.8, lw=0, pad=1),
             )  # fmt: skip
     if later:
         lo, hi = min(later), max(later)

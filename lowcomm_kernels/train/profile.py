@@ -7,6 +7,8 @@ https://ui.perfetto.dev) and the runtime's per-sync records (``syncs_rank<r>.jso
 
 - compute: the harness's forward/backward/optimizer step (``lowcomm/compute``)
 - pack, merge, wait: the runtime's own ranges (wait = exposed communication)
+- quorum, heal (``lowcomm profile --faults``, torchft replicas): each round's quorum and a returning
+  replica's heal (``lowcomm/quorum``, ``lowcomm/heal`` from ``runtime.ft``); rows shown when recorded
 - comm in flight: from the issue of each all-reduce (``lowcomm/comm``) until its result was usable,
   using the in-flight time the runtime measured for that sync (records paired with issues in send
   order).
@@ -19,8 +21,11 @@ import json
 import time
 from pathlib import Path
 
-ROWS = ("compute", "pack", "comm in flight", "wait", "merge")
-COLORS = dict(zip(ROWS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3"), strict=True))
+ROWS = ("compute", "pack", "comm in flight", "wait", "merge", "quorum", "heal")
+COLORS = dict(
+    zip(ROWS, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3"), strict=True)
+)
+FT_ROWS = ("quorum", "heal")  # torchft's rounds (``--faults``): drawn only when a rank recorded them
 
 
 def load_intervals(trace_path: Path, syncs_path: Path | None) -> dict[str, list[tuple[float, float]]]:
@@ -51,7 +56,12 @@ def load_intervals(trace_path: Path, syncs_path: Path | None) -> dict[str, list[
     return {k: sorted((s - t0, d) for s, d in v) for k, v in spans.items()}
 
 
-def draw(per_rank: list[dict[str, list[tuple[float, float]]]], path: Path, title: str) -> None:
+def draw(
+    per_rank: list[dict[str, list[tuple[float, float]]]],
+    path: Path,
+    title: str,
+    labels: list[str] | None = None,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -60,9 +70,10 @@ def draw(per_rank: list[dict[str, list[tuple[float, float]]]], path: Path, title
     fig, axes = plt.subplots(
         len(per_rank), 1, figsize=(12, 1.0 + 1.6 * len(per_rank)), squeeze=False, sharex=True
     )
+    rows = [r for r in ROWS if r not in FT_ROWS or any(spans.get(r) for spans in per_rank)]
     for i, spans in enumerate(per_rank):
         ax = axes[i][0]
-        for row, name in enumerate(ROWS):
+        for row, name in enumerate(rows):
             # Overlapping in-flight syncs are drawn semi-transparent so their overlap stays visible.
             ax.broken_barh(
                 spans.get(name, []),
@@ -70,9 +81,10 @@ def draw(per_rank: list[dict[str, list[tuple[float, float]]]], path: Path, title
                 color=COLORS[name],
                 alpha=0.55 if name == "comm in flight" else 0.9,
             )
-        ax.set_yticks(range(len(ROWS)), ROWS, fontsize=8)
+        ax.set_yticks(range(len(rows)), rows, fontsize=8)
         ax.invert_yaxis()
-        ax.set_ylabel(f"rank {i}" if len(per_rank) > 1 else "", fontsize=9)
+        label = labels[i] if labels is not None else f"rank {i}"
+        ax.set_ylabel(label if len(per_rank) > 1 else "", fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     axes[-1][0].set_xlabel("seconds since the first recorded range")
     axes[0][0].set_title(title, fontsize=10)
@@ -86,6 +98,10 @@ def run_profile(args: argparse.Namespace) -> int:
     from .commands import build_specs, load_checked_corpus, run_and_report
     from .presets import LM
 
+    if getattr(args, "faults", None) is not None:
+        from .faults import run_faults_profile
+
+        return run_faults_profile(args)
     specs = build_specs(args, [args.method], LM["profile"])
     out = out_dir(args, f"profile-{args.method}")
     spec = specs[0].with_(profile_dir=str(out.resolve()))

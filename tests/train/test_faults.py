@@ -94,6 +94,13 @@ def test_cli_refuses_before_any_spawn(tmp_path, capsys, argv, says):
     assert not out.exists()  # refused before the output folder (or a worker) was made
 
 
+def test_profile_refuses_a_bad_schedule(tmp_path, capsys):
+    """``lowcomm profile --faults``: its preset runs 2 workers, too few to lose one."""
+    out = tmp_path / "out"
+    assert main(["profile", "--method", "diloco", "--faults", "kill:1@5", "--out", str(out)]) == 2
+    assert "leaves 1 live worker(s) of 2" in capsys.readouterr().err and not out.exists()
+
+
 def test_help_documents_the_flag(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
