@@ -289,6 +289,44 @@ def summarise(
     return "\n".join(table + paired), records
 
 
+def plot(
+    base: TrainSpec, outer_lr: dict, seeds: list[int], results: list[RunResult], cfg: MLPConfig, path
+) -> None:
+    """One panel per regime: the workers' own models' test loss (mean over seeds) against the time
+    model's seconds, one line per method, the target dotted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    by_name = {r.name: r for r in results}
+    fig, axes = plt.subplots(2, 4, figsize=(17, 7.5), sharey=True, squeeze=False)
+    for ax, rg in zip(axes.flat, REGIMES, strict=True):
+        for _, m, row in [x for x in rows(base, outer_lr, cfg) if x[0] == rg]:
+            key = run_key(run_spec(row))
+            runs = [by_name[f"{key} seed={s}"] for s in seeds if f"{key} seed={s}" in by_name]
+            if not runs:
+                continue
+            n = min(len(r.points) for r in runs)
+            t = np.array([retime(r, row, cfg)[:n] for r in runs]).mean(0)
+            loss = np.array([[p.val_loss for p in r.points[:n]] for r in runs]).mean(0)
+            ax.plot(t, loss, label=LABELS[m])
+        ax.axhline(TARGET, color="grey", ls=":", lw=1)
+        ax.set_title(rg.label, fontsize=9)
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.set_xlabel("modeled seconds")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("own models' test loss (mean)")
+    handles, names = max((ax.get_legend_handles_labels() for ax in axes.flat), key=lambda h: len(h[0]))
+    if handles:
+        fig.legend(handles, names, loc="lower center", ncol=len(names), fontsize=8)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def choose_outer_lr(results: list[RunResult], lrs: tuple) -> dict:
     """Per method, the outer lr with the lowest mean final own-model loss over the tuning seeds."""
     best = {}
@@ -358,6 +396,7 @@ def run_loscar_regimes(args: argparse.Namespace) -> int:
         f"{outer_lr['streaming']:g}"
     )
     (out / f"{NAME}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{table}\n")
+    plot(base, outer_lr, seeds, results, cfg, out / f"{NAME}.png")
     write_json(
         out / "results.json",
         {
@@ -373,7 +412,8 @@ def run_loscar_regimes(args: argparse.Namespace) -> int:
         },
     )
     print(
-        f"\n{header}\n\n{table}\n\nwrote {out / (NAME + '.md')}, {out / 'results.json'} "
+        f"\n{header}\n\n{table}\n\nwrote {out / (NAME + '.md')}, {out / (NAME + '.png')}, "
+        f"{out / 'results.json'} "
         f"({time.perf_counter() - t0:.0f} s)"
     )
     return 0

@@ -69,6 +69,7 @@ def test_loscar_regimes_quick_study_writes_its_tables(tmp_path: Path):
     argv = ["compare", "--study", "loscar-regimes", "--quick", "--no-progress", "--out", str(out)]
     assert main(argv) == 0
     text = (out / "loscar-regimes.md").read_text()
+    assert (out / "loscar-regimes.png").read_bytes().startswith(b"\x89PNG")
     assert "Paired by seed" in text and text.count("| one 2x slower, long delay, contiguous |") >= 5
     doc = json.loads((out / "results.json").read_text())
     assert len(doc["rows"]) == 40 and len(doc["runs"]) == 20 * 2
