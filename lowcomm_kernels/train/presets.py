@@ -7,14 +7,15 @@ A run's knobs come from three layers: :class:`~lowcomm_kernels.train.spec.TrainS
 from __future__ import annotations
 
 # TrainSpec's defaults for the length of a run, and `lowcomm compare` / `lowcomm train` without --quick.
-# An evaluation scores every worker's own model on TrainSpec.eval_bytes (256 KiB) of validation text:
-# with 4 workers on the 2-core dev machine about 20 s of wall-clock while the workers' models differ
-# (each rank scores 4,096 + 1,024 windows), about 4 s when they agree (data-parallel always, DiLoCo
-# right after a sync, every method at step 0) - so evaluations are few, at multiples of H.
-DEFAULT = dict(steps=600, sync_every=50, fragment_sync_delay=5, eval_every=150)
+# An evaluation scores every worker's own model on TrainSpec.eval_bytes (256 KiB) of validation text.
+# `bench/eval_cost.py` with 4 ranks: 48 CPU seconds (all ranks) while the workers' models differ (each
+# rank scores 4,096 + 1,024 windows), 9.6 when they agree (data-parallel always, DiLoCo right after a
+# sync, every method at step 0); 11.9 and 2.5 for 64 KiB. So evaluations are few, at multiples of H.
+DEFAULT = dict(steps=600, sync_every=50, fragment_sync_delay=5, eval_every=200)
 
-#: validation bytes of the smoke presets (quick, the studies): 64 KiB, 16x the old 4 KiB, so that
-#: `compare --quick` stays near its old time; the tables print the bytes scored
+#: validation bytes of the smoke presets (quick, the studies): 64 KiB (quick scored 2 KiB of the
+#: averaged model before), so that `compare --quick` stays within about 1.5x of its old time; the
+#: tables print the bytes scored
 SMOKE_EVAL_BYTES = 65_536
 
 # The language-model presets, by name. Timings of `compare` with each: docs/results.md (time budget).

@@ -352,6 +352,8 @@ FLAG_ERRORS = [
     (["--density", "0"], "--density must be in (0, 1], got 0"),
     (["--lr", "0"], "--lr must be > 0, got 0"),
     (["--workers", "1.5"], "--workers expected an integer, got '1.5'"),
+    (["--eval-bytes", "0"], "--eval-bytes must be >= 1, got 0"),
+    (["--eval-bytes", "4096.5"], "--eval-bytes expected an integer, got '4096.5'"),
     (["--worker-speeds", "1,0,2"], "--worker-speeds needs positive numbers separated by commas, got '1,0,2'"),
 ]
 
@@ -379,6 +381,10 @@ def test_bad_flag_value_names_the_flag_as_typed(capsys, no_workers, command, fla
             "--worker-speeds needs --workers = 4 positive values, got 1,2",
         ),
         (["compare", "--dim", "30"], "--dim (30) must be divisible by --heads (4) with an even head size"),
+        (
+            ["train", "--method", "dp", "--eval-bytes", "63"],
+            "--eval-bytes must be at least one window of --seq-len = 64 bytes, got 63",
+        ),
         (["compare", "--study", "matched", "--sync-every", "2"], "--delay=5 is too long: --delay x"),
     ],
 )
