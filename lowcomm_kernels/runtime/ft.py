@@ -52,6 +52,15 @@ when it is sent, and its result is applied ``fragment_sync_delay`` steps later a
 replica receives these pending results in the state. So nothing is in flight across a quorum change:
 the price is that communication is not overlapped with compute under ``manager=``.
 
+A replica may itself be a data-parallel group (``Manager(rank=r, world_size=n)`` on each of its n
+ranks, DDP over the replica's own process group): each rank's rounds go to the same rank of the other
+replicas (torchft's process group), the presence vector counts replicas, should_commit is agreed
+by the replica's ranks, and every rank heals from the same rank of a healthy replica. So that the
+ranks of a replica stay identical, a fresh start restarts its first step from g on every rank (a heal
+at step 0 does the same), and only the strategies whose decisions are pure functions of the shared
+state are allowed: DiLoCo and Streaming DiLoCo. CoCoDC (timed fragment choice, per process) and LOSCAR
+(heals from a peer's parameters after its first step) raise, naming ``manager``.
+
 Not supported with ``manager=`` (refused with an error naming the argument): ``process_group``,
 ``wan``, quantized wire formats, ``guard_every`` (they need a fixed group).
 """
@@ -256,6 +265,12 @@ class FTTransport(Transport):
                 self._open_round = False
                 ok = bool(self.manager.should_commit())
             if ok:
+                if healed is None and strategy.step_count == 0 and hasattr(strategy, "g"):
+                    # a fresh start that did not heal restarts its first step from g like one that
+                    # did (init_sync), so every replica and every rank of a replica starts alike
+                    with torch.no_grad():
+                        strategy.frags.flat.copy_(strategy.to_model(strategy.g))
+                    strategy._clear_inner_state(p for grp in strategy.frags.params for p in grp)
                 self.joined = True
                 return
             strategy.log.warning("the joining round did not commit (a failed heal?): joining again")
@@ -305,6 +320,14 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
         )
     if strategy.guard_every:
         raise ValueError("guard_every: the consistency guard needs a fixed process group (not with manager=)")
+    ranks = int(getattr(strategy.manager, "_group_world_size", 1) or 1)
+    if ranks > 1 and strategy.method not in ("diloco", "streaming_diloco"):
+        raise ValueError(
+            f"manager: a replica of {ranks} ranks (data parallel inside the replica) is supported for "
+            f"DiLoCo and Streaming DiLoCo; {strategy.method} decides per process (CoCoDC's timed "
+            "fragment choice, LOSCAR's heal from a peer's parameters at the first step), so the ranks "
+            "of one replica could drift apart. Use one rank per replica (Manager(world_size=1))"
+        )
     fields = dict(fields)
     fields.pop("process group size", None)
     digest = _digest(fields)

@@ -13,8 +13,10 @@ import time
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import TCPStore
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torchft import Manager, ProcessGroupGloo
 
 from lowcomm_kernels.runtime import LOSCAR, CoCoDC, DiLoCo, StreamingDiLoCo
@@ -34,11 +36,23 @@ def main() -> None:
     ap.add_argument("--ready-file", default="", help="touched just before the training loop")
     ap.add_argument("--hold-at", type=int, default=-1, help="after this step, wait for --hold-for")
     ap.add_argument("--hold-for", default="")
+    ap.add_argument("--group-size", type=int, default=1, help="ranks in this replica (inner DDP)")
+    ap.add_argument("--group-rank", type=int, default=0)
+    ap.add_argument("--group-port", type=int, default=0, help="the replica's store (group rank 0 hosts it)")
     a = ap.parse_args()
     torch.manual_seed(0)  # the same initial model; each replica has its own data
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    host = a.group_rank == 0
+    store = TCPStore(
+        "localhost", a.group_port, is_master=host, wait_for_workers=False, timeout=timedelta(seconds=120)
+    )
+    fwd = model
+    if a.group_size > 1:  # the replica is a data-parallel group: DDP over its ranks, on its own store
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("inner_dp", store), rank=a.group_rank, world_size=a.group_size
+        )
+        fwd = DDP(model)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=5)),
         min_replica_size=2,
@@ -47,12 +61,12 @@ def main() -> None:
         replica_id=f"replica_{a.replica}",
         store_addr="localhost",
         store_port=store.port,
-        rank=0,
-        world_size=1,
+        rank=a.group_rank,
+        world_size=a.group_size,
         lighthouse_addr=a.lighthouse,
         use_async_quorum=False,
         timeout=timedelta(seconds=5),
-        quorum_timeout=timedelta(seconds=60),
+        quorum_timeout=timedelta(seconds=180),
         connect_timeout=timedelta(seconds=10),
     )
     common = dict(outer_lr=0.7, outer_momentum=0.9, manager=manager, num_replicas=a.replicas)
@@ -74,7 +88,7 @@ def main() -> None:
                 manager.report_error(RuntimeError("injected commit failure"))
 
         manager.start_quorum = failing_quorum
-    gen = torch.Generator().manual_seed(100 + a.replica)
+    gen = torch.Generator().manual_seed(100 + 10 * a.replica + a.group_rank)
     w_true = torch.linspace(-1, 1, 8)
     if a.ready_file:
         open(a.ready_file, "w").close()
@@ -82,7 +96,7 @@ def main() -> None:
         while strat.step_count < a.steps:  # the step, not the iteration: a healed replica jumps ahead
             x = torch.randn(32, 8, generator=gen)
             y = torch.tanh(x @ w_true).unsqueeze(1)
-            loss = nn.functional.mse_loss(model(x), y)
+            loss = nn.functional.mse_loss(fwd(x), y)
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -110,6 +124,8 @@ def main() -> None:
             if a.step_sleep:
                 time.sleep(a.step_sleep)
     manager.shutdown(wait=False)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -33,3 +33,75 @@ def test_manager_arguments_are_checked_by_name():
         DiLoCo(model, opt, manager=object(), num_replicas=2, **kw)
     with pytest.raises(TypeError, match="manager must be a torchft.Manager"):
         DiLoCo(model, opt, num_replicas=2, **kw)  # num_replicas without a manager
+
+
+def test_replica_of_several_ranks_refuses_cocodc_and_loscar():
+    """A replica that is a data-parallel group (Manager(world_size=2)) runs DiLoCo / Streaming DiLoCo;
+    CoCoDC and LOSCAR, whose decisions are per process, are refused naming manager."""
+    pytest.importorskip("torchft")
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft._torchft import LighthouseServer
+
+    from lowcomm_kernels.runtime import LOSCAR, CoCoDC, DiLoCo
+
+    lh = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=2, load_state_dict=None,
+        state_dict=None, replica_id="replica_0", store_addr="localhost", store_port=store.port, rank=0,
+        world_size=2, lighthouse_addr=lh.address(), use_async_quorum=False, timeout=timedelta(seconds=5),
+    )  # fmt: skip
+    try:
+        ft = dict(manager=manager, num_replicas=2)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match="manager: a replica of 2 ranks"):
+            LOSCAR(model, opt, density=0.5, local_steps=2, overlap_steps=1, **ft)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match="manager: a replica of 2 ranks"):
+            CoCoDC(model, opt, sync_every=6, num_fragments=1, fragment_sync_delay=1, **ft)
+        model = nn.Linear(4, 1)
+        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, **ft).close()
+    finally:
+        manager.shutdown(wait=False)
+        lh.shutdown()
+
+
+def test_quorum_is_a_profiler_range():
+    """Each torchft quorum shows as lowcomm/quorum in a torch profiler trace (one replica alone)."""
+    pytest.importorskip("torchft")
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft._torchft import LighthouseServer
+
+    from lowcomm_kernels.runtime import DiLoCo
+
+    lh = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1000)
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1, load_state_dict=None,
+        state_dict=None, replica_id="replica_0", store_addr="localhost", store_port=store.port, rank=0,
+        world_size=1, lighthouse_addr=lh.address(), use_async_quorum=False, timeout=timedelta(seconds=10),
+    )  # fmt: skip
+    try:
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        strat = DiLoCo(model, opt, sync_every=2, manager=manager, num_replicas=1)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, strat:
+            for _ in range(4):
+                model(torch.randn(8, 4)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        names = [e.name for e in prof.events()]
+        assert names.count("lowcomm/quorum") == 3  # the join and the syncs after steps 2 and 4
+        assert strat.transport.participants == [1, 1]
+        strat.close()
+    finally:
+        manager.shutdown(wait=False)
+        lh.shutdown()
