@@ -293,10 +293,16 @@ def _replica_loop(
 
     conn.send(("ready", index, incarnation))
 
+    held = [0.0]  # seconds waited at return steps for the new process (in the training wall-clock)
+
     def hold(step: int) -> None:
         for at, ev in holds:
-            if step >= at and not ev.is_set() and not ev.wait(HOLD_TIMEOUT_S):
-                raise RuntimeError(f"waited {HOLD_TIMEOUT_S:.0f} s at step {step} for the other workers")
+            if step >= at and not ev.is_set():
+                t0 = time.perf_counter()
+                if not ev.wait(HOLD_TIMEOUT_S):
+                    raise RuntimeError(f"waited {HOLD_TIMEOUT_S:.0f} s at step {step} for the other workers")
+                if step > 0:
+                    held[0] += time.perf_counter() - t0
 
     hold(0)
     t_start = time.perf_counter()
@@ -339,7 +345,7 @@ def _replica_loop(
     m = CommTotals.read(strategy)
     result.train_wall_s = t_end - t_start - eval_s
     result.bytes_sent, result.exposed_s, result.syncs = m.bytes_sent, m.exposed_s, m.syncs
-    result.extra = dict(m.extra, eval_s=eval_s)
+    result.extra = dict(m.extra, eval_s=eval_s, waited_for_returns_s=held[0])
     if prof is not None:  # a returned worker's trace is trace_rank<W>_back<n>.json
         name = f"rank{index}" + (f"_back{incarnation}" if incarnation else "")
         trace = str(Path(spec.profile_dir) / f"trace_{name}.json")
@@ -701,6 +707,7 @@ FAULT_HEADER = (
     "syncs failed",
     "kill -> next committed sync",
     "returned worker healed at",
+    "waited for its start",
     "final val loss",
     "fault-free final",
     "difference",
@@ -708,7 +715,8 @@ FAULT_HEADER = (
 
 
 def format_fault_table(results: list[Any]) -> str:
-    """One row per run with faults: the rounds worker 0 saw, the recovery times and the final loss
+    """One row per run with faults: the rounds worker 0 saw, the recovery times, how long worker 0
+    waited at return steps for the new process to start (part of its wall-clock) and the final loss
     against the fault-free twin (when --fault-free ran it)."""
     lines = [
         "fault tolerance (rounds as worker 0 saw them; its own parameters evaluated):",
@@ -735,6 +743,7 @@ def format_fault_table(results: list[Any]) -> str:
             str(f["syncs_failed"]),
             rec,
             healed or "-",
+            f"{r.extra.get('waited_for_returns_s', 0.0):.1f} s",
             f"{r.final_loss:.4f}",
             "not run (--fault-free)" if twin is None else f"{twin:.4f}",
             "-" if twin is None else f"{r.final_loss - twin:+.4f}",

@@ -177,7 +177,7 @@ def test_fault_table_against_the_fault_free_twin():
         r = RunResult(
             name, "diloco", {}, points=[EvalPoint(0, 0.0, 0.0, 0.0, 5.5), EvalPoint(10, 1.0, 0, 0, loss)]
         )
-        r.extra = {"faults": faults} if faults else {}
+        r.extra = {"faults": faults, "waited_for_returns_s": 3.25} if faults else {}
         return r
 
     faults = {
@@ -190,6 +190,6 @@ def test_fault_table_against_the_fault_free_twin():
     }  # fmt: skip
     table = format_fault_table([run("DiLoCo", 2.5, faults), run("DiLoCo (fault-free)", 2.0)])
     row = [line for line in table.splitlines() if line.startswith("| DiLoCo")]
-    assert row == ["| DiLoCo | 4 | 1 | 1.25 s | w2: step 6 | 2.5000 | 2.0000 | +0.5000 |"]
+    assert row == ["| DiLoCo | 4 | 1 | 1.25 s | w2: step 6 | 3.2 s | 2.5000 | 2.0000 | +0.5000 |"]
     faults["fault_free_final_loss"] = None
     assert "not run (--fault-free)" in format_fault_table([run("DiLoCo", 2.5, faults)])
