@@ -149,7 +149,7 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         help="CoCoDC's adaptive N from the emulated link and --step-time-ms (default, reproducible) "
         "or from step and sync times measured at run time",
     )
-    knob(o, "--step-time-ms", "step_time_s", "CoCoDC's emulated inner step time (default 20)", False)
+    knob(o, "--step-time-ms", "step_time_ms", "CoCoDC's emulated inner step time (default 20)")
     o.add_argument(
         "--taylor-control",
         choices=TAYLOR_CONTROLS,

@@ -20,7 +20,7 @@ from .spec import METHODS, TrainSpec
 _SPEC_FIELDS = (
     "workers steps batch_size seed eval_every eval_bytes lr weight_decay warmup_steps sync_every outer_lr "
     "outer_momentum num_fragments fragment_sync_delay fragment_update_alpha lam lam_mode gamma "
-    "syncs_per_period quant_block error_feedback cocodc_timing taylor_control "
+    "syncs_per_period quant_block error_feedback cocodc_timing step_time_ms taylor_control "
     "score density local_steps overlap_steps merge wire_dtype param_dtype worker_speeds speed_model split"
 ).split()
 
@@ -34,7 +34,6 @@ FLAGS: dict[str, str] = {
     "fragment_update_alpha": "--alpha",
     "latency_s": "--latency-ms",
     "bandwidth_bytes_per_s": "--bandwidth-mbps",
-    "step_time_s": "--step-time-ms",
     "ModelConfig.dim": "--dim",
     "ModelConfig.n_layers": "--layers",
     "ModelConfig.n_heads": "--heads",
@@ -60,8 +59,6 @@ def spec_from_args(args: argparse.Namespace, method: str, preset: dict | None = 
         values["latency_s"] = args.latency_ms / 1e3
     if getattr(args, "bandwidth_mbps", None) is not None:
         values["bandwidth_bytes_per_s"] = args.bandwidth_mbps * 1e6 / 8
-    if getattr(args, "step_time_ms", None) is not None:
-        values["step_time_s"] = args.step_time_ms / 1e3
     model_kw = {
         k: getattr(args, a)
         for k, a in (

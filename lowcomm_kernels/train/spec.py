@@ -97,7 +97,7 @@ RANGES: dict[str, Range] = {
     "overlap_steps": NON_NEGATIVE,
     "seed": Range(0, 2**32 - 1),  # the data order's generator is seeded with seed * 1_000_003 + rank
     "lr": POSITIVE,
-    "step_time_s": POSITIVE,
+    "step_time_ms": POSITIVE,
     "outer_lr": POSITIVE,
     "bandwidth_bytes_per_s": POSITIVE,
     "latency_s": NON_NEGATIVE,
@@ -151,7 +151,7 @@ class TrainSpec:
     # CoCoDC's adaptive N: T_c and T_s from the emulated link and this emulated step time (reproducible),
     # or measured at run time ('measured')
     cocodc_timing: str = "emulated"
-    step_time_s: float = schedule.DEFAULT_STEP_TIME_S
+    step_time_ms: float = schedule.DEFAULT_STEP_TIME_S * 1e3
     taylor_control: str = "none"  # CoCoDC control of the Taylor term: 'flip' its sign, 'random' direction
     density: float = 0.25  # LOSCAR p
     local_steps: int | None = None  # LOSCAR N_i; None -> sync_every // num_fragments - overlap

@@ -95,7 +95,7 @@ def build_strategy(
             syncs_per_period=spec.syncs_per_period,
             score=spec.score,
             timing=spec.cocodc_timing,
-            step_time_s=spec.step_time_s,
+            step_time_s=spec.step_time_ms / 1e3,
             timing_link=rt.WAN(spec.latency_s, spec.bandwidth_bytes_per_s),  # the emulated N's link model
             taylor_control=spec.taylor_control,
             control_seed=spec.seed,
