@@ -799,10 +799,16 @@ def plot_faults(results: list[Any], path: Path, title: str) -> Path:
         for w, curve in f["replica_curves"].items():
             if int(w) == f["reported_by"] or not curve:
                 continue
-            ax.plot(
-                [c[0] for c in curve], [c[1] for c in curve], color=color, lw=0.8, alpha=0.6, ls=":",
-                label=f"{r.name}, worker {w}",
-            )  # fmt: skip
+            kills = [e["step"] for e in f["events"] if e["kind"] == "kill" and e["worker"] == int(w)]
+            xs: list[float] = []
+            ys: list[float] = []
+            for c in curve:  # no line across the time the worker was dead
+                if xs and any(xs[-1] <= k < c[0] for k in kills):
+                    xs.append(math.nan)
+                    ys.append(math.nan)
+                xs.append(c[0])
+                ys.append(c[1])
+            ax.plot(xs, ys, color=color, lw=0.8, alpha=0.6, ls=":", label=f"{r.name}, worker {w}")
         for x, text, kind in event_marks(f):
             if (x, text) in marked:
                 continue
