@@ -184,23 +184,25 @@ def machine() -> dict:
 
 def collect(since: Start | None = None, *, repo: Path | None = None) -> dict:
     """The ``provenance`` record of a results file, measured from ``since`` (default: the
-    :func:`begin` of this command, else now). ``repo``: the checkout to describe (default: the
-    package's own)."""
-    first = since or _SESSION or start()
-    load_end = _loadavg()
+    :func:`begin` of this command; without either the start fields are None). ``repo``: the
+    checkout to describe (default: the package's own)."""
+    first = since or _SESSION
+    argv = first.argv if first is not None else list(sys.argv)
     return {
         "git": git_info(repo),
-        "argv": first.argv,
-        "command": _command_line(first.argv),
+        "argv": argv,
+        "command": _command_line(argv),
         "package_version": package_version(),
         "versions": library_versions(),
         "machine": machine(),
-        "started_utc": first.utc,
+        # no start was marked (a Python caller that never went through the CLI): the start fields
+        # are unknown, not zero
+        "started_utc": first.utc if first else None,
         "finished_utc": _utc(),
         "load": {
-            "loadavg_start": first.loadavg,
-            "loadavg_end": load_end,
-            "cpu_s": round(_cpu_s() - first.cpu_s, 3),
-            "wall_s": round(time.perf_counter() - first.wall, 3),
+            "loadavg_start": first.loadavg if first else None,
+            "loadavg_end": _loadavg(),
+            "cpu_s": round(_cpu_s() - first.cpu_s, 3) if first else None,
+            "wall_s": round(time.perf_counter() - first.wall, 3) if first else None,
         },
     }

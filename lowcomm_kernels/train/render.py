@@ -20,7 +20,6 @@ a marker are relative to the repository root); ``--check`` only says which regio
 from __future__ import annotations
 
 import json
-import math
 import re
 import shlex
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ class Source:
     path: Path
     kind: str
     data: dict
+    prefix: str = ""  # of its plots' file names
 
 
 def _kind(data: dict) -> str | None:
@@ -104,14 +104,14 @@ def provenance_line(src: Source) -> str:
         code = f"revision `{rev[:10]}` + uncommitted changes in {n} tracked file{'s' * (n != 1)}"
     else:
         code = f"revision `{rev[:10]}` (clean)"
-    parts = [head, code, str(p.get("started_utc") or "date unknown")]
+    parts = [head, code, str(p.get("started_utc") or p.get("finished_utc") or "date unknown")]
     load, machine = p.get("load") or {}, p.get("machine") or {}
     a, b = load.get("loadavg_start"), load.get("loadavg_end")
     if a and b:
         cpus = machine.get("cpu_count")
         parts.append(f"load {a[0]:g} → {b[0]:g}" + (f" on {cpus} CPUs" if cpus else ""))
-    if load.get("cpu_s") is not None:
-        parts.append(f"{load['cpu_s']:.0f} CPU s in {load.get('wall_s', math.nan):.0f} s")
+    if load.get("cpu_s") is not None and load.get("wall_s") is not None:
+        parts.append(f"{load['cpu_s']:.0f} CPU s in {load['wall_s']:.0f} s")
     if p.get("command"):
         parts.append(f"command: `{p['command']}`")
     return " · ".join(parts)
@@ -125,19 +125,15 @@ def _labels(results: list[RunResult]) -> list[str]:
     return list(dict.fromkeys(r.name for r in results))
 
 
-def _name(src: Source) -> str:
-    """A file-name prefix for the source's plots."""
-    stem = src.path.parent.name or "run"
-    return re.sub(r"[^\w.-]+", "_", stem)
-
-
 def _compare(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
     results, target = _runs(src), float(src.data["target_val_loss"])
     title = src.data.get("title", "lowcomm compare")
     body = (
-        f"**{title}**\n\n{src.data.get('corpus', 'corpus not recorded')}\n\n{format_table(results, target)}"
+        f"**{title}**\n\n"
+        + (f"{src.data['corpus']}\n\n" if "corpus" in src.data else "")
+        + format_table(results, target)
     )
-    plots = plot_curves(results, plot_dir, target, prefix=_name(src) + "_") if plot_dir else []
+    plots = plot_curves(results, plot_dir, target, prefix=src.prefix + "_") if plot_dir else []
     return body, plots
 
 
@@ -158,10 +154,10 @@ def _study(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
     body = f"**{header}**\n\nCommand: `{d.get('command', 'not recorded')}`\n\n{table}"
     plots: list[Path] = []
     if plot_dir:
-        plots.append(plot_dir / f"{_name(src)}_{name}.png")
+        plots.append(plot_dir / f"{src.prefix}_{name}.png")
         study_plot(name, labels, results, plots[-1])
         if name == "wire":
-            plots.append(plot_dir / f"{_name(src)}_wire_bytes.png")
+            plots.append(plot_dir / f"{src.prefix}_wire_bytes.png")
             wire_plot(labels, results, plots[-1])
     return body, plots
 
@@ -179,7 +175,7 @@ def _logreg(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
         raise UsageError(f"{src.path}: a logreg run in it is malformed ({exc!r})") from None
     plots = []
     if plot_dir:
-        plots.append(plot_dir / f"{_name(src)}_logreg_gap_vs_round.png")
+        plots.append(plot_dir / f"{src.prefix}_logreg_gap_vs_round.png")
         plot(runs, plots[-1])
     return f"**{header}**\n\n{table.rstrip()}", plots
 
@@ -206,19 +202,31 @@ def render(
     if not labels:
         raise UsageError("lowcomm report needs at least one run folder or results.json")
     sources = [load(label, base) for label in labels]
+    used: set[str] = set()
+    for i, src in enumerate(sources):  # folders of the same name (a/run, b/run) get distinct plots
+        stem = re.sub(r"[^\w.-]+", "_", src.path.parent.name or "run")
+        src.prefix = stem if stem not in used else f"{stem}-{i + 1}"
+        used.add(src.prefix)
     if plot_dir is not None:
         from .extras import require
 
         require("matplotlib", "cli", "lowcomm report --plot")
-        plot_dir.mkdir(parents=True, exist_ok=True)
-    parts, plots = [], []
-    for src in sources:
-        body, written = RENDERERS[src.kind](src, plot_dir)
+    parts = []
+    for src in sources:  # every table first: a bad file stops the command before any plot is drawn
+        try:
+            body, _ = RENDERERS[src.kind](src, None)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a field missing or of a wrong type
+            raise UsageError(
+                f"{src.path}: a {src.kind} results file with a malformed field ({exc!r})"
+            ) from None
         parts.append(f"{body}\n\n{provenance_line(src)}")
-        plots += written
     compares = [s for s in sources if s.kind == "compare"]
     if len(compares) > 1:
         parts.append(across_runs(compares))
+    if plot_dir is None:
+        return "\n\n".join(parts) + "\n", []
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    plots = [p for src in sources for p in RENDERERS[src.kind](src, plot_dir)[1]]
     return "\n\n".join(parts) + "\n", plots
 
 

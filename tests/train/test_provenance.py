@@ -122,6 +122,14 @@ def test_record_fields_versions_machine_and_load():
     assert rec["started_utc"] <= rec["finished_utc"]
 
 
+def test_without_a_marked_start_the_start_fields_are_unknown(monkeypatch):
+    monkeypatch.setattr(provenance, "_SESSION", None)
+    rec = provenance.collect()
+    assert rec["started_utc"] is None and rec["finished_utc"]
+    assert rec["load"]["loadavg_start"] is None and rec["load"]["cpu_s"] is None
+    assert rec["load"]["wall_s"] is None and len(rec["load"]["loadavg_end"]) == 3
+
+
 def test_package_checkout_revision_is_recorded():
     """Run from this source checkout, the record names its HEAD."""
     root = provenance.package_root()

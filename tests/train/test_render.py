@@ -71,10 +71,12 @@ def test_report_renders_the_table_the_command_printed(compare_run, capsys):
 def test_report_writes_markdown_and_plots(compare_run, tmp_path, capsys):
     out, _ = compare_run
     md = tmp_path / "rep" / "report.md"
-    assert main(["report", str(out), "--out", str(md), "--plot"]) == 0
+    # the same folder name twice: the second source's plots must not overwrite the first's
+    assert main(["report", str(out), str(out / "results.json"), "--out", str(md), "--plot"]) == 0
     text = md.read_text()
     pngs = sorted(md.parent.glob("*.png"))
-    assert [p.name for p in pngs] == [f"compare_val_loss_vs_{k}.png" for k in ("bytes", "steps", "wallclock")]
+    kinds = ("bytes", "steps", "wallclock")
+    assert [p.name for p in pngs] == [f"compare{s}_val_loss_vs_{k}.png" for s in ("-2", "") for k in kinds]
     for p in pngs:
         assert p.read_bytes()[:8] == PNG and f"]({p.name})" in text
 
@@ -144,6 +146,14 @@ def test_a_truncated_real_file_is_named(compare_run, tmp_path, capsys):
     cut.write_text(text[: len(text) // 2])
     rc, err = _rc_err(["report", str(out), str(cut)], capsys)
     assert rc == 2 and str(cut) in err and capsys.readouterr().out == ""
+    doc = json.loads(text)
+    doc["target_val_loss"] = "low"
+    bad = tmp_path / "bad_target.json"
+    bad.write_text(json.dumps(doc))
+    md = tmp_path / "plots" / "r.md"
+    rc, err = _rc_err(["report", str(out), str(bad), "--out", str(md), "--plot"], capsys)
+    assert rc == 2 and f"{bad}: a compare results file with a malformed field" in err
+    assert not md.parent.exists()  # the good source's plots were not drawn either
 
 
 @pytest.mark.slow
