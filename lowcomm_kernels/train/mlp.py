@@ -332,7 +332,8 @@ def run_mlp_compare(args: argparse.Namespace) -> int:
     title = (
         f"lowcomm compare --task mlp{' --quick' if args.quick else ''}: digits MLP, {s.workers} workers, "
         f"{s.steps} ticks, split {s.split}; wall-clock = modeled seconds (step {cfg.step_time_s} s, "
-        f"link {s.latency_s * 1e3:g} ms + bytes / {s.bandwidth_bytes_per_s * 8 / 1e6:g} Mbit/s)"
+        f"link {s.latency_s * 1e3:g} ms + bytes / {s.bandwidth_bytes_per_s * 8 / 1e6:g} Mbit/s); exposed "
+        "comm = the real gloo waits on this machine"
     )
     own = "\n".join(
         f"- {r.name}: workers' own models' final loss {r.final_loss:.4f}, "

@@ -77,3 +77,15 @@ def test_loscar_regimes_quick_study_writes_its_tables(tmp_path: Path):
     assert main(argv) == 0  # resumed: every launch read back from out/runs and out/tune
     again = json.loads((out / "results.json").read_text())
     assert [r["final_own_loss"] for r in again["rows"]] == [r["final_own_loss"] for r in doc["rows"]]
+
+
+@pytest.mark.slow
+def test_compare_task_mlp_writes_the_table(tmp_path: Path, capsys):
+    out = tmp_path / "cmp"
+    argv = ["compare", "--task", "mlp", "--quick", "--workers", "2", "--methods", "diloco,loscar"]
+    assert main([*argv, "--density", "0", "--no-progress", "--out", str(out)]) == 0
+    doc = json.loads((out / "results.json").read_text())
+    assert [r["method"] for r in doc["rows"]] == ["DiLoCo", "LOSCAR"]
+    loscar = doc["runs"][1]
+    assert loscar["config"]["density"] == 0 and loscar["bytes_sent"] == 0  # p = 0: each worker alone
+    assert doc["runs"][0]["syncs"] == 128 // 32 and "modeled seconds" in (out / "table.md").read_text()
