@@ -75,8 +75,9 @@ class DCPState:
         if skipped:
             from .ft import FailedRound
 
+            pending = getattr(self.strategy, "pending", [])
             for i in skipped:  # a result the saved ranks would have skipped: skipped by these ranks too
-                pd = self.strategy.pending[i]
+                pd = pending[i]
                 pd.control_host = FailedRound(pd.control_host)
 
 

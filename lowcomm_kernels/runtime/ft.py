@@ -334,11 +334,12 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
     tr = strategy.transport
     assert isinstance(tr, FTTransport)
     manager = strategy.manager
-    sparse = isinstance(strategy, LOSCAR)
+    sparse = strategy if isinstance(strategy, LOSCAR) else None
+    dense = strategy if isinstance(strategy, DenseStrategy) else None
 
     def state_dict() -> dict[str, Any]:
         # LOSCAR keeps no global copy: a healthy peer sends its own parameters and round (heal_state)
-        return {"digest": digest, "strategy": strategy.heal_state() if sparse else strategy.state_dict()}
+        return {"digest": digest, "strategy": sparse.heal_state() if sparse else strategy.state_dict()}
 
     def load_state_dict(sd: dict[str, Any]) -> None:
         with nvtx_range("heal"):
@@ -347,12 +348,12 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
                     f"{strategy.method}: this replica's configuration or model differs from the healthy "
                     "peer it heals from (every replica must run the same strategy knobs and model)"
                 )
-            if sparse:
-                strategy.load_heal_state(sd["strategy"])
-            else:
-                strategy.load_state_dict(sd["strategy"])
+            if sparse is not None:
+                sparse.load_heal_state(sd["strategy"])
+            elif dense is not None:
+                dense.load_state_dict(sd["strategy"])
                 with torch.no_grad():
-                    strategy.frags.flat.copy_(strategy.to_model(strategy.g))
+                    dense.frags.flat.copy_(dense.to_model(dense.g))
             strategy._clear_inner_state(p for grp in strategy.frags.params for p in grp)
             tr.healed_at = strategy.step_count
             source = "the peer's parameters" if sparse else "the global"

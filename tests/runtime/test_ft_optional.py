@@ -71,16 +71,15 @@ def test_replica_of_several_ranks_refuses_cocodc_and_loscar():
         lh.shutdown()
 
 
-def test_quorum_is_a_profiler_range():
-    """Each torchft quorum shows as lowcomm/quorum in a torch profiler trace (one replica alone)."""
+@pytest.fixture
+def lone_manager():
+    """One replica alone (a Lighthouse with min_replicas=1): its quorums need no peer."""
     pytest.importorskip("torchft")
     from datetime import timedelta
 
     from torch.distributed import TCPStore
     from torchft import Manager, ProcessGroupGloo
     from torchft._torchft import LighthouseServer
-
-    from lowcomm_kernels.runtime import DiLoCo
 
     lh = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1000)
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
@@ -89,19 +88,47 @@ def test_quorum_is_a_profiler_range():
         state_dict=None, replica_id="replica_0", store_addr="localhost", store_port=store.port, rank=0,
         world_size=1, lighthouse_addr=lh.address(), use_async_quorum=False, timeout=timedelta(seconds=10),
     )  # fmt: skip
-    try:
-        model = nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        strat = DiLoCo(model, opt, sync_every=2, manager=manager, num_replicas=1)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, strat:
-            for _ in range(4):
-                model(torch.randn(8, 4)).pow(2).mean().backward()
-                opt.step()
-                opt.zero_grad()
-        names = [e.name for e in prof.events()]
-        assert names.count("lowcomm/quorum") == 3  # the join and the syncs after steps 2 and 4
-        assert strat.transport.participants == [1, 1]
-        strat.close()
-    finally:
-        manager.shutdown(wait=False)
-        lh.shutdown()
+    yield manager
+    manager.shutdown(wait=False)
+    lh.shutdown()
+
+
+def test_loscar_poisoned_replica_stops(lone_manager):
+    """LOSCAR under torchft: a replica whose parameters turn non-finite cannot be restarted from a peer
+    over a fixed group; at the round's merge it raises (restarted, it would heal from a peer)."""
+    from lowcomm_kernels.runtime import LOSCAR
+
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    strat = LOSCAR(
+        model, opt, density=0.5, local_steps=2, overlap_steps=1, manager=lone_manager, num_replicas=1
+    )
+    with pytest.raises(FloatingPointError, match="this replica holds non-finite"), strat:
+        for step in range(1, 7):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 4:  # round 1 is sent after step 5 and merged after step 6
+                with torch.no_grad():
+                    model.weight[0, 0] = float("nan")
+    # round 0 was merged; round 1 stopped at its merge (nothing merged, this replica raised)
+    assert strat.round == 1 and strat.metrics.num_syncs == 1 and strat.metrics.num_skipped == 0
+    strat.close()
+
+
+def test_quorum_is_a_profiler_range(lone_manager):
+    """Each torchft quorum shows as lowcomm/quorum in a torch profiler trace (one replica alone)."""
+    from lowcomm_kernels.runtime import DiLoCo
+
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    strat = DiLoCo(model, opt, sync_every=2, manager=lone_manager, num_replicas=1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, strat:
+        for _ in range(4):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    names = [e.name for e in prof.events()]
+    assert names.count("lowcomm/quorum") == 3  # the join and the syncs after steps 2 and 4
+    assert strat.transport.participants == [1, 1]
+    strat.close()
