@@ -29,6 +29,9 @@ from .errors import UsageError
 from .report import RunResult, auto_target, format_table, plot_curves
 
 KINDS = ("compare", "study", "logreg")
+# the studies whose table is studies.study_table / wire_table of the file's runs; the others
+# (cocodc-paper, loscar-regimes) build theirs from state the file does not hold
+GENERIC_STUDIES = ("matched", "lambda", "gamma", "overlap", "wire")
 # a region: the opening marker alone on its line, then anything, then the closing marker on its line
 MARKER = re.compile(
     r"^<!-- report: (?P<cmd>[^\n]+?) -->\n(?P<body>.*?)^<!-- /report -->$", re.DOTALL | re.MULTILINE
@@ -80,6 +83,11 @@ def load(label: str, base: Path | None = None) -> Source:
         raise UsageError(
             f"{path}: not a results.json of lowcomm compare, train, profile, a study or the logreg "
             f"task (found: {keys})"
+        )
+    if kind == "study" and data["study"] not in GENERIC_STUDIES:
+        raise UsageError(
+            f"{path}: lowcomm report renders the studies {', '.join(GENERIC_STUDIES)}; the table of "
+            f"study {data['study']!r} is in the {data['study']}.md its run wrote beside this file"
         )
     try:
         if kind != "logreg":

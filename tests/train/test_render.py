@@ -129,6 +129,10 @@ def test_missing_corrupt_and_unknown_inputs_are_named(tmp_path: Path, capsys):
     bad_run.write_text(json.dumps({"rows": [], "target_val_loss": 1.0, "runs": [{"name": "x"}]}))
     rc, err = _rc_err(["report", str(bad_run)], capsys)
     assert rc == 2 and str(bad_run) in err and "malformed" in err
+    own_table = tmp_path / "cocodc-paper.json"
+    own_table.write_text(json.dumps({"study": "cocodc-paper", "target_val_loss": 1.0, "runs": []}))
+    rc, err = _rc_err(["report", str(own_table)], capsys)
+    assert rc == 2 and str(own_table) in err and "cocodc-paper.md" in err
     assert not md.exists()  # nothing written when any source is bad
     rc, err = _rc_err(["report"], capsys)
     assert rc == 2 and "at least one run" in err
