@@ -349,7 +349,7 @@ FLAG_ERRORS = [
     (["--delay", "-1"], "--delay must be >= 0, got -1"),
     (["--fragments", "0"], "--fragments must be >= 1, got 0"),
     (["--warmup", "-3"], "--warmup must be >= 0, got -3"),
-    (["--density", "0"], "--density must be in (0, 1], got 0"),
+    (["--density", "-0.1"], "--density must be in [0, 1], got -0.1"),  # 0: LOSCAR's no-communication baseline
     (["--lr", "0"], "--lr must be > 0, got 0"),
     (["--workers", "1.5"], "--workers expected an integer, got '1.5'"),
     (["--eval-bytes", "0"], "--eval-bytes must be >= 1, got 0"),
