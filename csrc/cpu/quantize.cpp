@@ -18,6 +18,7 @@
 
 #include "cpu_common.h"
 #include "lowcomm/quant.h"
+#include "quantize_stream_avx2.h"
 
 namespace lowcomm {
 namespace cpu {
@@ -162,9 +163,25 @@ int64_t quantize_all(const QFmt& f, const T* g, const X* x, T* snap, T* res, int
                      uint64_t key, uint8_t* codes, float* scales) {
   const Source<T, X, kPack, kRes> src{g, x, res};
   const int64_t nb = q_num_scales(n, block);
-  auto run = [&](int64_t b0, int64_t b1) {
+  auto scalar = [&](int64_t b0, int64_t b1) {
     return quantize_blocks<T, X, kPack, kRes, kSnap, kSR, kBits>(f, src, x, snap, res, n, block, key, codes,
                                                                   scales, b0, b1);
+  };
+  // fp32 pack to an integer format rounded to nearest even: the AVX2 streaming path
+  // (quantize_stream_avx2.h) for the whole blocks, when the buffers allow it.
+  constexpr bool kStreamable = std::is_same<T, float>::value && std::is_same<X, float>::value && kPack && !kSR;
+  const bool stream = kStreamable && !f.is_float && qstream_ok(block, codes, kSnap ? snap : nullptr);
+  const int64_t whole = n / block;  // blocks [whole, nb) (at most one, partial) take the scalar path
+  auto run = [&](int64_t b0, int64_t b1) -> int64_t {
+    if constexpr (kStreamable) {
+      if (stream) {
+        const int64_t mid = b1 < whole ? b1 : whole > b0 ? whole : b0;
+        int64_t bad = qstream_blocks<kRes, kSnap, kBits>(f, g, x, snap, res, block, codes, scales, b0, mid);
+        _mm_sfence();  // this thread's streaming stores are visible before the region's barrier / return
+        return bad + scalar(mid, b1);
+      }
+    }
+    return scalar(b0, b1);
   };
   if (n < kParallelMin) return run(0, nb);
   int64_t bad = 0;

@@ -168,6 +168,54 @@ def test_pack_matches_ref(backend, fmt, dtype, rng):
         assert torch.equal(res, res_ref) and int(nf) == int(rnf) == 0
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """fp32 / fp64 bit patterns: equal means equal to the bit (signed zeros and NaN payloads too)."""
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", NAMES)
+@pytest.mark.parametrize("block", [64, 1024])
+@pytest.mark.parametrize("with_res", [True, False], ids=["res", "nores"])
+@pytest.mark.parametrize("snap", ["aligned", "offset", "none"])
+def test_pack_nearest_fp32_matches_ref(backend, fmt, block, with_res, snap, rng):
+    """The fp32 pack rounded to nearest (the CPU's vectorised streaming path for int8 / int4 when the
+    block is a multiple of 64 and the outputs are 32-byte aligned, the scalar path otherwise: an
+    offset snapshot) is bit-identical to the reference: codes, scales, snapshot, residual to the bit
+    (signed zeros included), the non-finite count, over 2 rounds in a row. The data holds what
+    vectorising could get wrong: exact ties, an all-zero block, inf / NaN blocks, a block whose
+    scale is subnormal (so |q| is clamped at qmax), e = -0 with residual -0, a partial last block,
+    and more than one thread's worth of elements."""
+    n = (1 << 18) + 3 * block + 37
+    g = torch.randn(n, generator=rng) * 10.0 ** float(torch.randint(-3, 4, (1,), generator=rng))
+    x = g + 1e-2 * torch.randn(n, generator=rng)
+    g[:block], x[:block] = 0.0, 0.0  # e = 0: scale 0, codes 0
+    b = block  # ties: max 127 (or qmax), the others on .5 of the grid where the scale is 1
+    g[b : 2 * b] = torch.arange(block, dtype=torch.float32).remainder(16) + 0.5
+    g[b], x[b : 2 * b] = FORMATS[fmt].qmax, 0.0
+    g[2 * b + 5], x[3 * b + 9] = math.nan, math.inf  # two non-finite blocks
+    g[4 * b : 5 * b], x[4 * b : 5 * b] = torch.randn(block, generator=rng) * 2.0**-140, 0.0  # subnormal scale
+    g[5 * b : 5 * b + 8], x[5 * b : 5 * b + 8] = -0.0, 0.0  # e = -0 - 0 = -0
+    res = (1e-3 * torch.randn(n, generator=rng)) if with_res else None
+    if res is not None:
+        res[5 * b : 5 * b + 8] = -0.0
+    res_ref = None if res is None else res.clone()
+    out = {"aligned": torch.empty(n), "offset": torch.empty(n + 1)[1:], "none": False}[snap]
+    for r in range(2):
+        codes, scales, s, nf = pack_quantized(
+            g, x, fmt, block, residual=res, snapshot_out=out, backend=backend
+        )
+        rc, rs, rsnap, rnf = pack_quantized_ref(g, x, fmt, block, residual=res_ref, snapshot=snap != "none")
+        assert torch.equal(codes, rc), r
+        assert torch.equal(_bits(scales), _bits(rs)), r
+        assert int(nf) == int(rnf) == 2, r
+        if res is not None:
+            assert torch.equal(_bits(res), _bits(res_ref)), r
+        if snap != "none":
+            assert s is not None and torch.equal(_bits(s), _bits(rsnap)), r
+        g = g + 1e-3  # the next round sees other values (and the residual of this one)
+
+
 @pytest.mark.parametrize("fmt", NAMES)
 def test_error_feedback_identity(fmt, rng):
     """residual_new = e − dequant exactly (e = g − x + residual_old, fp64), and over rounds what

@@ -1,0 +1,146 @@
+// The quantized pack's common case written out in AVX2: fp32 g, x (and residual), an integer format
+// (int8 / int4) rounded to nearest even, blocks of a multiple of 64 elements. Why by hand: the pack
+// must move 21 bytes per element (read g, x, residual; write residual, snapshot, codes) and is only
+// at the memory roofline if
+//   * the snapshot and the codes, fresh buffers nobody reads before the all-reduce, are written with
+//     non-temporal stores: plain stores read every output line for ownership first, 5 more bytes per
+//     element (26 instead of 21, at most 81% of a streaming copy), and gcc does not emit them;
+//   * the encode costs well under a core's share of the memory time (2 cores: < ~0.7 ns per
+//     element). gcc's vectorisation of the scalar loop narrows int32 -> int8 lane by lane and keeps
+//     the residual's and the snapshot's stores in separate passes.
+//
+// The maths is quant.h's, operation for operation, so the codes, scales and residual are bit-identical
+// to the scalar path and to the reference (ops/quantize.py): e = (g - x) + r in fp32; per block
+// amax = the largest |e| bit pattern (integer max, exact in any order); s = q_scale; for a block with
+// q_scale_ok(s): q = e / s (correctly rounded vector division), m = min(|q|, qmax) (minps returns its
+// second operand unless m < qmax: the scalar `m < qmax ? m : qmax`), c = round-half-even(m),
+// v = q < 0 ? 0 - c : c (0 - 0 = +0, as the scalar's int -> float conversion of 0), residual
+// r = e - v * s (no contraction: separate multiply and subtract). Blocks that are not ok (zero, or
+// holding inf / NaN) get codes 0 and keep their residual, as in the scalar path; a last partial block
+// goes to the scalar path.
+#ifndef LOWCOMM_CPU_QUANTIZE_STREAM_AVX2_H_
+#define LOWCOMM_CPU_QUANTIZE_STREAM_AVX2_H_
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "cpu_common.h"
+#include "lowcomm/quant.h"
+
+namespace lowcomm {
+namespace cpu {
+
+// Elements per step of the encode: 64 fill one 32-byte store of int4 codes and two of int8 codes.
+constexpr int64_t kQStreamStep = 64;
+
+// True when the streaming path can take blocks of `block` elements with these buffers: whole steps
+// per block, and the codes and the snapshot 32-byte aligned at every block start.
+inline bool qstream_ok(int64_t block, const void* codes, const void* snap) {
+  return block % kQStreamStep == 0 && (reinterpret_cast<uintptr_t>(codes) & 31) == 0 &&
+         (reinterpret_cast<uintptr_t>(snap) & 31) == 0;
+}
+
+template <bool kRes>
+inline __m256 qstream_e(const float* g, const float* x, const float* r, int64_t i) {
+  __m256 e = _mm256_sub_ps(_mm256_loadu_ps(g + i), _mm256_loadu_ps(x + i));
+  if constexpr (kRes) e = _mm256_add_ps(e, _mm256_loadu_ps(r + i));
+  return e;
+}
+
+// The signed integer code of 8 elements of one ok block (as exact fp32 integers), and the residual
+// e - v * s stored to r when kRes.
+template <bool kRes>
+inline __m256i qstream_code8(const float* g, const float* x, float* r, int64_t i, __m256 s, __m256 qmax) {
+  const __m256 e = qstream_e<kRes>(g, x, r, i);
+  const __m256 q = _mm256_div_ps(e, s);
+  const __m256 m = _mm256_min_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), q), qmax);
+  const __m256 c = _mm256_round_ps(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 neg = _mm256_cmp_ps(q, _mm256_setzero_ps(), _CMP_LT_OQ);
+  const __m256 v = _mm256_blendv_ps(c, _mm256_sub_ps(_mm256_setzero_ps(), c), neg);
+  if constexpr (kRes) _mm256_storeu_ps(r + i, _mm256_sub_ps(e, _mm256_mul_ps(v, s)));
+  return _mm256_cvtps_epi32(v);
+}
+
+// 32 int8 codes of elements i .. i + 31, in element order.
+template <bool kRes>
+inline __m256i qstream_code32(const float* g, const float* x, float* r, int64_t i, __m256 s, __m256 qmax) {
+  const __m256i v0 = qstream_code8<kRes>(g, x, r, i, s, qmax);
+  const __m256i v1 = qstream_code8<kRes>(g, x, r, i + 8, s, qmax);
+  const __m256i v2 = qstream_code8<kRes>(g, x, r, i + 16, s, qmax);
+  const __m256i v3 = qstream_code8<kRes>(g, x, r, i + 24, s, qmax);
+  // packs work per 128-bit lane: bytes come out as [v0 lo, v1 lo, v2 lo, v3 lo | v0 hi, ...] in
+  // groups of 4; the dword permutation puts them back in element order. |v| <= 127: no saturation.
+  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3));
+  return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+// Blocks [b0, b1) of n elements, all whole (hi - lo = block, a multiple of kQStreamStep); codes and
+// snap as qstream_ok requires. Per block: pass 1 reads g, x (, r) from memory, streams the snapshot
+// and takes the absmax; pass 2 re-reads the block from L1 / L2 and streams the codes. Issues no fence
+// (the caller does, once per thread). Returns the count of non-finite e.
+template <bool kRes, bool kSnap, int kBits>
+int64_t qstream_blocks(const QFmt& f, const float* g, const float* x, float* snap, float* r, int64_t block,
+                       uint8_t* codes, float* scales, int64_t b0, int64_t b1) {
+  const __m256 qmax = _mm256_set1_ps(f.qmax);
+  const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
+  int64_t bad = 0;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t lo = b * block, hi = lo + block;
+    __m256i am0 = _mm256_setzero_si256(), am1 = _mm256_setzero_si256();
+    for (int64_t i = lo; i < hi; i += 16) {
+      const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+      __m256 e0 = _mm256_sub_ps(_mm256_loadu_ps(g + i), x0);
+      __m256 e1 = _mm256_sub_ps(_mm256_loadu_ps(g + i + 8), x1);
+      if constexpr (kRes) {
+        e0 = _mm256_add_ps(e0, _mm256_loadu_ps(r + i));
+        e1 = _mm256_add_ps(e1, _mm256_loadu_ps(r + i + 8));
+      }
+      am0 = _mm256_max_epu32(am0, _mm256_and_si256(_mm256_castps_si256(e0), absmask));
+      am1 = _mm256_max_epu32(am1, _mm256_and_si256(_mm256_castps_si256(e1), absmask));
+      if constexpr (kSnap) {
+        _mm256_stream_ps(snap + i, x0);
+        _mm256_stream_ps(snap + i + 8, x1);
+      }
+    }
+    __m256i am = _mm256_max_epu32(am0, am1);
+    __m128i a4 = _mm_max_epu32(_mm256_castsi256_si128(am), _mm256_extracti128_si256(am, 1));
+    a4 = _mm_max_epu32(a4, _mm_shuffle_epi32(a4, 0x4E));
+    a4 = _mm_max_epu32(a4, _mm_shuffle_epi32(a4, 0xB1));
+    const uint32_t amax = static_cast<uint32_t>(_mm_cvtsi128_si32(a4));
+    const float sf = q_scale(f, amax);
+    scales[b] = sf;
+    if (!q_scale_ok(sf)) {  // rare: codes 0, residual kept
+      if (amax >= 0x7F800000u) {
+        for (int64_t i = lo; i < hi; ++i) {
+          const float e = kRes ? (g[i] - x[i]) + r[i] : g[i] - x[i];
+          bad += (f32_bits(e) & 0x7FFFFFFFu) >= 0x7F800000u ? 1 : 0;
+        }
+      }
+      memset(codes + (kBits == 8 ? lo : lo / 2), 0, static_cast<size_t>(kBits == 8 ? block : block / 2));
+      continue;
+    }
+    const __m256 s = _mm256_set1_ps(sf);
+    for (int64_t i = lo; i < hi; i += kQStreamStep) {
+      const __m256i c0 = qstream_code32<kRes>(g, x, r, i, s, qmax);
+      const __m256i c1 = qstream_code32<kRes>(g, x, r, i + 32, s, qmax);
+      if constexpr (kBits == 8) {
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(codes + i), c0);
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(codes + i + 32), c1);
+      } else {
+        // byte pairs (2j, 2j + 1) -> (low nibble of 2j) | (low nibble of 2j + 1) << 4, in 16-bit lanes
+        const __m256i lo4 = _mm256_set1_epi16(0x000F), hi4 = _mm256_set1_epi16(0x00F0);
+        const __m256i w0 = _mm256_or_si256(_mm256_and_si256(c0, lo4), _mm256_and_si256(_mm256_srli_epi16(c0, 4), hi4));
+        const __m256i w1 = _mm256_or_si256(_mm256_and_si256(c1, lo4), _mm256_and_si256(_mm256_srli_epi16(c1, 4), hi4));
+        const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi16(w0, w1), 0xD8);
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(codes + i / 2), p);
+      }
+    }
+  }
+  return bad;
+}
+
+}  // namespace cpu
+}  // namespace lowcomm
+
+#endif  // LOWCOMM_CPU_QUANTIZE_STREAM_AVX2_H_
