@@ -94,9 +94,10 @@ class GradAllReduce:
 EVAL_BATCH_WINDOWS = 32
 
 
-#: losses of models every rank held, by (sha256 of the float32 parameters, validation windows, rank,
-#: world): the runs of one launch start from the same initial model (same seed), which is then
-#: scored once, not once per method. The same computation on the same bytes gives the same number.
+#: losses of models every rank held, by (sha256 of the float32 parameters, model config, validation
+#: windows, rank, world): the runs of one launch start from the same initial model (same seed),
+#: which is then scored once, not once per method. The same computation on the same bytes gives the
+#: same number.
 _AGREED_LOSSES: dict[tuple, float] = {}
 
 
@@ -149,7 +150,9 @@ def evaluate(
     key = None
     if agree:  # the same key on every rank, so every rank hits or misses together
         digest = hashlib.sha256(own.numpy().tobytes()).hexdigest()
-        key = (digest, windows.text.data_ptr(), windows.text.numel(), windows.seq_len, rank, world)
+        # the model's shape too: n_heads or rope_base change the function, not the parameters' bytes
+        text = windows.text
+        key = (digest, eval_model.cfg, text.data_ptr(), text.numel(), windows.seq_len, rank, world)
         if key in _AGREED_LOSSES:
             return EvalLosses([_AGREED_LOSSES[key]] * world, _AGREED_LOSSES[key], True)
     total = torch.zeros(1 + world, dtype=torch.float64)  # [averaged model's share, each rank's own]

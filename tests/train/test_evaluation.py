@@ -20,13 +20,24 @@ TEXT = torch.randint(0, 256, (1000,), generator=torch.Generator().manual_seed(7)
 EVAL_BYTES = 8 * 61  # 61 windows: an odd count, so the ranks' shares of the averaged model differ
 
 
-def _model(seed: int) -> TinyLlama:
+def _model(seed: int, cfg: ModelConfig = CFG) -> TinyLlama:
+    """A model far from the near-uniform initial one (weights x 10), so models differ in loss."""
     torch.manual_seed(seed)
-    return TinyLlama(CFG)
+    model = TinyLlama(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(10.0)
+    return model
 
 
-def _rank_body(rank: int, world: int, cases: list[list[int]]) -> list[dict]:
-    """Evaluate, for each case, rank r's model made from seed case[r]."""
+#: the same parameter shapes as CFG (so the same bytes from the same seed), another function
+CFG_4_HEADS = ModelConfig(dim=16, n_layers=1, n_heads=4, mlp_hidden=24, seq_len=8)
+
+
+def _rank_body(rank: int, world: int, cases: list[tuple[list[int], int]]) -> list[dict]:
+    """Evaluate, for each case (seeds, n_heads), rank r's model made from seed seeds[r]."""
+    import dataclasses
+
     import torch.distributed as dist
 
     from lowcomm_kernels.train import worker
@@ -34,10 +45,10 @@ def _rank_body(rank: int, world: int, cases: list[list[int]]) -> list[dict]:
 
     group = dist.new_group(backend="gloo")
     out = []
-    for seeds in cases:
-        res = evaluate(
-            _model(seeds[rank]), TinyLlama(CFG), eval_set(TEXT, CFG.seq_len, EVAL_BYTES), group, rank, world
-        )
+    for seeds, n_heads in cases:
+        cfg = dataclasses.replace(CFG, n_heads=n_heads)
+        windows = eval_set(TEXT, CFG.seq_len, EVAL_BYTES)
+        res = evaluate(_model(seeds[rank], cfg), TinyLlama(cfg), windows, group, rank, world)
         out.append(
             {
                 "workers": res.workers,
@@ -52,15 +63,17 @@ def _rank_body(rank: int, world: int, cases: list[list[int]]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    """Case 0: the ranks hold different models (seeds 3, 11); cases 1 and 2: the same one (seed 5)."""
-    results = launch(f"{__file__}:_rank_body", 2, ([[3, 11], [5, 5], [5, 5]],), timeout_s=120)
+    """Case 0: the ranks hold different models (seeds 3, 11); cases 1 and 2: the same one (seed 5);
+    case 3: seed 5's parameters read with 4 heads instead of 2."""
+    cases = [([3, 11], 2), ([5, 5], 2), ([5, 5], 2), ([5, 5], 4)]
+    results = launch(f"{__file__}:_rank_body", 2, (cases,), timeout_s=300)
     assert results[0] == results[1]  # every rank returns the same numbers
     return results[0]
 
 
-def _direct_loss(params: torch.Tensor) -> float:
+def _direct_loss(params: torch.Tensor, cfg: ModelConfig = CFG) -> float:
     """Mean next-byte cross-entropy of ``params`` (flat, float64) over the first 61 x 8 targets."""
-    model = TinyLlama(CFG).double()
+    model = TinyLlama(cfg).double()
     torch.nn.utils.vector_to_parameters(params, model.parameters())
     n = EVAL_BYTES // CFG.seq_len
     text = TEXT.long()
@@ -97,5 +110,11 @@ def test_identical_workers_are_scored_once_and_every_value_is_that_models_loss(t
 
 def test_a_model_every_rank_held_is_scored_once_per_process(two_ranks):
     """The initial model of every run of a launch: the second evaluation is the first's number."""
-    assert [c["scored_models"] for c in two_ranks] == [0, 1, 1]
+    assert [c["scored_models"] for c in two_ranks] == [0, 1, 1, 2]
     assert two_ranks[2]["avg_model"] == two_ranks[1]["avg_model"] and two_ranks[2]["agree"]
+
+
+def test_the_same_bytes_in_another_model_shape_are_scored_again(two_ranks):
+    got, want = two_ranks[3]["avg_model"], _direct_loss(_flat64(_model(5, CFG_4_HEADS)), CFG_4_HEADS)
+    assert math.isclose(got, want, rel_tol=1e-5), (got, want)
+    assert abs(got - two_ranks[1]["avg_model"]) > 1e-3  # 4 heads: another function of the same bytes
