@@ -410,8 +410,9 @@ def run_with_faults(
     hold_events = [ctx.Event() for _ in returns]
     go = ctx.Event()  # set once every replica of the start is up: they join the first quorum together
     up: set[int] = set()
-    procs: dict[int, Any] = {}
-    conns: dict[Any, int] = {}
+    procs: dict[int, Any] = {}  # worker -> its current process
+    conns: dict[Any, tuple[int, Any]] = {}  # pipe -> (worker, process)
+    sigkilled: set[int] = set()  # pids the schedule killed (their pipes end without a result)
     incarnations = dict.fromkeys(range(spec.workers), 0)
     t0 = time.time()
 
@@ -426,7 +427,7 @@ def run_with_faults(
         p = ctx.Process(target=_replica, args=args, daemon=True)
         p.start()
         w.close()
-        procs[i], conns[r] = p, i
+        procs[i], conns[r] = p, (i, p)
 
     def next_kill(i: int, after: int) -> int | None:
         return next((f.step for f in schedule.kills() if f.worker == i and f.step > after), None)
@@ -448,14 +449,13 @@ def run_with_faults(
             if not ready and time.time() - last_msg > idle_timeout_s:
                 raise FaultRunError(REPORTER, f"no worker made progress for {idle_timeout_s:.0f} s (hung)")
             for c in ready:
-                i = conns[c]
+                i, p = conns[c]
                 try:
                     msg = c.recv()
                 except (EOFError, OSError):
                     del conns[c]
-                    p = procs[i]
                     p.join(timeout=30)
-                    if i not in killed and p.exitcode != 0:
+                    if p.pid not in sigkilled and p.exitcode != 0:
                         raise FaultRunError(i, f"exited with code {p.exitcode} without a result") from None
                     continue
                 last_msg = time.time()
@@ -477,8 +477,9 @@ def run_with_faults(
                     for _ in range(failed):
                         rounds.append(dict(step=step, committed=False, replicas=0, quorum=quorum, t_s=t - t0))
                 elif kind == "kill-me":
-                    procs[i].kill()  # SIGKILL
-                    procs[i].join(timeout=30)
+                    p.kill()  # SIGKILL
+                    p.join(timeout=30)
+                    sigkilled.add(p.pid)
                     killed[i] = time.time()
                     events.append(
                         dict(kind="kill", worker=i, step=msg[2], reporter_step=step0, t_s=killed[i] - t0)
@@ -512,10 +513,10 @@ def run_with_faults(
                 )
                 start(f.worker, next_kill(f.worker, f.step), k)
     finally:
-        for p in procs.values():
-            if p.is_alive():
-                p.kill()
-            p.join(timeout=30)
+        for proc in procs.values():
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=30)
         lh.shutdown()
     if result is None:
         raise FaultRunError(REPORTER, "finished without a result")
