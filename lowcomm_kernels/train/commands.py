@@ -243,8 +243,14 @@ def cmd_report(args: argparse.Namespace) -> int:
         verb = "out of date" if args.check else "updated"
         for doc in stale:
             print(f"{verb}: {doc}")
+        regions = sum(len(render.MARKER.findall(d.read_text())) for d in docs)
         if not stale:
-            print("every marked region is up to date: " + ", ".join(str(d) for d in docs))
+            names = ", ".join(str(d) for d in docs)
+            print(
+                f"all {regions} marked regions up to date: {names}"
+                if regions
+                else f"no marked regions in {names}"
+            )
         return 1 if args.check and stale else 0
     if args.plot and not args.out:
         raise UsageError("--plot needs --out: the plots are written beside the markdown file")

@@ -179,6 +179,7 @@ def test_update_docs_rewrites_a_stale_region_and_check_finds_it(compare_run, tmp
     assert "Source: `runs/tiny`" in new
     capsys.readouterr()
     assert main(["report", "--update-docs", "--check", str(doc)]) == 0
+    assert capsys.readouterr().out == f"all 1 marked regions up to date: {doc}\n"
     doc.write_text(
         new.replace("<!-- report: lowcomm report runs/tiny -->", "<!-- report: lowcomm report -x -->")
     )
