@@ -8,12 +8,12 @@ Declared before any run (nothing below is chosen from the study's results):
   LOSCAR worker runs floor(N/2) + max(1, floor(Q/2)) steps per round; every other method waits
   for it (the time model charges 2 step times per step; see ``mlp.modeled_time``).
 - **Schedule**: a round is R = N + Q = 16 ticks; short delay N = 14, Q = 2; long delay N = 4, Q = 12
-  (the sync needs most of the round). The link's latency is Q step times (T = MLPConfig.step_time_s)
-  and its bandwidth 100 Mbit/s, so LOSCAR and Streaming DiLoCo (tau = Q) just hide a sync while
-  DiLoCo (blocking) and data-parallel (every step) pay for it. LOSCAR sends p = 1/4 of the
-  coordinates per round; DiLoCo syncs the whole model and Streaming DiLoCo one of K = 4 fragments
-  every H = K * R = 64 ticks / R ticks: the same bytes per H for the three. The p = 0 baseline is
-  LOSCAR's schedule with nothing sent (each worker alone).
+  (the sync needs most of the round). The link's latency is Q step times (T = MLPConfig.step_time_s) and
+  its bandwidth 100 Mbit/s, so LOSCAR and Streaming DiLoCo (tau = Q) just hide a sync while DiLoCo
+  (blocking) and data-parallel (every step) pay for it. LOSCAR sends p = 1/4 of the coordinates every
+  round (R ticks), Streaming DiLoCo one of K = 4 fragments every R ticks and DiLoCo the whole model
+  every H = K * R = 64 ticks: about the same bytes per H for the three. The p = 0 baseline is LOSCAR's
+  schedule with nothing sent (each worker alone).
 - **Length**: every method runs the same number of ticks (steps of the fastest worker): ``ROUNDS``
   rounds of R. SGD at lr 0.1, batch 32, the same for every method.
 - **Tuning**: DiLoCo's and Streaming DiLoCo's outer learning rate (Nesterov, momentum 0.9) is chosen
@@ -33,16 +33,15 @@ which is applied per regime. So a seed needs 20 runs (2 dp, 2 DiLoCo, 4 Streamin
 for the 40 rows.
 
 Budget, from the pilot (``python -m lowcomm_kernels.train.study_loscar --pilot``: one 64-round run of
-each method in the homogeneous / long / iid regime, 4 workers, one spawn): CPU seconds of all ranks
-per run, LOSCAR 7.9, Streaming DiLoCo 7.4, DiLoCo 6.7, data-parallel 13.1, p = 0 6.4, a mean of
-7.9 s over a seed's 20 runs; 210 s of wall-clock for the five at load average ~25 on the 2-core dev
-machine. The study is 100 runs + 12 tuning runs (about 7 CPU s each): about 880 CPU s, i.e. 7-8
-minutes on 2 free cores plus 6 spawns, and at most about 40 minutes at that pilot's load (210 s per
-5 runs). Final own-model losses in the pilot: 0.12-0.14 for the four communicating methods, 0.18
-for p = 0, whence the target 0.3 (reached by all of them in that regime, at different times).
-``--quick`` (for tests):
-4 rounds, 2 seeds, one outer learning rate. Resumable: each launch's runs are saved under
-``<out>/runs`` and ``<out>/tune`` as they finish (``studies.run_resumable``).
+each method in the homogeneous / long / iid regime, 4 workers, one spawn): CPU seconds of all ranks per
+run, LOSCAR 7.9, Streaming DiLoCo 7.4, DiLoCo 6.7, data-parallel 13.1, p = 0 6.4, a mean of 7.9 s over a
+seed's 20 runs; 210 s of wall-clock for the five at load average ~25 on the 2-core dev machine. The
+study is 100 runs + 12 tuning runs: about 112 x 7.9 = 880 CPU s, i.e. 7-8 minutes on 2 free cores plus 6
+spawns (well inside a 45-minute budget); at the pilot's load (eight users, 210 s per 5 runs) it would
+take about 80 minutes. Final own-model losses in the pilot: 0.12-0.14 for the four communicating
+methods, 0.18 for p = 0, whence the target 0.3 (reached by all of them in that regime, at different
+times). ``--quick`` (for tests): 4 rounds, 2 seeds, one outer learning rate. Resumable: each launch's
+runs are saved under ``<out>/runs`` and ``<out>/tune`` as they finish (``studies.run_resumable``).
 """
 
 from __future__ import annotations
@@ -364,6 +363,11 @@ def run_loscar_regimes(args: argparse.Namespace) -> int:
     )
     size = "quick" if args.quick else "full"
     seeds = list(range(args.seed or 0, (args.seed or 0) + (args.seeds or SEEDS[size])))
+    if set(seeds) & set(TUNE_SEEDS):
+        raise UsageError(
+            f"--seed {args.seed or 0} with --seeds {len(seeds)} would reuse the tuning seeds {TUNE_SEEDS}; "
+            "choose seeds outside them"
+        )
     cfg = MLPConfig()
     base = base_spec(args.quick, cfg)
     lrs = OUTER_LRS[size]

@@ -188,6 +188,8 @@ def test_study_refuses_the_logreg_task(capsys, tmp_path):
     assert "digits MLP" in capsys.readouterr().err
     assert main(["compare", "--study", "loscar-regimes", "--workers", "2", "--out", str(tmp_path)]) == 2
     assert "--workers does not apply to --study loscar-regimes" in capsys.readouterr().err
+    assert main(["compare", "--study", "loscar-regimes", "--seed", "98", "--out", str(tmp_path)]) == 2
+    assert "tuning seeds" in capsys.readouterr().err
     assert main(["compare", "--task", "mlp", "--seq-len", "8", "--out", str(tmp_path)]) == 2
     assert "--seq-len does not apply to --task mlp" in capsys.readouterr().err
 
