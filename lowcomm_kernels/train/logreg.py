@@ -123,7 +123,7 @@ def optimum(X: torch.Tensor, y: torch.Tensor, l2: float) -> float:
 
 @torch.no_grad()
 def averaged_and_own(
-    model: torch.nn.Module, loss: Callable[[torch.nn.Module], float], group: object
+    model: torch.nn.Module, loss: Callable[[torch.nn.Module], float], group: Any
 ) -> tuple[float, list[float]]:
     """(loss of the worker-averaged parameters, each worker's own parameters' loss in rank order).
     Collective over ``group``; the same numbers on every rank. The second is the model each worker
@@ -189,7 +189,7 @@ def run_one(
 
     def record(r: int) -> None:
         avg, own = averaged_and_own(
-            model, lambda m: float(objective(m.weight.reshape(-1), X, y, cfg.l2)), eval_group
+            model, lambda m: float(objective(model.weight.reshape(-1), X, y, cfg.l2)), eval_group
         )
         curve.append((r, avg, sum(own) / len(own)))
 

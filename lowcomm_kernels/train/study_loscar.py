@@ -50,6 +50,7 @@ import argparse
 import math
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .mlp import MLPConfig, modeled_time
@@ -218,7 +219,7 @@ def paired_t(diffs: list[float]) -> tuple[float, float, float, float]:
     return m, s, t, float(2 * stats.t.sf(abs(t), n - 1))
 
 
-def _ms(values: list[float | None], fmt: str = "{:.3f}") -> str:
+def _ms(values: Sequence[float | None], fmt: str = "{:.3f}") -> str:
     vals = [v for v in values if v is not None and math.isfinite(v)]
     if not vals:
         return "n/a"
