@@ -1,11 +1,23 @@
-"""Fault tolerance figures (runtime.ft), on CPU / gloo with 3 replica processes and a Lighthouse.
+"""Fault tolerance figures (runtime.ft), on CPU / gloo: replica processes and an in-process Lighthouse.
 
-    .venv/bin/python bench/ft_recovery.py
+    .venv/bin/python bench/ft_recovery.py                      # all of it (~15 min on 2 busy cores)
+    .venv/bin/python bench/ft_recovery.py --quick --out /tmp/ft.json --figure /tmp/ft.png   # smoke
 
-Prints (1) the wall time of one sync round under a torchft Manager (quorum + SUM all-reduces of
-payload, control and presence + should_commit, median over the rounds before the kill) next to a
-SUM all-reduce of the same tensors over a fixed 3-process gloo group, and (2) the time from a
-SIGKILL of one replica to the first round the survivors commit without it.
+(1) Overhead: the wall time of one sync round under a torchft Manager (quorum + SUM all-reduces of
+payload, control and presence + should_commit, median over the rounds before the kill) next to a SUM
+all-reduce of the same tensors over a fixed 3-process gloo group, and the time from a SIGKILL of one
+replica to the first round the survivors commit without it (tests/runtime/ft_worker.py).
+
+(2) Side by side: the same kill under our DiLoCo (``manager=``) and under torchft's own
+``torchft.local_sgd.DiLoCo``, on the same model, data, H and outer optimizer (Nesterov SGD), each
+next to a fault-free run of the same seed (bench/ft_replica.py): the time from the SIGKILL of
+replica 2 to replica 0's next committed sync, the syncs in between that did not commit, and the gap
+of replica 0's final held-out loss to the fault-free run's, over several seeds (mean +- std).
+``--restart-at`` restarts the killed replica (it heals) when replica 0 reaches that step.
+
+Writes ``--out`` (JSON: configuration, command, every run's per-step records, the summary) and
+``--figure`` (training loss of replica 0 against the step, faulty and fault-free, both
+implementations, kill and return marked), and prints the table.
 """
 
 import json
@@ -25,6 +37,9 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "runtime" / "ft_worker.py"
+REPLICA = ROOT / "bench" / "ft_replica.py"
+IMPLS = ("lowcomm", "torchft")
+LABEL = {"lowcomm": "lowcomm DiLoCo (manager=)", "torchft": "torchft.local_sgd.DiLoCo"}
 
 
 def _records(path: Path) -> list[dict]:
@@ -103,10 +118,302 @@ def fixed_figures(n: int = 30) -> list[float]:
     return times[5:]
 
 
+# ----- (2) our DiLoCo and torchft's, side by side ---------------------------------------------------
+def _lighthouse():
+    from torchft._torchft import LighthouseServer
+
+    return LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=30000, heartbeat_timeout_ms=1000)
+
+
+def _replica(lh, impl: str, i: int, out: Path, a, log: Path, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, str(REPLICA), "--impl", impl, "--lighthouse", lh.address(), "--replica", str(i)]
+    cmd += list(extra)
+    cmd += ["--steps", str(a.steps), "--sync-every", str(a.sync_every), "--seed", str(a.seed_now)]
+    cmd += ["--out", str(out), "--step-sleep", str(a.step_sleep)]
+    with open(log, "a") as f:
+        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+
+
+def _wait_for(cond, procs, what: str, timeout: float) -> None:
+    t_end = time.time() + timeout
+    while not cond():
+        if time.time() > t_end:
+            raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+        failed = [p for p in procs if p.poll() not in (None, 0)]
+        if failed:
+            log = Path(failed[0].args[failed[0].args.index("--out") + 1]).with_suffix(".log")
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:]) if log.exists() else ""
+            raise RuntimeError(f"a replica failed while waiting for {what}; its log ends:\n{tail}")
+        time.sleep(0.02)
+
+
+def one_run(impl: str, seed: int, fault: bool, a, work: Path) -> dict:
+    """3 replicas of bench/ft_replica.py; with ``fault``: SIGKILL replica 2 once it recorded step
+    ``a.kill_at`` (and restart it when replica 0 reaches ``a.restart_at``, if given)."""
+    a.seed_now = seed
+    tag = f"{impl}-s{seed}-{'kill' if fault else 'clean'}"
+    outs = [work / f"{tag}-r{i}.jsonl" for i in range(3)]
+    logs = [out.with_suffix(".log") for out in outs]
+    lh = _lighthouse()
+    ready, go = [work / f"{tag}-ready{i}" for i in range(3)], work / f"{tag}-go"
+    # a common start: on a loaded machine the processes take very different times to import torch,
+    # and a replica that reaches its first quorum long before the others would time out there
+    back = work / f"{tag}-ready2-again"  # the restarted replica is up: the survivors hold for it
+    hold = ["--hold-at", str(a.restart_at), "--hold-for", str(back)] if fault and a.restart_at else []
+    procs = [_replica(lh, impl, i, outs[i], a, logs[i], "--ready-file", str(ready[i]), "--go-file", str(go),
+                      *(hold if i < 2 else [])) for i in range(3)]  # fmt: skip
+    extra: list[subprocess.Popen] = []
+    t_kill = t_return = None
+    kill_step = return_step = None
+    try:
+        _wait_for(lambda: all(r.exists() for r in ready), procs, f"{tag}: the replicas to start", 900)
+        go.touch()
+        t0 = time.time()
+        if fault:
+            _wait_for(lambda: _records(outs[2]) and _records(outs[2])[-1]["step"] >= a.kill_at, procs,
+                      f"{tag}: replica 2 at step {a.kill_at}", 600)  # fmt: skip
+            procs[2].send_signal(signal.SIGKILL)
+            t_kill = time.time()
+            procs[2].wait()
+            kill_step = _records(outs[2])[-1]["step"]
+            if a.restart_at is not None:
+                # replica 0 holds after step restart_at until the restarted replica is up (a slow
+                # start on a loaded machine must not find the survivors finished)
+                _wait_for(lambda: _records(outs[0])[-1]["step"] >= a.restart_at, procs[:2],
+                          f"{tag}: replica 0 at step {a.restart_at}", 600)  # fmt: skip
+                return_step = _records(outs[0])[-1]["step"]
+                extra.append(_replica(lh, impl, 2, outs[2], a, logs[2], "--ready-file", str(back)))
+                _wait_for(back.exists, extra, f"{tag}: the restarted replica to start", 900)
+                t_return = time.time()
+        live = procs[:2] if fault else procs
+        for i, p in enumerate(live):
+            if p.wait(timeout=900) != 0:
+                tail = "\n".join(logs[i].read_text(errors="replace").splitlines()[-30:])
+                raise RuntimeError(f"{tag}: replica {i} exited with {p.returncode}; its log ends:\n{tail}")
+    finally:
+        for p in procs + extra:  # a restarted torchft replica counts its steps from 0: it outlives the others
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        lh.shutdown()
+    wall = time.time() - t0
+    recs = _records(outs[0])
+    run = {"impl": impl, "seed": seed, "fault": fault, "wall_s": wall, "eval_loss": recs[-1].get("eval_loss"),
+           "steps": [r["step"] for r in recs], "loss": [r["loss"] for r in recs],
+           "participants": [r["participants"] for r in recs],
+           "commits": [r["commits"] for r in recs]}  # fmt: skip
+    if fault:
+        before = [r for r in recs if r["t"] <= t_kill]
+        after = [r for r in recs if r["t"] > t_kill]
+        c0, s0 = before[-1]["commits"], before[-1]["syncs"]
+        nxt = next((r for r in after if r["commits"] > c0), None)
+        run.update(
+            kill_step=kill_step, kill_step_r0=before[-1]["step"], return_step=return_step,
+            kill_to_commit_s=(nxt["t"] - t_kill) if nxt else None,
+            failed_syncs=(nxt["syncs"] - s0 - 1) if nxt else None,
+            first_commit_participants=nxt["participants"] if nxt else None,
+        )  # fmt: skip
+        if t_return is not None:
+            back = [r for r in recs if r["t"] > t_return and r["participants"] == 3]
+            run["return_to_3_s"] = (back[0]["t"] - t_return) if back else None
+    return run
+
+
+def _stat(v: list[float]) -> dict:
+    v = [x for x in v if x is not None]
+    if not v:
+        return {"mean": None, "std": None, "n": 0}
+    return {"mean": statistics.fmean(v), "std": statistics.stdev(v) if len(v) > 1 else 0.0, "n": len(v)}
+
+
+def summarize(runs: list[dict]) -> dict:
+    out = {}
+    for impl in IMPLS:
+        clean = {r["seed"]: r for r in runs if r["impl"] == impl and not r["fault"]}
+        faulty = [r for r in runs if r["impl"] == impl and r["fault"]]
+        if not faulty:
+            continue
+        gaps = [r["eval_loss"] - clean[r["seed"]]["eval_loss"] for r in faulty if r["seed"] in clean]
+        out[impl] = {
+            "kill_to_commit_s": _stat([r["kill_to_commit_s"] for r in faulty]),
+            "failed_syncs": _stat([r["failed_syncs"] for r in faulty]),
+            "eval_loss_fault_free": _stat([clean[s]["eval_loss"] for s in clean]),
+            "eval_loss_faulty": _stat([r["eval_loss"] for r in faulty]),
+            "eval_loss_gap": _stat(gaps),
+            "return_to_3_s": _stat([r.get("return_to_3_s") for r in faulty]),
+        }
+    return out
+
+
+def _smooth(v: list[float], k: int) -> list[float]:
+    return [statistics.fmean(v[max(0, i - k + 1) : i + 1]) for i in range(len(v))]
+
+
+def figure(runs: list[dict], path: Path, k: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seed = min(r["seed"] for r in runs)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, impl in zip(axes, IMPLS, strict=True):
+        for r in (r for r in runs if r["impl"] == impl and r["seed"] == seed):
+            style = {"color": "tab:red", "label": "replica 2 killed"} if r["fault"] else {
+                "color": "tab:blue", "label": "fault-free"}  # fmt: skip
+            ax.plot(r["steps"], _smooth(r["loss"], k), lw=1.2, **style)
+            if r["fault"]:
+                ax.axvline(r["kill_step_r0"], color="k", ls="--", lw=0.8, label="kill (SIGKILL)")
+                if r.get("return_step") is not None:
+                    back = r.get("return_to_3_s") is not None
+                    label = "restart" if back else "restart launched (not back before the end)"
+                    ax.axvline(r["return_step"], color="tab:green", ls=":", lw=1.0, label=label)
+        ax.set_title(LABEL[impl])
+        ax.set_xlabel("inner step (replica 0)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel(f"training loss of replica 0 (mean of {k} steps)")
+    fig.suptitle(f"3 replicas, H = {runs[0]['H']}, seed {seed}: a SIGKILL of one replica", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(s: dict, unit: str = "", digits: int = 2) -> str:
+    if s["mean"] is None:
+        return "n/a"
+    return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}{unit}"
+
+
+def parse(argv: list[str] | None = None):
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=3, help="seeds 0 .. N-1 (default 3)")
+    ap.add_argument("--steps", type=int, default=60, help="inner steps per run (default 60)")
+    ap.add_argument("--sync-every", type=int, default=5, help="H (default 5)")
+    ap.add_argument("--kill-at", type=int, default=22, help="SIGKILL replica 2 at this step (default 22)")
+    ap.add_argument(
+        "--restart-at",
+        type=int,
+        default=None,
+        help="restart it when replica 0 reaches this step (default: no restart)",
+    )
+    ap.add_argument("--step-sleep", type=float, default=0.05, help="seconds per inner step (default 0.05)")
+    ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated, of " + ", ".join(IMPLS))
+    ap.add_argument("--no-overhead", action="store_true", help="skip (1), the per-round overhead")
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke: 1 seed, 25 steps, kill at 12, restart at 17, no overhead part",
+    )
+    ap.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        help="run nothing: redraw --figure and print the table from this results file",
+    )
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "figures" / "ft_recovery.json")
+    ap.add_argument("--figure", type=Path, default=ROOT / "bench" / "figures" / "ft_recovery.png")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.seeds, a.steps, a.kill_at, a.restart_at, a.no_overhead = 1, 25, 12, 17, True
+    a.impls = [x.strip() for x in a.impls.split(",") if x.strip()]
+    bad = [x for x in a.impls if x not in IMPLS]
+    if bad or not a.impls:
+        ap.error(f"--impls: unknown {bad or a.impls}; choose from {', '.join(IMPLS)}")
+    for name in ("seeds", "steps", "sync_every", "kill_at"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.kill_at >= a.steps:
+        ap.error(f"--kill-at ({a.kill_at}) must be below --steps ({a.steps})")
+    if a.restart_at is not None and not a.kill_at < a.restart_at < a.steps:
+        ap.error(f"--restart-at ({a.restart_at}) must lie between --kill-at and --steps")
+    if a.step_sleep < 0:
+        ap.error(f"--step-sleep must be >= 0, got {a.step_sleep}")
+    return a
+
+
+def _save(result: dict, runs: list[dict], a, complete: bool) -> None:
+    result.update(complete=complete, runs=runs, summary=summarize(runs), loadavg_end=list(os.getloadavg()))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def report(result: dict) -> None:
+    """Prints the overhead lines and the side-by-side table (markdown) of a result."""
+    if "overhead" in result:
+        o = result["overhead"]
+        print(
+            f"torchft round (quorum + all-reduces + commit), median of {o['ft_rounds']}: "
+            f"{o['ft_round_ms_median']:.1f} ms"
+        )
+        print(
+            f"fixed gloo group, same all-reduces, median of {o['fixed_rounds']}: "
+            f"{o['fixed_ms_median']:.1f} ms"
+        )
+        print(f"SIGKILL of one of 3 replicas -> first round committed by the 2 survivors: "
+              f"{o['kill_to_round_without_it_s']:.2f} s")  # fmt: skip
+    restart = result["config"].get("restart_at") is not None
+    print("\n| implementation | seeds | kill -> next committed sync (s) | syncs that failed | held-out loss, "
+          "fault-free | held-out loss, killed | gap (killed - fault-free) |"
+          + (" restart -> in a quorum of 3 (s) |" if restart else ""))  # fmt: skip
+    print("| --- " * (8 if restart else 7) + "|")
+    for impl, st in result["summary"].items():
+        print(f"| {LABEL[impl]} | {st['kill_to_commit_s']['n']} | {_fmt(st['kill_to_commit_s'])} | "
+              f"{_fmt(st['failed_syncs'], digits=1)} | {_fmt(st['eval_loss_fault_free'], digits=4)} | "
+              f"{_fmt(st['eval_loss_faulty'], digits=4)} | {_fmt(st['eval_loss_gap'], digits=4)} |"
+              + (f" {_fmt(st['return_to_3_s'])} |" if restart else ""))  # fmt: skip
+    print(
+        "(mean ± std over the seeds" + ("" if result.get("complete", True) else "; an interrupted run") + ")"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = parse(argv)
+    if a.render is not None:
+        result = json.loads(a.render.read_text())
+        figure(result["runs"], a.figure, result["config"]["H"])
+        report(result)
+        print(f"wrote {a.figure}")
+        return result
+    command = "   ".join(
+        ["python bench/ft_recovery.py", *(argv if argv is not None else sys.argv[1:])]
+    ).strip()
+    result: dict = {"command": command.replace("   ", " "), "loadavg_start": list(os.getloadavg()),
+                    "config": {"replicas": 3, "steps": a.steps, "H": a.sync_every, "kill_at": a.kill_at,
+                               "restart_at": a.restart_at, "step_sleep_s": a.step_sleep, "seeds": a.seeds,
+                               "inner": "SGD lr 0.05", "outer": "Nesterov SGD lr 0.7 momentum 0.9",
+                               "model": "MLP 8-32-1 (tanh), batch 32, teacher tanh(x . w)",
+                               "lighthouse": "min_replicas 2, join_timeout 30 s, heartbeat_timeout 1 s",
+                               "manager_timeout_s": 5.0}}  # fmt: skip
+    if not a.no_overhead:
+        rounds, recovered = ft_figures()
+        fixed = fixed_figures()
+        result["overhead"] = {"ft_round_ms_median": 1e3 * statistics.median(rounds), "ft_rounds": len(rounds),
+                              "fixed_ms_median": 1e3 * statistics.median(fixed), "fixed_rounds": len(fixed),
+                              "kill_to_round_without_it_s": recovered}  # fmt: skip
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="ft_recovery-") as tmp:
+        for seed in range(a.seeds):
+            for impl in a.impls:
+                for fault in (False, True):
+                    r = one_run(impl, seed, fault, a, Path(tmp))
+                    r["H"] = a.sync_every
+                    runs.append(r)
+                    _save(result, runs, a, complete=False)  # what is done so far survives an interruption
+                    print(f"{impl:8s} seed {seed} {'kill ' if fault else 'clean'}: held-out loss "
+                          f"{r['eval_loss']:.4f}"
+                          + (f", kill -> next commit {r['kill_to_commit_s']:.2f} s" if fault else ""),
+                          flush=True)  # fmt: skip
+    _save(result, runs, a, complete=True)
+    figure(runs, a.figure, a.sync_every)
+    report(result)
+    print(f"wrote {a.out} and {a.figure}")
+    return result
+
+
 if __name__ == "__main__":
-    rounds, recovered = ft_figures()
-    fixed = fixed_figures()
-    ms = lambda v: f"{1e3 * statistics.median(v):.1f} ms"  # noqa: E731
-    print(f"torchft round (quorum + all-reduces + commit), median of {len(rounds)}: {ms(rounds)}")
-    print(f"fixed gloo group, same all-reduces, median of {len(fixed)}: {ms(fixed)}")
-    print(f"SIGKILL of one of 3 replicas -> first round committed by the 2 survivors: {recovered:.2f} s")
+    main()
