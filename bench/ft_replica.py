@@ -60,11 +60,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", required=True, help="JSON lines, appended")
     ap.add_argument("--step-sleep", type=float, default=0.0, help="seconds of sleep per inner step")
     ap.add_argument("--timeout", type=float, default=5.0, help="manager timeout (collectives, commit), s")
-    ap.add_argument("--quorum-timeout", type=float, default=60.0, help="s")
+    ap.add_argument("--quorum-timeout", type=float, default=120.0, help="s")
+    ap.add_argument("--ready-file", default="", help="touched once the replica is built, before training")
+    ap.add_argument("--go-file", default="", help="wait for this file before training (a common start)")
+    ap.add_argument("--hold-at", type=int, default=-1, help="after this step, wait for --hold-for to exist")
+    ap.add_argument("--hold-for", default="")
     a = ap.parse_args(argv)
     for name in ("replicas", "steps", "sync_every"):
         if getattr(a, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if a.hold_at >= 0 and not a.hold_for:
+        raise SystemExit("--hold-at needs --hold-for (the file to wait for)")
     if not 0 <= a.replica < a.replicas:
         raise SystemExit(f"--replica must lie in 0 .. {a.replicas - 1}, got {a.replica}")
     for name in ("step_sleep", "timeout", "quorum_timeout"):
@@ -145,6 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(1000 * a.seed + 100 + a.replica)
     x_eval, y_eval = held_out(a.seed)
     participants, last_synced = 0, synced()
+    if a.ready_file:
+        open(a.ready_file, "w").close()
+    while a.go_file and not os.path.exists(a.go_file):
+        time.sleep(0.02)
     with open(a.out, "a") as f, strat:
         while step_index() < a.steps:
             x = torch.randn(BATCH, DIM, generator=gen)
@@ -167,6 +177,9 @@ def main(argv: list[str] | None = None) -> None:
                     rec["eval_loss"] = nn.functional.mse_loss(model(x_eval), y_eval).item()
             f.write(json.dumps(rec) + "\n")
             f.flush()
+            if step_index() == a.hold_at:  # e.g. until a restarted replica is up again
+                while not os.path.exists(a.hold_for):
+                    time.sleep(0.02)
             if a.step_sleep:
                 time.sleep(a.step_sleep)
     manager.shutdown(wait=False)
