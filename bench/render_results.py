@@ -1,6 +1,11 @@
 """Render bench/RESULTS.md (and bench/ops_bandwidth.png) from the benchmark JSON.
 
     .venv/bin/python bench/render_results.py [--ops bench/results/ops.json] [--out bench/RESULTS.md]
+    .venv/bin/python bench/render_results.py --ops full.json --ops quantized.json   # several runs
+
+With several --ops files, each (workload, size) comes whole from the last file that measured it
+(its rows are never mixed across runs, so every ratio stays within one run), and the machine
+section lists every run with its command and load.
 
 Per op and size: best-of-N time, GB/s from the bytes the op must move (each buffer counted once),
 % of the memcpy row of the same bytes measured in the same run, speed-up over eager ref and over
@@ -98,6 +103,36 @@ def load_rows(path: Path) -> tuple[dict, Rows, dict[tuple[str, int], dict]]:
     return data, rows, inter
 
 
+Key = tuple[str, int]
+
+
+def load_runs(paths: list[Path]) -> tuple[dict, Rows, dict[Key, dict], dict[Key, str]]:
+    """load_rows over several runs: (the first run's JSON with every run's workloads and notes, the
+    rows, the interleaved measurements, {(workload, n): the command of the run its rows come from}).
+    A (workload, size) measured by several runs is taken whole from the last one."""
+    merged: dict = {}
+    rows: Rows = {}
+    inter: dict[tuple[str, int], dict] = {}
+    commands: dict[tuple[str, int], str] = {}
+    for path in paths:
+        data, r, i = load_rows(path)
+        lc = data.get("lowcomm", {})
+        if not merged:
+            merged = dict(data, lowcomm=dict(lc, workloads=dict(lc.get("workloads", {})),
+                                             notes=list(lc.get("notes", []))))
+        else:
+            for name, meta in lc.get("workloads", {}).items():
+                merged["lowcomm"]["workloads"].setdefault(name, meta)
+            merged["lowcomm"]["notes"] += lc.get("notes", [])
+        for key in set(r) | set(i):
+            rows.pop(key, None)
+            inter.pop(key, None)
+            commands[key] = lc.get("command", "?")
+        rows.update(r)
+        inter.update(i)
+    return merged, rows, inter, commands
+
+
 def derive(rows: dict[str, dict]) -> dict[str, object]:
     """Adds pct (of the memcpy row), vs_ref, vs_compile to each op row; returns the baseline used."""
     base = rows.get("memcpy_nt") or rows.get("torch_copy")
@@ -133,29 +168,35 @@ def ratio(x: float | None) -> str:
     return "—" if x is None else f"{x:.2f}x"
 
 
-def machine_section(data: dict, path: Path) -> list[str]:
-    mi = data.get("machine_info", {}).get("lowcomm", {})
-    lc = data.get("lowcomm", {})
-    v = mi.get("versions", {})
-    la0, la1 = mi.get("loadavg_start"), lc.get("loadavg_end")
-    shown = path.relative_to(HERE.parent) if path.is_relative_to(HERE.parent) else path
+def machine_section(runs: list[tuple[dict, Path]]) -> list[str]:
+    """The machine (from the first run) and, per run, its time, load, versions and command."""
+    shown = lambda p: p.relative_to(HERE.parent) if p.is_relative_to(HERE.parent) else p  # noqa: E731
     three = lambda la: " / ".join(f"{x:.2f}" for x in la)  # noqa: E731
-    load = f"{three(la0)} at start, {three(la1)} at end (1 / 5 / 15 min)" if la0 and la1 else "not recorded"
-    return [
-        "## Machine and run",
+    mi0 = runs[0][0].get("machine_info", {}).get("lowcomm", {})
+    out = [
+        "## Machine and run" + ("s" if len(runs) > 1 else ""),
         "",
-        f"- CPU: {mi.get('cpu_model', '?')}, {mi.get('logical_cpus', '?')} logical CPUs "
-        f"({mi.get('cpu_flags', '')}); {mi.get('threads', '?')} threads (torch and OpenMP)",
-        f"- Load average: {load}. The machine is shared with other engineers: absolute figures "
-        "move with their load, ratios within one run are the comparable quantity.",
-        f"- Versions: torch {v.get('torch', '?')}, triton {v.get('triton', '?')}, "
-        f"python {v.get('python', '?')}, lowcomm_kernels {v.get('lowcomm_kernels', '?')} "
-        f"({v.get('native', '?')}), git {v.get('git', '?')}",
-        f"- Run: {data.get('datetime', '?')} UTC; memcpy row: {mi.get('memcpy', '?')}",
-        f"- Command: `{lc.get('command', '?')}` then `.venv/bin/python bench/render_results.py"
-        + ("" if path == HERE / "results" / "ops.json" else f" --ops {shown}") + "`",
-        "",
+        f"- CPU: {mi0.get('cpu_model', '?')}, {mi0.get('logical_cpus', '?')} logical CPUs "
+        f"({mi0.get('cpu_flags', '')}); {mi0.get('threads', '?')} threads (torch and OpenMP)",
+        "- The machine is shared with other engineers: absolute figures move with their load, ratios "
+        "within one run are the comparable quantity.",
     ]
+    for data, path in runs:
+        mi = data.get("machine_info", {}).get("lowcomm", {})
+        lc = data.get("lowcomm", {})
+        v = mi.get("versions", {})
+        la0, la1 = mi.get("loadavg_start"), lc.get("loadavg_end")
+        load = f"{three(la0)} at start, {three(la1)} at end (1 / 5 / 15 min)" if la0 and la1 else "?"
+        out += [
+            f"- Run {data.get('datetime', '?')} UTC (`{shown(path)}`): load average {load}; memcpy row: "
+            f"{mi.get('memcpy', '?')}; torch {v.get('torch', '?')}, triton {v.get('triton', '?')}, "
+            f"python {v.get('python', '?')}, lowcomm_kernels {v.get('lowcomm_kernels', '?')} "
+            f"({v.get('native', '?')}), git {v.get('git', '?')}",
+            f"  - Command: `{lc.get('command', '?')}`",
+        ]
+    default = [HERE / "results" / "ops.json"]
+    ops = "" if [p for _, p in runs] == default else "".join(f" --ops {shown(p)}" for _, p in runs)
+    return out + [f"- Rendered with `.venv/bin/python bench/render_results.py{ops}`", ""]
 
 
 def interleaved_row(info: dict, seq: dict[str, dict]) -> dict:
@@ -202,9 +243,8 @@ def headline(data: dict, rows: dict, inter: dict) -> list[str]:
     return out + [""]
 
 
-def op_tables(data: dict, rows: dict) -> list[str]:
+def op_tables(data: dict, rows: dict, commands: dict[tuple[str, int], str]) -> list[str]:
     wl = data.get("lowcomm", {}).get("workloads", {})
-    command = data.get("lowcomm", {}).get("command", "?")
     out = ["## Per op", "",
            "time = best of N rounds (N in the last column); GB/s = bytes the op must move (each buffer "
            "counted once) / time; % of memcpy = GB/s / GB/s of the non-temporal-store copy of the same "
@@ -215,7 +255,8 @@ def op_tables(data: dict, rows: dict) -> list[str]:
         if not sizes:
             continue
         meta = wl.get(name, {})
-        out += [f"### {name}", "", f"{meta.get('note', '')}. Command: `{command}`", "",
+        cmds = " and ".join(f"`{c}`" for c in dict.fromkeys(commands.get((name, n), "?") for n in sizes))
+        out += [f"### {name}", "", f"{meta.get('note', '')}. Command: {cmds}", "",
                 "| size | bytes | impl | time | GB/s | % of memcpy | vs ref | vs compile | rounds |",
                 "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for n in sizes:
@@ -240,7 +281,7 @@ def op_tables(data: dict, rows: dict) -> list[str]:
     return out
 
 
-def memcpy_summary(rows: dict) -> list[str]:
+def memcpy_summary(rows: dict, inter: dict) -> list[str]:
     """nt copy vs torch copy_ per size, from the rows with the largest byte count per size."""
     best: dict[int, dict] = {}
     for (_, n), r in rows.items():
@@ -249,6 +290,9 @@ def memcpy_summary(rows: dict) -> list[str]:
         if r["memcpy_nt"]["bytes"] > best.get(n, {}).get("bytes", 0):
             best[n] = {"bytes": r["memcpy_nt"]["bytes"], "nt": r["memcpy_nt"]["gbps"],
                        "cp": r["torch_copy"]["gbps"]}
+    if not best and any("memcpy_nt" in i.get("interleaved", {}) for i in inter.values()):
+        return ["The memcpy rows of this run are the interleaved ones (the targets table): a copy with "
+                "non-temporal stores (`lc_copy_nt`) of the same bytes as each op.", ""]
     if not best:
         return ["⚠ **No non-temporal memcpy row in this run** (the native library lacked `lc_copy_nt`): "
                 "% of memcpy is taken against torch `copy_`, which understates the roofline.", ""]
@@ -289,6 +333,8 @@ def chart(rows: dict, data: dict, out: Path) -> bool:
     wl = list(data.get("lowcomm", {}).get("workloads", {})) or sorted({k[0] for k in rows})
     names = [w for w in wl if w.split("/")[0] != "mask_indices" and any(k[0] == w for k in rows)]
     sizes = sorted({n for (_, n) in rows})
+    if not sizes:  # only interleaved measurements (e.g. a `-k interleaved` run): nothing to chart
+        return False
     impls = [("ref", "#bbbbbb"), ("compile", "#6a9fd8"), ("fused", "#d8792a")]
     fig, axes = plt.subplots(len(sizes), 1, figsize=(12, 3.2 * len(sizes)), squeeze=False, sharey=True)
     width = 0.8 / len(impls)
@@ -318,23 +364,24 @@ def chart(rows: dict, data: dict, out: Path) -> bool:
     return True
 
 
-def render(ops: Path, out: Path, png: Path) -> str:
+def render(ops: Path | list[Path], out: Path, png: Path) -> str:
     previous = out.read_text() if out.exists() else ""
-    data, rows, inter = load_rows(ops)
+    paths = [ops] if isinstance(ops, Path) else list(ops)
+    data, rows, inter, commands = load_runs(paths)
     for r in rows.values():
         derive(r)
     lines = ["# Benchmark results", "",
              f"Rendered {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC by `bench/render_results.py`. "
              "CPU suite: `bench/bench_ops.py` (pytest-benchmark); GPU: `bench/gpu_check.sh`; overlap: "
              "`bench/bench_overlap.py`.", ""]
-    lines += machine_section(data, ops)
+    lines += machine_section([(json.loads(p.read_text()), p) for p in paths])
     lines += headline(data, rows, inter)
     if chart(rows, data, png):
         rel = png.relative_to(out.parent) if png.is_relative_to(out.parent) else png
         lines += [f"![% of memcpy per op]({rel})", ""]
-    lines += memcpy_summary(rows)
+    lines += memcpy_summary(rows, inter)
     lines += READING
-    lines += op_tables(data, rows)
+    lines += op_tables(data, rows, commands)
     lines += ["## Overlap of communication with compute (runtime)", ""] + include("overlap", previous)
     lines += ["## GPU", ""] + include("gpu", previous)
     out.write_text("\n".join(lines).rstrip() + "\n")
@@ -343,15 +390,19 @@ def render(ops: Path, out: Path, png: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ops", type=Path, default=HERE / "results" / "ops.json", help="pytest-benchmark JSON")
+    ap.add_argument("--ops", type=Path, action="append",
+                    help="pytest-benchmark JSON (repeat for several runs; the later wins per workload and "
+                         "size); default bench/results/ops.json")
     ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
     ap.add_argument("--png", type=Path, default=HERE / "ops_bandwidth.png")
     args = ap.parse_args(argv)
-    if not args.ops.exists():
-        print(f"{args.ops} not found: run `.venv/bin/python -m pytest bench/bench_ops.py "
-              f"--benchmark-json {args.ops}` first", file=sys.stderr)
-        return 2
-    render(args.ops.resolve(), args.out.resolve(), args.png.resolve())
+    ops = args.ops or [HERE / "results" / "ops.json"]
+    for p in ops:
+        if not p.exists():
+            print(f"--ops {p} not found: run `.venv/bin/python -m pytest bench/bench_ops.py "
+                  f"--benchmark-json {p}` first", file=sys.stderr)
+            return 2
+    render([p.resolve() for p in ops], args.out.resolve(), args.png.resolve())
     print(f"wrote {args.out} and {args.png}")
     return 0
 
