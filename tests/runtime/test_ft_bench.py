@@ -1,0 +1,74 @@
+"""bench/ft_recovery.py, the side-by-side kill of our DiLoCo and torchft's: a smoke run of the whole
+script (``--quick``: one seed, 25 steps, a kill and a restart, both implementations) and its checks
+of bad arguments.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft")
+pytest.importorskip("matplotlib")
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "bench" / "ft_recovery.py"
+
+
+@pytest.mark.slow
+def test_quick_run_writes_results_and_figure(tmp_path):
+    out, fig = tmp_path / "ft.json", tmp_path / "ft.png"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out), "--figure", str(fig)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert fig.stat().st_size > 10_000
+    res = json.loads(out.read_text())
+    assert "--quick" in res["command"] and "overhead" not in res
+    runs = res["runs"]
+    assert sorted((r["impl"], r["fault"]) for r in runs) == [
+        ("lowcomm", False), ("lowcomm", True), ("torchft", False), ("torchft", True)
+    ]  # fmt: skip
+    for r in runs:
+        assert r["steps"][-1] == 25 and math.isfinite(r["eval_loss"])
+        assert r["loss"][-1] < r["loss"][0]  # every run trained
+        if not r["fault"]:
+            assert set(r["participants"][-5:]) == {3}
+            continue
+        # the survivors' next committed sync after the kill ran without the dead replica, then it
+        # came back (restarted at step 17) and was in a quorum of three again
+        assert r["kill_to_commit_s"] > 0 and r["first_commit_participants"] == 2
+        assert r["failed_syncs"] >= 0
+        assert r["return_to_3_s"] is not None and r["return_to_3_s"] > 0
+    for impl in ("lowcomm", "torchft"):
+        s = res["summary"][impl]
+        assert s["kill_to_commit_s"]["n"] == 1 and math.isfinite(s["eval_loss_gap"]["mean"])
+    assert "| lowcomm DiLoCo (manager=) |" in proc.stdout and "| torchft.local_sgd.DiLoCo |" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, name",
+    [
+        (["--kill-at", "30", "--steps", "20"], "--kill-at"),
+        (["--restart-at", "5", "--kill-at", "10"], "--restart-at"),
+        (["--impls", "lowcomm,horovod"], "--impls"),
+        (["--seeds", "0"], "--seeds"),
+        (["--step-sleep", "-1"], "--step-sleep"),
+    ],
+)
+def test_bad_arguments_are_refused_by_name(tmp_path, capsys, args, name):
+    spec = importlib.util.spec_from_file_location("ft_recovery", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "ft.json"
+    with pytest.raises(SystemExit) as e:
+        mod.main([*args, "--out", str(out), "--figure", str(tmp_path / "f.png")])
+    assert e.value.code == 2 and name in capsys.readouterr().err
+    assert not out.exists()
