@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .report import RunResult, auto_target, mean_std
+from .report import RunResult, auto_target, mean_std, val_loss_basis
 from .spec import RANGES, TrainSpec
 
 
@@ -135,12 +135,13 @@ def _cell(values: list, fmt: str = "{:.4f}") -> str:
     return "n/a" if math.isnan(m) else f"{fmt.format(m)} ± {fmt.format(s)}"
 
 
-def _table_head(target: float, columns: list[str]) -> list[str]:
+def _table_head(target: float, columns: list[str], results: list[RunResult]) -> list[str]:
     """A study table's first lines: the target, then the header of configuration, seeds, final
-    val loss and `columns`."""
-    head = ["configuration", "seeds", "final val loss", *columns]
+    val loss (naming what it measures: report.val_loss_basis) and `columns`."""
+    basis = val_loss_basis(results)
+    head = ["configuration", "seeds", f"final val loss ({basis})", *columns]
     return [
-        f"target validation loss {target:.4f} (the lowest loss every run reached)",
+        f"target validation loss ({basis}) {target:.4f} (the lowest loss every run reached)",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -150,7 +151,7 @@ def _table_head(target: float, columns: list[str]) -> list[str]:
 def wire_table(labels: list[str], results: list[RunResult], target: float) -> str:
     """Markdown for the wire study: loss and bytes, against the fp32 configuration of each method."""
     lines = _table_head(
-        target, ["bytes/worker to target (MB)", "bytes sent/worker (MB)", "fp32 bytes / these"]
+        target, ["bytes/worker to target (MB)", "bytes sent/worker (MB)", "fp32 bytes / these"], results
     )
     for label in labels:
         runs = [r for r in results if r.name == label]
@@ -246,6 +247,7 @@ def study_table(name: str, labels: list[str], results: list[RunResult], target: 
             "bytes sent/worker (MB)",
             "exposed comm (s)",
         ],
+        results,
     )
     for label in labels:
         runs = [r for r in results if r.name == label]

@@ -62,3 +62,17 @@ def test_tiny_matched_study_writes_table_and_plot(tmp_path: Path):
     for r in rr:  # cyclic order: applied syncs spread evenly over the K = 2 fragments
         counts = r["extra"]["syncs_per_fragment"]
         assert set(counts) == {"0", "1"} and abs(counts["0"] - counts["1"]) <= 1
+
+
+def test_study_tables_name_what_the_final_loss_measures():
+    from lowcomm_kernels.train.report import EvalPoint, RunResult
+    from lowcomm_kernels.train.studies import study_table, wire_table
+
+    def run(basis: str) -> RunResult:
+        pts = [EvalPoint(0, 0.0, 0.0, 0.0, 5.5), EvalPoint(10, 1.0, 1e6, 0.1, 2.5, [2.4, 2.6], 2.45, False)]
+        return RunResult("fp32", "streaming", {"seed": 0}, pts, val_loss_basis=basis)
+
+    for basis in ("worker models, mean", "averaged model"):
+        for text in (study_table("x", ["fp32"], [run(basis)], 2.5), wire_table(["fp32"], [run(basis)], 2.5)):
+            assert f"target validation loss ({basis})" in text
+            assert f"| configuration | seeds | final val loss ({basis}) |" in text
