@@ -134,8 +134,15 @@ def test_cut_link_then_restore(tmp_path):
                 cmd += [sys.executable, str(REPLICA), "--impl", "lowcomm", "--lighthouse", lighthouse]
                 cmd += ["--replica", str(i), "--host", ns.address(i), "--steps", str(steps)]
                 cmd += ["--sync-every", str(H), "--out", str(out[i]), "--step-sleep", "0.05"]
+                cmd += ["--ready-file", str(tmp_path / f"ready{i}"), "--go-file", str(tmp_path / "go")]
                 with open(logs[i], "w") as log:
                     procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ns.env))
+            # a common start: on a loaded machine one replica may take a minute longer to import torch
+            # than the others, which would then start as a pair and heal it later
+            _wait(
+                lambda: all((tmp_path / f"ready{i}").exists() for i in range(3)), "the replicas", 600, procs
+            )
+            (tmp_path / "go").touch()
             last = lambda i: (_records(out[i]) or [{"step": -1}])[-1]  # noqa: E731
             _wait(lambda: last(2)["step"] >= 12, "replica 2 at step 12", 300, procs)
             ns.sh("cut", "2")
