@@ -118,7 +118,7 @@ def test_table_pairs_runs_by_seed():
     pf = paired["control"]["final_loss"]
     assert pf["n"] == 2 and pf["mean"] == pytest.approx(0.25) and pf["std"] == pytest.approx(math.sqrt(0.005))
     ps = paired["control"]["steps_to_target"]  # reference reaches 3.0 at step 100, the control at 200
-    assert ps["n"] == 2 and ps["mean"] == pytest.approx(100.0) and ps["t"] == math.inf
+    assert ps["n"] == 2 and ps["mean"] == pytest.approx(100.0) and ps["t"] == math.inf and ps["p"] is None
     assert "| control | 2 |" in md and "(reference)" in md and "| 8 |" in md
 
 
