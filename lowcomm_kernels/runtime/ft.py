@@ -328,6 +328,11 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
             "fragment choice, LOSCAR's heal from a peer's parameters at the first step), so the ranks "
             "of one replica could drift apart. Use one rank per replica (Manager(world_size=1))"
         )
+    if STATE_KEY in getattr(strategy.manager, "_load_state_dict_fns", {}):
+        raise ValueError(
+            "manager: this Manager already carries another strategy's state (torchft registers it once "
+            "per Manager); build a new Manager for each strategy"
+        )
     fields = dict(fields)
     fields.pop("process group size", None)
     digest = _digest(fields)

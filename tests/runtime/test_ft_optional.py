@@ -72,8 +72,9 @@ def test_replica_of_several_ranks_refuses_cocodc_and_loscar():
 
 
 @pytest.fixture
-def lone_manager():
-    """One replica alone (a Lighthouse with min_replicas=1): its quorums need no peer."""
+def lone_managers():
+    """Makes torchft Managers of replicas alone (a Lighthouse with min_replicas=1): their quorums need
+    no peer. Each call a new Manager (a Manager carries one strategy's state)."""
     pytest.importorskip("torchft")
     from datetime import timedelta
 
@@ -82,15 +83,38 @@ def lone_manager():
     from torchft._torchft import LighthouseServer
 
     lh = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1000)
-    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1, load_state_dict=None,
-        state_dict=None, replica_id="replica_0", store_addr="localhost", store_port=store.port, rank=0,
-        world_size=1, lighthouse_addr=lh.address(), use_async_quorum=False, timeout=timedelta(seconds=10),
-    )  # fmt: skip
-    yield manager
-    manager.shutdown(wait=False)
+    made, stores = [], []
+
+    def make():
+        store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        stores.append(store)  # the Manager's store must outlive it
+        made.append(
+            Manager(
+                pg=ProcessGroupGloo(timeout=timedelta(seconds=10)),
+                min_replica_size=1,
+                load_state_dict=None,
+                state_dict=None,
+                replica_id="replica_0",
+                store_addr="localhost",
+                store_port=store.port,
+                rank=0,
+                world_size=1,
+                lighthouse_addr=lh.address(),
+                use_async_quorum=False,
+                timeout=timedelta(seconds=10),
+            )  # fmt: skip
+        )
+        return made[-1]
+
+    yield make
+    for m in made:
+        m.shutdown(wait=False)
     lh.shutdown()
+
+
+@pytest.fixture
+def lone_manager(lone_managers):
+    return lone_managers()
 
 
 def test_loscar_poisoned_replica_stops(lone_manager):
@@ -131,4 +155,67 @@ def test_quorum_is_a_profiler_range(lone_manager):
     names = [e.name for e in prof.events()]
     assert names.count("lowcomm/quorum") == 3  # the join and the syncs after steps 2 and 4
     assert strat.transport.participants == [1, 1]
+    strat.close()
+
+
+def test_one_strategy_per_manager(lone_manager):
+    """torchft registers a strategy's state once per Manager: a second strategy on it is refused by name."""
+    from lowcomm_kernels.runtime import DiLoCo
+
+    model = nn.Linear(4, 1)
+    first = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, manager=lone_manager,
+                   num_replicas=1)  # fmt: skip
+    first.close()
+    model = nn.Linear(4, 1)
+    with pytest.raises(ValueError, match="manager: this Manager already carries"):
+        DiLoCo(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            sync_every=2,
+            manager=lone_manager,
+            num_replicas=1,
+        )
+
+
+def test_dcp_resume_with_another_num_replicas(lone_managers, tmp_path):
+    """Under manager= a DCP checkpoint saved with num_replicas=2 resumes with num_replicas=3: g and u
+    as saved, and the result pending at the save applied with the same average."""
+    import torch.distributed.checkpoint as dcp
+
+    from lowcomm_kernels.runtime import StreamingDiLoCo
+    from lowcomm_kernels.runtime.dcp import DCPState
+
+    def make(n):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        kw = dict(
+            sync_every=4, num_fragments=2, fragment_sync_delay=1, manager=lone_managers(), num_replicas=n
+        )
+        return model, opt, StreamingDiLoCo(model, opt, **kw)
+
+    def train(model, opt, strat, steps):
+        for _ in range(steps):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            strat.step()
+
+    model, opt, strat = make(2)
+    train(model, opt, strat, 6)  # fragment 1 sent after step 6, applied after step 7
+    assert [pd.fragment for pd in strat.pending] == [1]
+    dcp.save({"strategy": DCPState(strat)}, checkpoint_id=str(tmp_path))
+    g6, u6 = strat.g.clone(), strat.u.clone()
+    train(model, opt, strat, 1)
+    g7 = strat.g.clone()
+    strat.close()
+    strat.manager.shutdown(wait=False)  # replica gone: the resumed one forms quorums alone
+
+    model, opt, strat = make(3)
+    dcp.load({"strategy": DCPState(strat)}, checkpoint_id=str(tmp_path))
+    assert torch.equal(strat.g, g6) and torch.equal(strat.u, u6) and strat.step_count == 6
+    assert [pd.fragment for pd in strat.pending] == [1]
+    train(model, opt, strat, 1)  # its first quorum (the join), then the pending result's apply
+    torch.testing.assert_close(strat.g, g7, rtol=1e-6, atol=1e-7)
+    assert not torch.equal(strat.g, g6)
     strat.close()
