@@ -53,7 +53,7 @@ from .fragments import FlatFragments, FragmentSpec
 from .log import rank_logger
 from .metrics import RuntimeMetrics, SyncRecord
 from .sharding import local, refuse_sharded_checkpoint, sharding_fields
-from .transport import WAN, Transport
+from .transport import WAN, HealedInRound, Transport
 
 FORMAT_VERSION = 2
 NONFINITE_MODES = ("skip", "raise")
@@ -520,7 +520,10 @@ class Strategy(abc.ABC):
         self._mark_device_step()
         with torch.no_grad():
             exposed_before = self.metrics.exposed_comm_s
-            self._advance(self.step_count)
+            try:
+                self._advance(self.step_count)
+            except HealedInRound as healed:  # runtime.ft: a returning replica healed mid-step
+                self.transport.finish_heal(self, healed.step)
             if self.guard_every and self._applied_since_guard >= self.guard_every:
                 self._applied_since_guard = 0
                 self.check_consistency()

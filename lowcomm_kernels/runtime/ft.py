@@ -50,7 +50,10 @@ merges exactly the same averages as the others from that round on.
 Fragments in flight across a membership change: with ``manager=`` each round completes (and commits)
 when it is sent, and its result is applied ``fragment_sync_delay`` steps later as usual; a healed
 replica receives these pending results in the state. So nothing is in flight across a quorum change:
-the price is that communication is not overlapped with compute under ``manager=``.
+the price is that communication is not overlapped with compute under ``manager=``. A replica that
+is behind without having died (its link was cut, its process stalled in a quorum, then the link came
+back) is healed by the quorum of a round it began with its old state: that round's send is void
+(``HealedInRound``), and the replica replays the peers' step without contributing, as a joining one.
 
 A replica may itself be a data-parallel group (``Manager(rank=r, world_size=n)`` on each of its n
 ranks, DDP over the replica's own process group): each rank's rounds go to the same rank of the other
@@ -74,7 +77,7 @@ import torch
 
 from .._checks import integer
 from ..profiling import nvtx_range
-from .transport import Handle, Transport, ring_wire_bytes
+from .transport import Handle, HealedInRound, Transport, ring_wire_bytes
 
 INSTALL_HINT = "pip install 'lowcomm-kernels[ft]'"
 JOIN_ATTEMPTS = 20
@@ -171,7 +174,7 @@ class FTTransport(Transport):
         self._cuda = False  # torchft's process group orders its own streams
         self._side = None
         self.joined = False
-        self.healed_at: int | None = None  # the step a heal in the current join loaded
+        self.healed_at: int | None = None  # the step this replica was last healed at (None: never)
         self._open_round = False  # a quorum whose collectives the next all_reduce runs (join)
         self.contribute = True
         self.rounds = 0
@@ -205,8 +208,17 @@ class FTTransport(Transport):
         w, head = self.world, Strategy.FACTS * self.world
         point = float(host[2 * w + self.rank].item())
         if not self._open_round:
+            last_heal, self.healed_at = self.healed_at, None
             with nvtx_range("quorum"):
                 self.manager.start_quorum()
+            if self.healed_at is None:
+                self.healed_at = last_heal  # the step of this replica's last heal stays readable
+            else:
+                # This replica was behind (its link was cut and came back) and the quorum healed it:
+                # `tensors` and `point` belong to the state it had before. The round stays open for
+                # the peers' own send, which finish_heal replays without contributing.
+                self._open_round = True
+                raise HealedInRound(self.healed_at)
         self._open_round = False
         presence = torch.zeros(w, dtype=torch.float64, device=host.device)
         if self.contribute:
@@ -248,6 +260,17 @@ class FTTransport(Transport):
         wire = ring_wire_bytes(payload_bytes, max(int(n), 1))
         return FTHandle(self, name, t0, wire, values, blocked)
 
+    def finish_heal(self, strategy: Any, healed: int | None) -> bool:
+        """After a quorum that is still open (``join``, or a heal inside a round): replay the rest of
+        the peers' step ``healed`` without contributing (their sends run the open round), or, with
+        nothing to replay, close the round with no collectives. Returns whether the round committed."""
+        if healed is not None and healed > 0:
+            _replay(strategy, healed, self)  # runs the open round and the rest of step `healed`
+        if self._open_round:  # nothing was sent: a round with no collectives
+            self._open_round = False
+            return bool(self.manager.should_commit())
+        return True
+
     # ----- joining: the first quorum of this replica -----------------------------------------------
     def join(self, strategy: Any) -> None:
         """At the first hook: one quorum round. A replica that is behind is healed in it (its
@@ -258,13 +281,7 @@ class FTTransport(Transport):
                 self.manager.start_quorum()  # a heal runs inside (lowcomm/heal)
             self._open_round = True
             healed = self.healed_at
-            if healed is not None and healed > 0:
-                _replay(strategy, healed, self)  # runs the open round and the rest of step `healed`
-            ok = True
-            if self._open_round:  # nothing to replay: a round with no collectives
-                self._open_round = False
-                ok = bool(self.manager.should_commit())
-            if ok:
+            if self.finish_heal(strategy, healed):
                 if healed is None and strategy.step_count == 0 and hasattr(strategy, "g"):
                     # a fresh start that did not heal restarts its first step from g like one that
                     # did (init_sync), so every replica and every rank of a replica starts alike

@@ -40,6 +40,18 @@ class SyncError(RuntimeError):
     """A collective of a sync failed or timed out (typically: a peer died). Names the sync."""
 
 
+class HealedInRound(Exception):
+    """Raised by a fault-tolerant transport's ``all_reduce`` when the quorum that opened the round
+    healed this replica (it was behind: a link cut and restored). The strategy's state is now the
+    peers' as of ``step``; the send that was under way belongs to the old state and is void. The
+    strategy's step hook catches it and lets the transport finish the peers' step
+    (``finish_heal``)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(f"healed from a peer inside a round, at step {step}")
+        self.step = step
+
+
 @dataclass(frozen=True)
 class WAN:
     """Emulated wide-area link: one-way ``latency_s`` per collective, ``bandwidth_bytes_per_s``
