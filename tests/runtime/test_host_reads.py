@@ -46,6 +46,9 @@ ALLOWED = {  # (module, function) -> why a host read is fine there
     ("ft", "all_reduce"): "a torchft round blocks by design (it waits for its collectives and "
     "should_commit), so reading its control vector waits for nothing more",
     ("ft", "join"): "the first quorum round, at the first step",
+    ("ft", "finish_heal"): "should_commit() of a heal round (a host flag, torchft blocks by design)",
+    ("dcp", "_resize"): "checkpoint restore with another number of ranks or replicas",
+    ("loscar", "heal_state"): "the state a healthy peer sends for a heal (torchft, inside a quorum)",
 }
 
 
