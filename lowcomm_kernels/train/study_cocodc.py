@@ -241,6 +241,20 @@ def table(labels: list[str], results: list[RunResult], target: float, seeds: lis
     return "\n".join(lines), stats_out
 
 
+def study_header(base: dict, n_seeds: int, corpus: str, how: str) -> str:
+    """The line above the table. ``base``: the study's base TrainSpec as a dict (results.json stores
+    it under "base"), ``how``: where the target came from (results.json: "target_from")."""
+    mc = base["model"]
+    return (
+        f"study `{NAME}`: {base['workers']} workers, {base['steps']} steps, H={base['sync_every']}, "
+        f"K={base['num_fragments']}, tau={base['fragment_sync_delay']}, lambda={base['lam']:g} "
+        f"({base['lam_mode']}), gamma={base['gamma']:g}, emulated step {base['step_time_ms']:.3f} ms on a "
+        f"{base['latency_s'] * 1e3:g} ms / {base['bandwidth_bytes_per_s'] * 8 / 1e6:g} Mbit/s link, "
+        f"{n_seeds} seeds, model dim={mc['dim']} layers={mc['n_layers']} seq_len={mc['seq_len']}; "
+        f"{corpus}; target: {how}"
+    )
+
+
 def _steps(run: RunResult | None, target: float) -> float | None:
     hit = run.first_reaching(target) if run is not None else None
     return float(hit.step) if hit is not None else None
@@ -297,15 +311,7 @@ def run_cocodc_paper(args: argparse.Namespace) -> int:
         + (" --quick" if args.quick else "")
         + (f" --seeds {args.seeds}" if args.seeds else "")
     )
-    mc = base.model
-    header = (
-        f"study `{NAME}`: {base.workers} workers, {base.steps} steps, H={base.sync_every}, "
-        f"K={base.num_fragments}, tau={base.fragment_sync_delay}, lambda={base.lam:g} ({base.lam_mode}), "
-        f"gamma={base.gamma:g}, emulated step {base.step_time_ms:.3f} ms on a "
-        f"{base.latency_s * 1e3:g} ms / {base.bandwidth_bytes_per_s * 8 / 1e6:g} Mbit/s link, "
-        f"{n_seeds} seeds, model dim={mc.dim} layers={mc.n_layers} seq_len={mc.seq_len}; "
-        f"{corpus.describe()}; target: {how}"
-    )
+    header = study_header(dataclasses.asdict(base), n_seeds, corpus.describe(), how)
     (out / f"{NAME}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{md}\n")
     study_plot(NAME, labels, results, out / f"{NAME}.png")
     write_json(
