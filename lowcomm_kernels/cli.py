@@ -117,8 +117,15 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         g,
         "--eval-bytes",
         "eval_bytes",
-        "validation bytes scored per evaluation, in non-overlapping --seq-len windows from the start of "
-        "the validation text (default 262144; all of it when shorter)",
+        "validation bytes scored per evaluation, in non-overlapping --seq-len windows spread evenly "
+        "over the validation text (default 262144; all of it when shorter)",
+    )
+    knob(
+        g,
+        "--final-eval-bytes",
+        "final_eval_bytes",
+        "after the last step, one more evaluation on this many validation bytes, reported as the "
+        "final loss (default 0: none, the last --eval-bytes evaluation is final)",
     )
     g.add_argument("--out", help="output folder (default runs/<command>-<UTC timestamp>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -18,8 +18,9 @@ from .spec import METHODS, TrainSpec
 
 # TrainSpec fields set by a flag of the same name (its dest); the model's and the WAN's are below.
 _SPEC_FIELDS = (
-    "workers steps batch_size seed eval_every eval_bytes lr weight_decay warmup_steps sync_every outer_lr "
-    "outer_momentum num_fragments fragment_sync_delay fragment_update_alpha lam lam_mode gamma "
+    "workers steps batch_size seed eval_every eval_bytes final_eval_bytes lr weight_decay warmup_steps "
+    "sync_every outer_lr outer_momentum num_fragments fragment_sync_delay fragment_update_alpha lam "
+    "lam_mode gamma "
     "syncs_per_period quant_block error_feedback cocodc_timing step_time_ms taylor_control "
     "score density local_steps overlap_steps merge wire_dtype param_dtype worker_speeds speed_model split"
 ).split()

@@ -149,6 +149,11 @@ def check_fault_spec(spec: Any) -> None:
         raise UsageError(
             f"{FLAG}: LOSCAR at --density 0 never communicates: there is no quorum to lose a worker from"
         )
+    if spec.final_eval_bytes:
+        raise UsageError(
+            f"{FLAG}: --final-eval-bytes is not supported with faults (each replica evaluates its own "
+            "model on --eval-bytes at every evaluation); use --eval-bytes"
+        )
     from .spec import WIRE_DTYPE_NAMES
 
     if spec.wire_dtype not in ("fp32", "bf16") and spec.wire_dtype in WIRE_DTYPE_NAMES:

@@ -291,8 +291,8 @@ def run_mlp_specs(
 
 #: flags of the LM task that mean nothing here (the model, its data, AdamW and its schedule)
 LM_ONLY = (
-    "data dim layers heads mlp_hidden seq_len eval_bytes warmup_steps weight_decay param_dtype grad_clip "
-    "min_lr_frac"
+    "data dim layers heads mlp_hidden seq_len eval_bytes final_eval_bytes warmup_steps weight_decay "
+    "param_dtype grad_clip min_lr_frac"
 ).split()
 
 

@@ -72,9 +72,15 @@ class RunResult:
     extra: dict = field(default_factory=dict)
     val_loss_basis: str = WORKER_MEAN  # what EvalPoint.val_loss measures: WORKER_MEAN or AVERAGED_MODEL
     eval_bytes_scored: int = 0  # target bytes per evaluation (0: not recorded, older files)
+    # the evaluation after the last step on TrainSpec.final_eval_bytes (None: none was asked for):
+    # eval_bytes_scored, val_loss (the same basis as the points'), val_loss_workers, val_loss_avg_model
+    final_eval: dict | None = None
 
     @property
     def final_loss(self) -> float:
+        """The final evaluation's loss when there was one, else the last point's."""
+        if self.final_eval is not None:
+            return float(self.final_eval["val_loss"])
         return self.points[-1].val_loss if self.points else math.nan
 
     @property
@@ -135,6 +141,8 @@ def comparison_rows(results: list[RunResult], target: float) -> list[dict]:
     for r in results:
         hit = r.first_reaching(target)
         last = r.points[-1] if r.points else None
+        fin = r.final_eval
+        workers = list(fin["val_loss_workers"]) if fin else list(last.val_loss_workers) if last else []
         rows.append(
             {
                 "method": r.name,
@@ -143,10 +151,14 @@ def comparison_rows(results: list[RunResult], target: float) -> list[dict]:
                 "wall_to_target_s": hit.wall_s if hit else None,
                 "bytes_to_target": hit.bytes_sent if hit else None,
                 "final_val_loss": r.final_loss,
-                "final_val_loss_workers": list(last.val_loss_workers) if last else [],
-                "final_val_loss_workers_min": last.val_loss_workers_min if last else None,
-                "final_val_loss_workers_max": last.val_loss_workers_max if last else None,
-                "final_val_loss_avg_model": last.val_loss_avg_model if last else None,
+                "final_val_loss_workers": workers,
+                "final_val_loss_workers_min": min(workers) if workers else None,
+                "final_val_loss_workers_max": max(workers) if workers else None,
+                "final_val_loss_avg_model": fin["val_loss_avg_model"]
+                if fin
+                else last.val_loss_avg_model
+                if last
+                else None,
                 "final_val_ppl": math.exp(r.final_loss) if math.isfinite(r.final_loss) else math.nan,
                 "wall_clock_s": r.train_wall_s,
                 "bytes_sent_per_worker": r.bytes_sent,
@@ -155,6 +167,7 @@ def comparison_rows(results: list[RunResult], target: float) -> list[dict]:
                 "syncs": r.syncs,
                 "syncs_per_period": r.extra.get("syncs_per_period"),  # CoCoDC: N of each period
                 "eval_bytes_scored": r.eval_bytes_scored,
+                "final_eval_bytes_scored": fin["eval_bytes_scored"] if fin else r.eval_bytes_scored,
             }
         )
     return rows
@@ -212,6 +225,13 @@ def format_table(results: list[RunResult], target: float) -> str:
         if scored
         else ""
     )
+    final = sorted({r.final_eval["eval_bytes_scored"] for r in results if r.final_eval})
+    if final:
+        scored_text += (
+            "final losses from one more evaluation after the last step on "
+            + " / ".join(f"{n:,}" for n in final)
+            + " bytes; "
+        )
     lines = [
         f"target validation loss ({basis}): {target:.4f} nats/byte (ppl {math.exp(target):.3f})",
         "",

@@ -91,6 +91,7 @@ RANGES: dict[str, Range] = {
     "num_fragments": Range(1),
     "eval_every": Range(1),
     "eval_bytes": Range(1),
+    "final_eval_bytes": NON_NEGATIVE,
     "warmup_steps": NON_NEGATIVE,
     "fragment_sync_delay": NON_NEGATIVE,
     "local_steps": Range(1),
@@ -111,7 +112,7 @@ RANGES: dict[str, Range] = {
     "density": Range(0, 1),  # LOSCAR p; 0: no communication (each worker trains alone)
 }
 INT_FIELDS = (
-    "workers steps batch_size sync_every num_fragments eval_every eval_bytes warmup_steps "
+    "workers steps batch_size sync_every num_fragments eval_every eval_bytes final_eval_bytes warmup_steps "
     "fragment_sync_delay local_steps overlap_steps seed"
 ).split()
 OPTIONAL_FIELDS = ("local_steps", "overlap_steps")  # None: derived (resolved_local_steps/_overlap_steps)
@@ -171,9 +172,12 @@ class TrainSpec:
     data: str | None = None  # None: the Python standard library
     seed: int = 0
     eval_every: int = DEFAULT["eval_every"]
-    # validation bytes scored per evaluation: the non-overlapping seq_len windows at the start of the
+    # validation bytes scored per evaluation: non-overlapping seq_len windows spread evenly over the
     # validation text, eval_bytes target bytes (all of the text when shorter); see corpus.EvalSet
     eval_bytes: int = DEFAULT_EVAL_BYTES
+    # > 0: after the last step, one more evaluation on this many bytes (RunResult.final_eval), so
+    # that frequent evaluations can be small while the final loss rests on a large sample; 0: none
+    final_eval_bytes: int = 0
     name: str | None = None  # label in tables; default from the method
     profile_dir: str | None = None  # set by `lowcomm profile`: write a torch.profiler trace per rank
     tensorboard_dir: str | None = None  # --tensorboard: rank 0 writes TensorBoard event files here
@@ -278,6 +282,11 @@ class TrainSpec:
         need(
             self.param_dtype in PARAM_DTYPES,
             f"<param_dtype> must be one of {tuple(PARAM_DTYPES)}, got {self.param_dtype!r}",
+        )
+        need(
+            self.final_eval_bytes == 0 or self.final_eval_bytes >= self.model.seq_len,
+            f"<final_eval_bytes> must be 0 (none) or at least one window of <ModelConfig.seq_len> = "
+            f"{self.model.seq_len} bytes, got {self.final_eval_bytes}",
         )
         need(
             self.eval_bytes >= self.model.seq_len,

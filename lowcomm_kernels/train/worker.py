@@ -152,7 +152,8 @@ def evaluate(
         digest = hashlib.sha256(own.numpy().tobytes()).hexdigest()
         # the model's shape too: n_heads or rope_base change the function, not the parameters' bytes
         text = windows.text
-        key = (digest, eval_model.cfg, text.data_ptr(), text.numel(), windows.seq_len, rank, world)
+        where = (text.data_ptr(), text.numel(), windows.seq_len, windows.n_windows)
+        key = (digest, eval_model.cfg, *where, rank, world)
         if key in _AGREED_LOSSES:
             return EvalLosses([_AGREED_LOSSES[key]] * world, _AGREED_LOSSES[key], True)
     total = torch.zeros(1 + world, dtype=torch.float64)  # [averaged model's share, each rank's own]
@@ -249,6 +250,9 @@ class RankRun:
         self.eval_group = dist.new_group(backend="gloo")
         self.shard = worker_shard(train_data, rank, world, spec.split)
         self.windows = eval_set(val_data, spec.model.seq_len, spec.eval_bytes)
+        self.final_windows = (
+            eval_set(val_data, spec.model.seq_len, spec.final_eval_bytes) if spec.final_eval_bytes else None
+        )
         self.gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + rank)
         self.dp = (
             GradAllReduce(self.model, self.train_group, spec.latency_s, spec.bandwidth_bytes_per_s)
@@ -273,7 +277,7 @@ class RankRun:
             num_params=num_parameters(self.model),
             eval_bytes_scored=self.windows.scored_bytes,
         )
-        self.eval_s = 0.0
+        self.eval_s = self.final_eval_s = 0.0
         self.t_start = self.t_end = 0.0
         self.prof: Any = None
         dist.barrier(group=self.eval_group)
@@ -347,6 +351,21 @@ class RankRun:
                 elif self.rank == 0 and step % progress_every == 0:
                     self.report(step, None)
             self.t_end = time.perf_counter()
+            if self.final_windows is not None:
+                self.final_evaluate()
+
+    def final_evaluate(self) -> None:
+        """The evaluation on final_eval_bytes after the last step (after t_end: not training time)."""
+        t0 = time.perf_counter()
+        windows = self.final_windows
+        losses = evaluate(self.model, self.eval_model, windows, self.eval_group, self.rank, self.world)
+        self.result.final_eval = dict(
+            eval_bytes_scored=windows.scored_bytes,
+            val_loss=statistics.fmean(losses.workers),
+            val_loss_workers=losses.workers,
+            val_loss_avg_model=losses.avg_model,
+        )
+        self.final_eval_s = time.perf_counter() - t0
 
     def finish(self) -> RunResult | None:
         """Totals into the result, the profiler's files written, this run's groups destroyed; rank 0
@@ -360,7 +379,11 @@ class RankRun:
         cpu = torch.tensor([time.process_time() - self.cpu0], dtype=torch.float64)
         dist.all_reduce(cpu, group=self.eval_group)
         result.extra = dict(
-            m.extra, eval_s=self.eval_s, setup_s=self.t_start - self.t_setup, cpu_s_all_ranks=float(cpu)
+            m.extra,
+            eval_s=self.eval_s,
+            final_eval_s=self.final_eval_s,
+            setup_s=self.t_start - self.t_setup,
+            cpu_s_all_ranks=float(cpu),
         )
         if self.prof is not None and spec.profile_dir is not None:
             os.makedirs(spec.profile_dir, exist_ok=True)

@@ -138,6 +138,26 @@ def test_compare_smoke_all_methods(tmp_path: Path, capsys):
         assert data[:8] == PNG and len(data) > 5000
 
 
+def test_final_eval_bytes_is_one_more_evaluation_on_a_larger_sample(tmp_path: Path):
+    """--final-eval-bytes: after the last step every worker's model is scored once more on that many
+    bytes; the final loss (results and rows) is that evaluation's, the curve keeps --eval-bytes."""
+    out = tmp_path / "final"
+    rc = main(["train", "--method", "diloco", *TINY, "--final-eval-bytes", "4096", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads((out / "results.json").read_text())
+    run, row = doc["runs"][0], doc["rows"][0]
+    fin = run["final_eval"]
+    assert fin["eval_bytes_scored"] == 4096 and run["eval_bytes_scored"] == 512
+    assert [p["step"] for p in run["points"]] == [0, 4, 8]
+    assert len(fin["val_loss_workers"]) == 2 and 0 < fin["val_loss"] < 10
+    assert fin["val_loss"] == pytest.approx(sum(fin["val_loss_workers"]) / 2, rel=1e-12)
+    assert run["final_loss"] == row["final_val_loss"] == fin["val_loss"]
+    assert fin["val_loss"] != run["points"][-1]["val_loss"]  # other bytes, another number
+    assert row["final_val_loss_workers"] == fin["val_loss_workers"]
+    assert row["final_eval_bytes_scored"] == 4096
+    assert "after the last step on 4,096 bytes" in (out / "table.md").read_text()
+
+
 @pytest.mark.slow
 def test_train_one_method_on_user_data(tmp_path: Path):
     data = tmp_path / "corpus"
@@ -384,6 +404,10 @@ def test_bad_flag_value_names_the_flag_as_typed(capsys, no_workers, command, fla
         (
             ["train", "--method", "dp", "--eval-bytes", "63"],
             "--eval-bytes must be at least one window of --seq-len = 64 bytes, got 63",
+        ),
+        (
+            ["train", "--method", "dp", "--final-eval-bytes", "63"],
+            "--final-eval-bytes must be 0 (none) or at least one window of --seq-len = 64 bytes, got 63",
         ),
         (["compare", "--study", "matched", "--sync-every", "2"], "--delay=5 is too long: --delay x"),
     ],

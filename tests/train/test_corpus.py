@@ -111,17 +111,33 @@ def test_batches_are_next_byte_pairs_and_shards_disjoint():
 def test_eval_set_scores_every_byte_once_in_non_overlapping_windows():
     data = torch.randint(0, 256, (1001,), generator=torch.Generator().manual_seed(1), dtype=torch.int64)
     data = data.to(torch.uint8)
-    es = eval_set(data, 16, 10_000)  # the cap is above the text: all of it
-    assert es.n_windows == 1000 // 16 and es.scored_bytes == 62 * 16
-    batches = es.batches(range(es.n_windows), 5)
+    tiled = eval_set(data[: 62 * 16 + 1], 16, 10_000)  # the cap is above the text: all of it
+    assert tiled.n_windows == 62 and tiled.scored_bytes == 62 * 16
+    batches = tiled.batches(range(tiled.n_windows), 5)
     assert [b[0].shape[0] for b in batches] == [5] * 12 + [2]
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
     assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (62, 16)
     assert torch.equal(x.reshape(-1), data[: 62 * 16].long())  # windows tile the text, no overlap
     assert torch.equal(y.reshape(-1), data[1 : 62 * 16 + 1].long())  # every target byte once
-    capped = eval_set(data, 16, 100)  # 100 target bytes -> 6 whole windows
-    assert capped.n_windows == 6 and capped.scored_bytes == 96
+    for cap, n in ((10_000, 62), (100, 6), (16, 1), (17 * 16, 17)):  # 100 target bytes: 6 windows
+        es = eval_set(data, 16, cap)
+        assert es.n_windows == n and es.scored_bytes == 16 * n
+        s = es.starts
+        assert int(s[0]) == 0 and int(s[-1]) == (1000 - 16 if n > 1 else 0)  # first and last byte
+        assert bool((s[1:] - s[:-1] >= 16).all())  # no target byte scored twice
+        x, y = (torch.cat(t) for t in zip(*es.batches(range(n), 4), strict=True))
+        assert torch.equal(x, data[s[:, None] + torch.arange(16)].long())
+        assert torch.equal(y, data[s[:, None] + torch.arange(1, 17)].long())
+
+
+def test_eval_set_spreads_a_subset_over_the_whole_text():
+    """A subset is a systematic sample of all of the text, not its first bytes: with 1/10 of a
+    text of ten distinct documents, every document holds windows."""
+    docs = torch.arange(10, dtype=torch.uint8).repeat_interleave(1600)  # document d is bytes d
+    es = eval_set(docs, 16, 1600)
+    x = torch.cat([b[0] for b in es.batches(range(es.n_windows), 8)])
+    assert es.n_windows == 100 and sorted(set(x[:, 0].tolist())) == list(range(10))
 
 
 def test_eval_set_rank_shares_partition_the_windows():
@@ -138,11 +154,13 @@ def test_default_eval_set_is_deterministic_and_at_least_256_kib():
     c = load_corpus(None)
     es = eval_set(c.val, 64)
     assert es.scored_bytes == DEFAULT_EVAL_BYTES == 262_144 and es.n_windows == 4096
-    digest = hashlib.sha256(es.text.numpy().tobytes()).hexdigest()
+    x = torch.cat([b[0] for b in es.batches(range(es.n_windows), 512)])
+    digest = hashlib.sha256(x.numpy().tobytes()).hexdigest()
     code = (
-        "import hashlib; from lowcomm_kernels.train.corpus import load_corpus, eval_set;"
+        "import hashlib, torch; from lowcomm_kernels.train.corpus import load_corpus, eval_set;"
         "es = eval_set(load_corpus(None).val, 64);"
-        "print(hashlib.sha256(es.text.numpy().tobytes()).hexdigest())"
+        "x = torch.cat([b[0] for b in es.batches(range(es.n_windows), 512)]);"
+        "print(hashlib.sha256(x.numpy().tobytes()).hexdigest())"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],

@@ -72,12 +72,15 @@ def two_ranks() -> list[dict]:
 
 
 def _direct_loss(params: torch.Tensor, cfg: ModelConfig = CFG) -> float:
-    """Mean next-byte cross-entropy of ``params`` (flat, float64) over the first 61 x 8 targets."""
+    """Mean next-byte cross-entropy of ``params`` (flat, float64) over 61 windows of 8 targets spread
+    evenly over the text: window i starts at floor(i (L - 1 - T) / 60)."""
     model = TinyLlama(cfg).double()
     torch.nn.utils.vector_to_parameters(params, model.parameters())
-    n = EVAL_BYTES // CFG.seq_len
+    n, T = EVAL_BYTES // CFG.seq_len, CFG.seq_len
     text = TEXT.long()
-    x, y = text[: n * CFG.seq_len].view(n, CFG.seq_len), text[1 : n * CFG.seq_len + 1].view(n, CFG.seq_len)
+    starts = [i * (TEXT.numel() - 1 - T) // (n - 1) for i in range(n)]
+    x = torch.stack([text[s : s + T] for s in starts])
+    y = torch.stack([text[s + 1 : s + T + 1] for s in starts])
     with torch.no_grad():
         logits = model(x)
     return float(F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1)))

@@ -79,6 +79,10 @@ def test_two_dead_at_once_needs_enough_workers():
         (["train", "--method", "diloco", "--wire-dtype", "int8", "--faults", "kill:2@5"], "wire-dtype int8"),
         (["train", "--method", "loscar", "--density", "0", "--faults", "kill:2@5"], "--density 0"),
         (
+            ["train", "--method", "diloco", "--final-eval-bytes", "4096", "--faults", "kill:2@5"],
+            "--final-eval-bytes is not supported with faults",
+        ),
+        (
             ["train", "--method", "loscar", "--local-steps", "8", "--overlap-steps", "2", "--faults",
              "kill:2@5,return:2@95"],
             "--local-steps + --overlap-steps 10 must not pass --steps 100",
