@@ -1,11 +1,14 @@
 """``lowcomm report``: the tables (and plots) of finished runs, rendered again from their results.json.
 
 A source is a run folder or its ``results.json``, written by ``lowcomm compare`` / ``train`` /
-``profile`` (kind ``compare``), ``lowcomm compare --study NAME`` (kind ``study``, the wire study
-included) or ``lowcomm compare --task logreg`` (kind ``logreg``). Each renders as the table its
-command printed, made by the same functions (report.format_table, studies.study_table and
-wire_table, logreg.summarise), under one provenance line: revision, dirty files, date, load and
-command. Several compare sources (e.g. one per ``--seed``) also get a table of mean ± std over them.
+``profile`` (kind ``compare``), ``lowcomm compare --study NAME`` (kind ``study``: every study,
+cocodc-paper, loscar-regimes and wire included) or ``lowcomm compare --task logreg`` (kind
+``logreg``). Each renders as the header and tables its command printed, made by the same functions
+(report.format_table, studies.study_table and wire_table, study_cocodc.study_header and table,
+study_loscar.from_results with its summarise, logreg.summarise), under one provenance line:
+revision, dirty files, date, load and command. With ``--plot``, also the plots the command drew
+(the same plotting functions). Several compare sources (e.g. one per ``--seed``) also get a table of
+mean ± std over them.
 
 Docs stay honest with marked regions::
 
@@ -29,9 +32,10 @@ from .errors import UsageError
 from .report import RunResult, auto_target, format_table, plot_curves
 
 KINDS = ("compare", "study", "logreg")
-# the studies whose table is studies.study_table / wire_table of the file's runs; the others
-# (cocodc-paper, loscar-regimes) build theirs from state the file does not hold
+# the studies whose table is studies.study_table / wire_table of the file's runs
 GENERIC_STUDIES = ("matched", "lambda", "gamma", "overlap", "wire")
+# the studies with tables of their own (their modules' functions, over what their results.json holds)
+OWN_STUDIES = ("cocodc-paper", "loscar-regimes")
 # a region: the opening marker alone on its line, then anything, then the closing marker on its line
 MARKER = re.compile(
     r"^<!-- report: (?P<cmd>[^\n]+?) -->\n(?P<body>.*?)^<!-- /report -->$", re.DOTALL | re.MULTILINE
@@ -84,10 +88,10 @@ def load(label: str, base: Path | None = None) -> Source:
             f"{path}: not a results.json of lowcomm compare, train, profile, a study or the logreg "
             f"task (found: {keys})"
         )
-    if kind == "study" and data["study"] not in GENERIC_STUDIES:
+    if kind == "study" and data["study"] not in GENERIC_STUDIES + OWN_STUDIES:
         raise UsageError(
-            f"{path}: lowcomm report renders the studies {', '.join(GENERIC_STUDIES)}; the table of "
-            f"study {data['study']!r} is in the {data['study']}.md its run wrote beside this file"
+            f"{path}: study {data['study']!r} is none that lowcomm report knows "
+            f"({', '.join(GENERIC_STUDIES + OWN_STUDIES)})"
         )
     try:
         if kind != "logreg":
@@ -148,6 +152,10 @@ def _compare(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
 def _study(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
     from .studies import study_header, study_plot, study_table, wire_plot, wire_table
 
+    if src.data["study"] == "cocodc-paper":
+        return _cocodc(src, plot_dir)
+    if src.data["study"] == "loscar-regimes":
+        return _loscar(src, plot_dir)
     d, results = src.data, _runs(src)
     labels, target, name = _labels(results), float(d["target_val_loss"]), str(d["study"])
     seeds = d.get("seeds") or max((sum(r.name == lb for r in results) for lb in labels), default=0)
@@ -168,6 +176,34 @@ def _study(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
             plots.append(plot_dir / f"{src.prefix}_wire_bytes.png")
             wire_plot(labels, results, plots[-1])
     return body, plots
+
+
+def _cocodc(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
+    """``lowcomm compare --study cocodc-paper``: its header and table (study_cocodc's functions)."""
+    from .studies import study_plot
+    from .study_cocodc import NAME, study_header, table
+
+    d, results = src.data, _runs(src)
+    labels, seeds = _labels(results), [int(s) for s in d["seeds"]]
+    header = study_header(d["base"], len(seeds), str(d["corpus"]), str(d["target_from"]))
+    md, _ = table(labels, results, float(d["target_val_loss"]), seeds)
+    plots: list[Path] = []
+    if plot_dir:
+        plots.append(plot_dir / f"{src.prefix}_{NAME}.png")
+        study_plot(NAME, labels, results, plots[-1])
+    return f"**{header}**\n\nCommand: `{d['command']}`\n\n{md}", plots
+
+
+def _loscar(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
+    """``lowcomm compare --study loscar-regimes``: its header and tables (study_loscar's functions)."""
+    from .study_loscar import NAME, from_results
+
+    saved = from_results(src.data)
+    plots: list[Path] = []
+    if plot_dir:
+        plots.append(plot_dir / f"{src.prefix}_{NAME}.png")
+        saved.plot(plots[-1])
+    return f"**{saved.header()}**\n\nCommand: `{saved.command}`\n\n{saved.tables()}", plots
 
 
 def _logreg(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:

@@ -47,7 +47,9 @@ runs are saved under ``<out>/runs`` and ``<out>/tune`` as they finish (``studies
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -327,6 +329,94 @@ def plot(
     plt.close(fig)
 
 
+def study_header(
+    base: TrainSpec,
+    outer_lr: dict,
+    seeds: list[int],
+    cfg: MLPConfig,
+    lrs: Sequence[float],
+    tune_seeds: Sequence[int],
+) -> str:
+    """The line above the study's tables (in its .md and in ``lowcomm report``)."""
+    return (
+        f"study `{NAME}`: digits MLP (hidden {cfg.hidden}), 4 workers, {base.steps // R} rounds of R = {R} "
+        f"ticks, SGD lr {base.lr}, batch {base.batch_size}, {len(seeds)} seeds; time model: step "
+        f"{cfg.step_time_s} s, link latency Q step times, {BANDWIDTH * 8 / 1e6:g} Mbit/s; outer lr "
+        f"tuned on seeds {tuple(tune_seeds)} from {tuple(lrs)}: DiLoCo {outer_lr['diloco']:g}, Streaming "
+        f"DiLoCo {outer_lr['streaming']:g}"
+    )
+
+
+@dataclass
+class Saved:
+    """A finished run of the study read back from its results.json (``from_results``): what its
+    header, tables and plot are made of."""
+
+    command: str
+    base: TrainSpec
+    outer_lr: dict
+    seeds: list[int]
+    cfg: MLPConfig
+    lrs: tuple[float, ...]
+    tune_seeds: tuple[int, ...]
+    results: list[RunResult]
+
+    def header(self) -> str:
+        return study_header(self.base, self.outer_lr, self.seeds, self.cfg, self.lrs, self.tune_seeds)
+
+    def tables(self) -> str:
+        return summarise(self.base, self.outer_lr, self.seeds, self.results, self.cfg)[0]
+
+    def plot(self, path) -> None:
+        plot(self.base, self.outer_lr, self.seeds, self.results, self.cfg, path)
+
+
+def from_results(data: dict) -> Saved:
+    """The study's state from the dict of its results.json. Files written before the seeds, the
+    outer lr grid, the tuning seeds and the MLP config were stored in it: read from its runs (names,
+    configs, parameter count). ValueError / KeyError / TypeError when the file is not a complete
+    results.json of this study (a run of a row missing: another version of the study)."""
+    if data.get("study") != NAME:
+        raise ValueError(f"not a results.json of study {NAME!r} (study: {data.get('study')!r})")
+    results = [RunResult.from_dict(r) for r in data["runs"]]
+    tuning = [RunResult.from_dict(r) for r in data.get("tuning_runs", [])]
+    if not results:
+        raise ValueError("it holds no runs")
+    outer_lr = {m: float(data["outer_lr"][m]) for m in ("diloco", "streaming")}
+    if "seeds" in data:
+        seeds = [int(s) for s in data["seeds"]]
+    else:
+        seeds = sorted({int(m[1]) for r in results if (m := re.search(r" seed=(\d+)$", r.name))})
+    if "mlp" in data:
+        cfg = MLPConfig(**data["mlp"])
+    else:  # 64 -> hidden -> 10: 75 * hidden + 10 parameters
+        hidden, rest = divmod(results[0].num_params - 10, 75)
+        if rest or hidden < 1:
+            raise ValueError(f"{results[0].num_params} parameters is not a digits MLP")
+        cfg = MLPConfig(hidden=hidden, step_time_s=float(results[0].extra["time_model"]["step_time_s"]))
+    if "outer_lrs" in data:
+        lrs = tuple(float(v) for v in data["outer_lrs"])
+    else:
+        lrs = tuple(sorted({float(r.name.rsplit("outer_lr=", 1)[1]) for r in tuning}))
+    if "tune_seeds" in data:
+        tune_seeds = tuple(int(s) for s in data["tune_seeds"])
+    else:
+        tune_seeds = tuple(sorted({int(r.config["seed"]) for r in tuning}))
+    c = results[0].config
+    base = base_spec(False, cfg).with_(
+        steps=int(c["steps"]), lr=float(c["lr"]), batch_size=int(c["batch_size"])
+    )
+    names = {r.name for r in results}
+    for _, _, row in rows(base, outer_lr, cfg):
+        key = run_key(run_spec(row))
+        missing = [s for s in seeds if f"{key} seed={s}" not in names]
+        if missing:
+            raise ValueError(
+                f"no run '{key}' for seed(s) {missing}: not a complete run of this version of the study"
+            )
+    return Saved(str(data["command"]), base, outer_lr, seeds, cfg, lrs, tune_seeds, results)
+
+
 def choose_outer_lr(results: list[RunResult], lrs: tuple) -> dict:
     """Per method, the outer lr with the lowest mean final own-model loss over the tuning seeds."""
     best = {}
@@ -393,13 +483,7 @@ def run_loscar_regimes(args: argparse.Namespace) -> int:
         + (" --quick" if args.quick else "")
         + (f" --seeds {args.seeds}" if args.seeds else "")
     )
-    header = (
-        f"study `{NAME}`: digits MLP (hidden {cfg.hidden}), 4 workers, {base.steps // R} rounds of R = {R} "
-        f"ticks, SGD lr {base.lr}, batch {base.batch_size}, {len(seeds)} seeds; time model: step "
-        f"{cfg.step_time_s} s, link latency Q step times, {BANDWIDTH * 8 / 1e6:g} Mbit/s; outer lr "
-        f"tuned on seeds {TUNE_SEEDS} from {lrs}: DiLoCo {outer_lr['diloco']:g}, Streaming DiLoCo "
-        f"{outer_lr['streaming']:g}"
-    )
+    header = study_header(base, outer_lr, seeds, cfg, lrs, TUNE_SEEDS)
     (out / f"{NAME}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{table}\n")
     plot(base, outer_lr, seeds, results, cfg, out / f"{NAME}.png")
     write_json(
@@ -409,6 +493,10 @@ def run_loscar_regimes(args: argparse.Namespace) -> int:
             "command": cmd,
             "target_own_loss": TARGET,
             "outer_lr": outer_lr,
+            "seeds": seeds,
+            "outer_lrs": list(lrs),
+            "tune_seeds": list(TUNE_SEEDS),
+            "mlp": dataclasses.asdict(cfg),
             "rows": records,
             "runs": [r.to_dict() for r in results],
             "tuning_runs": [r.to_dict() for r in tuned],
@@ -445,8 +533,111 @@ def pilot() -> None:
         )
 
 
+def reference_run(
+    density: float = 1 / K,
+    local_steps: int = 14,
+    overlap_steps: int = 2,
+    *,
+    step: float = 1.0,
+    beta: float = 1.0,
+    nesterov: float | None = None,
+    split: str = "contiguous",
+    seed: int = 0,
+    rounds: int = ROUNDS["full"],
+    workers: int = 4,
+    lr: float = 0.1,
+    batch_size: int = 32,
+) -> tuple[float, float]:
+    """LOSCAR on the digits MLP re-implemented in one process, without the runtime (equal-speed
+    workers): (final mean test loss of the workers' own models, of their averaged model). It takes
+    the same data, initialisation, minibatches and masks as ``mlp.run_one``, so at ``step`` = 1 and
+    ``nesterov`` None it is the harness's LOSCAR run (a cross-check of it), and it has the merges
+    that LOSCAR has not, to measure what its merge lacks next to DiLoCo's outer step:
+
+    - ``step`` = eta: x_i[S] <- y_i + eta (mean_j y_j - y_i) + beta (z_i - y_i) (eta = 1: LOSCAR's merge,
+      beta 1 delay-corrected, 0 overwrite);
+    - ``nesterov`` = mu: DiLoCo's outer Nesterov step per coordinate of S, from a d-sized anchor g
+      (each coordinate's last merged value, the same on every worker; LOSCAR keeps no such state):
+      D = g[S] - mean_j y_j[S], u[S] <- mu u[S] + D, g[S] <- g[S] - eta (D + mu u[S]),
+      x_i[S] <- g[S] + beta (z_i - y_i)."""
+    import torch
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    from .. import ops
+    from .mlp import load_digits_split, make_model, shard_rows
+
+    Xtr, ytr, Xte, yte = load_digits_split()
+    cfg = MLPConfig()
+    models = [make_model(cfg, seed) for _ in range(workers)]
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
+    shards = [shard_rows(Xtr.shape[0], r, workers, split) for r in range(workers)]
+    gens = [torch.Generator().manual_seed(seed * 1_000_003 + r) for r in range(workers)]
+    g = parameters_to_vector(models[0].parameters()).detach().clone()
+    u = torch.zeros_like(g)
+    d = g.numel()
+    k = max(1, math.ceil(density * d)) if density > 0 else 0
+    R_ = local_steps + overlap_steps
+    idx, sent = None, []
+    for tick in range(1, rounds * R_ + 1):
+        for m, opt, rows_, gen in zip(models, opts, shards, gens, strict=True):
+            i = rows_[torch.randint(0, rows_.numel(), (batch_size,), generator=gen)]
+            torch.nn.functional.cross_entropy(m(Xtr[i]), ytr[i]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        s = (tick - 1) % R_ + 1
+        if k and s == local_steps:
+            idx = ops.mask_indices(seed, (tick - 1) // R_, d, k)
+            sent = [parameters_to_vector(m.parameters()).detach()[idx].clone() for m in models]
+        if k and s == R_:
+            mean = torch.stack(sent).mean(0)
+            if nesterov is not None:
+                delta = g[idx] - mean
+                u[idx] = nesterov * u[idx] + delta
+                g[idx] = g[idx] - step * (delta + nesterov * u[idx])
+            for m, y in zip(models, sent, strict=True):
+                x = parameters_to_vector(m.parameters()).detach().clone()
+                merged = g[idx] if nesterov is not None else y + step * (mean - y)
+                x[idx] = merged + beta * (x[idx] - y)
+                vector_to_parameters(x, m.parameters())
+    with torch.no_grad():
+        own = statistics.fmean(float(torch.nn.functional.cross_entropy(m(Xte), yte)) for m in models)
+        avg = make_model(cfg, seed)
+        vector_to_parameters(
+            torch.stack([parameters_to_vector(m.parameters()) for m in models]).mean(0), avg.parameters()
+        )
+        return own, float(torch.nn.functional.cross_entropy(avg(Xte), yte))
+
+
+#: the merge experiments of the module docstring (homogeneous / short delay / contiguous unless given)
+MERGE_EXPERIMENTS = [
+    dict(),
+    dict(beta=0.0),
+    dict(density=1.0),
+    dict(step=0.5),
+    dict(step=0.7),
+    dict(step=1.5),
+    dict(step=2.0),
+    dict(step=0.4, nesterov=0.9),
+    dict(step=0.7, nesterov=0.9),
+    dict(step=1.0, nesterov=0.9),
+    dict(step=1.0, nesterov=0.9, split="iid"),
+]
+
+
+def merge_experiments(seeds: Sequence[int] = (0,)) -> None:
+    """Print ``reference_run`` of each of ``MERGE_EXPERIMENTS`` (``--merge-experiments``)."""
+    for kw in MERGE_EXPERIMENTS:
+        res = [reference_run(**kw, seed=s) for s in seeds]
+        own, avg = zip(*res, strict=True)
+        print(
+            f"{kw or 'LOSCAR p=1/4'}: own {_ms(own)}, averaged {_ms(avg)} (seeds {list(seeds)})", flush=True
+        )
+
+
 if __name__ == "__main__":  # pragma: no cover
     import sys
 
     if "--pilot" in sys.argv:
         pilot()
+    if "--merge-experiments" in sys.argv:
+        merge_experiments()

@@ -129,10 +129,10 @@ def test_missing_corrupt_and_unknown_inputs_are_named(tmp_path: Path, capsys):
     bad_run.write_text(json.dumps({"rows": [], "target_val_loss": 1.0, "runs": [{"name": "x"}]}))
     rc, err = _rc_err(["report", str(bad_run)], capsys)
     assert rc == 2 and str(bad_run) in err and "malformed" in err
-    own_table = tmp_path / "cocodc-paper.json"
-    own_table.write_text(json.dumps({"study": "cocodc-paper", "target_val_loss": 1.0, "runs": []}))
-    rc, err = _rc_err(["report", str(own_table)], capsys)
-    assert rc == 2 and str(own_table) in err and "cocodc-paper.md" in err
+    unknown_study = tmp_path / "study.json"
+    unknown_study.write_text(json.dumps({"study": "nonesuch", "target_val_loss": 1.0, "runs": []}))
+    rc, err = _rc_err(["report", str(unknown_study)], capsys)
+    assert rc == 2 and str(unknown_study) in err and "'nonesuch' is none that lowcomm report knows" in err
     assert not md.exists()  # nothing written when any source is bad
     rc, err = _rc_err(["report"], capsys)
     assert rc == 2 and "at least one run" in err
