@@ -212,7 +212,10 @@ def run_resumable(
 ) -> list[RunResult]:
     """Run each configuration's specs in one launch and save its results to ``folder`` at once; a
     configuration whose file holds results of exactly these specs is read back instead of run.
-    ``run`` runs one configuration's specs (default: the LM task on ``corpus``)."""
+    ``run`` runs one configuration's specs (default: the LM task on ``corpus``). Each file also
+    records the code that made it (``made_by``: git revision, uncommitted-changes digest, UTC time,
+    load), so a study completed in several sittings says whether its parts ran the same code
+    (:func:`sittings`); reusing a part made by other code prints a warning."""
     from .report import write_json
     from .runner import run_specs
 
@@ -226,14 +229,71 @@ def run_resumable(
             if saved.get("specs") == key:
                 results += [RunResult.from_dict(d) for d in saved["runs"]]
                 print(f"reusing {label} ({len(specs)} runs) from {path}")
+                then, now = _code_id(saved.get("made_by")), _code_id(_made_by())
+                if then != now:
+                    print(f"  warning: made by {_code_text(then)}; this checkout is {_code_text(now)}")
                 continue
         if run is None:
             done = run_specs(specs, corpus, progress=progress)  # type: ignore[arg-type]
         else:
             done = run(specs)
-        write_json(path, {"label": label, "specs": key, "runs": [r.to_dict() for r in done]})
+        doc = {"label": label, "specs": key, "made_by": _made_by(), "runs": [r.to_dict() for r in done]}
+        write_json(path, doc)
         results += done
     return results
+
+
+def _made_by() -> dict:
+    import datetime as dt
+    import os
+
+    from .provenance import git_info
+
+    g = git_info()
+    try:
+        load = [round(v, 2) for v in os.getloadavg()]
+    except (OSError, AttributeError):
+        load = None
+    utc = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "revision": g["revision"],
+        "dirty": g["dirty"],
+        "diff_sha256": g["diff_sha256"],
+        "utc": utc,
+        "load": load,
+    }
+
+
+def _code_id(made_by: dict | None) -> tuple:
+    """(revision, diff digest) of a part; (None, None) when not recorded (files of older versions)."""
+    made_by = made_by or {}
+    return (made_by.get("revision"), made_by.get("diff_sha256"))
+
+
+def _code_text(code: tuple) -> str:
+    rev, diff = code
+    if rev is None:
+        return "code not recorded"
+    return f"revision {rev[:10]}" + (f" + uncommitted changes {diff[:10]}" if diff else "")
+
+
+def sittings(folder: Path) -> list[dict]:
+    """The distinct codes that made the parts in ``folder`` (each: revision, diff_sha256, the part
+    files it made, its first and last UTC time); more than one means the study mixes code versions."""
+    out: dict[tuple, dict] = {}
+    for path in sorted(folder.glob("*.json")):
+        made_by = json.loads(path.read_text()).get("made_by")
+        code = _code_id(made_by)
+        entry = out.setdefault(
+            code,
+            {"revision": code[0], "diff_sha256": code[1], "parts": [], "first_utc": None, "last_utc": None},
+        )
+        entry["parts"].append(path.name)
+        utc = (made_by or {}).get("utc")
+        if utc is not None:
+            entry["first_utc"] = min(filter(None, [entry["first_utc"], utc]))
+            entry["last_utc"] = max(filter(None, [entry["last_utc"], utc]))
+    return list(out.values())
 
 
 def study_table(name: str, labels: list[str], results: list[RunResult], target: float) -> str:
@@ -386,6 +446,7 @@ def run_study(args: argparse.Namespace) -> int:
             "runs": [r.to_dict() for r in results],
             "elapsed_s": time.perf_counter() - t0,
             "provenance": collect(),
+            "sittings": sittings(out / "runs"),  # the code that made each saved part
         },
     )
     print(f"\n{header}\n\n{table}")

@@ -277,7 +277,7 @@ def run_cocodc_paper(args: argparse.Namespace) -> int:
     from .provenance import collect
     from .report import write_json
     from .runner import report_failure
-    from .studies import run_resumable, study_plot
+    from .studies import run_resumable, sittings, study_plot
 
     if args.task != "lm":
         raise UsageError("--study runs on the language-model task (--task lm)")
@@ -337,6 +337,7 @@ def run_cocodc_paper(args: argparse.Namespace) -> int:
             "runs": [r.to_dict() for r in results],
             "elapsed_s": time.perf_counter() - t0,
             "provenance": collect(),
+            "sittings": sittings(out / "runs"),  # the code that made each saved part
         },
     )
     print(f"\n{header}\n\n{md}")

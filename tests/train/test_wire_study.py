@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,36 @@ def test_finished_runs_are_saved_and_reused(tmp_path: Path, capsys):
     assert "reusing int4+EF (1 runs)" in capsys.readouterr().out
     assert saved.stat().st_mtime_ns == stamp  # read back, not run again
     assert [r.to_dict() for r in again] == [r.to_dict() for r in first] and first[0].bytes_sent > 0
+
+
+def test_each_saved_part_records_the_code_that_made_it(tmp_path: Path, capsys, monkeypatch):
+    """A study finished in several sittings: every part file says which code made it, sittings()
+    lists the distinct codes, and reusing a part made by other code prints a warning."""
+    from lowcomm_kernels.train import studies
+    from lowcomm_kernels.train.report import RunResult
+
+    def fake_run(specs):
+        return [RunResult(s.label, s.method, s.to_dict()) for s in specs]
+
+    cfgs = [("a", [TrainSpec(name="a")]), ("b", [TrainSpec(name="b", seed=1)])]
+    code = {"revision": "1" * 40, "dirty": False, "diff_sha256": None}
+    monkeypatch.setattr(studies, "_made_by", lambda: {**code, "utc": "2026-01-01T00:00:00Z", "load": [1.0]})
+    studies.run_resumable(cfgs[:1], None, tmp_path, progress=False, run=fake_run)
+    made = json.loads((tmp_path / "000.json").read_text())["made_by"]
+    assert made["revision"] == "1" * 40 and made["load"] == [1.0]
+    code = {"revision": "2" * 40, "dirty": True, "diff_sha256": "f" * 64}  # a later sitting, edited tree
+    monkeypatch.setattr(studies, "_made_by", lambda: {**code, "utc": "2026-01-02T00:00:00Z", "load": None})
+    studies.run_resumable(cfgs, None, tmp_path, progress=False, run=fake_run)
+    out = capsys.readouterr().out
+    assert "reusing a (1 runs)" in out
+    assert "warning: made by revision 1111111111; this checkout is revision 2222222222 + uncommitted" in out
+    parts = studies.sittings(tmp_path)
+    assert [(p["revision"][:1], p["parts"]) for p in parts] == [("1", ["000.json"]), ("2", ["001.json"])]
+    assert parts[1]["diff_sha256"] == "f" * 64 and parts[1]["first_utc"] == "2026-01-02T00:00:00Z"
+    # a part written before parts recorded their code reads as "not recorded", with no error
+    doc = json.loads((tmp_path / "000.json").read_text())
+    del doc["made_by"]
+    (tmp_path / "000.json").write_text(json.dumps(doc))
+    studies.run_resumable(cfgs[:1], None, tmp_path, progress=False, run=fake_run)
+    assert "made by code not recorded" in capsys.readouterr().out
+    assert studies.sittings(tmp_path)[0]["revision"] is None
