@@ -475,7 +475,7 @@ def run_loscar_regimes(args: argparse.Namespace) -> int:
     from .provenance import collect
     from .report import write_json
     from .runner import report_failure
-    from .studies import run_resumable
+    from .studies import run_resumable, sittings
 
     if args.task == "logreg":
         raise UsageError(f"--study {NAME} runs on the digits MLP; leave out --task logreg")
@@ -538,6 +538,8 @@ def run_loscar_regimes(args: argparse.Namespace) -> int:
             "tuning_runs": [r.to_dict() for r in tuned],
             "elapsed_s": time.perf_counter() - t0,
             "provenance": collect(),
+            "sittings": sittings(out / "runs"),  # the code that made each saved part
+            "tuning_sittings": sittings(out / "tune"),
         },
     )
     print(

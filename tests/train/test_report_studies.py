@@ -126,6 +126,8 @@ def test_the_loscar_runner_stores_what_the_report_needs(loscar_quick):
     data = json.loads((loscar_quick / "results.json").read_text())
     assert data["seeds"] == [0, 1] and data["outer_lrs"] == list(sl.OUTER_LRS["quick"])
     assert data["tune_seeds"] == list(sl.TUNE_SEEDS) and data["mlp"]["hidden"] == 64
+    assert [len(s["parts"]) for s in data["sittings"]] == [len(sl.METHODS)]  # one code, every part
+    assert [len(s["parts"]) for s in data["tuning_sittings"]] == [1]
     # a file written before those fields were stored reads the same from its runs
     old = {k: v for k, v in data.items() if k not in ("seeds", "outer_lrs", "tune_seeds", "mlp")}
     a, b = sl.from_results(data), sl.from_results(old)
