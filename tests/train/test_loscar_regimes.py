@@ -209,3 +209,17 @@ def test_lm_loscar_with_a_2x_slower_worker_and_the_iid_split(tmp_path):
     run = json.loads((out / "results.json").read_text())["runs"][0]
     assert run["syncs"] == 2 and [p["step"] for p in run["points"]] == [0, 4, 8]
     assert run["config"]["split"] == "iid" and run["config"]["speed_model"] == "steps"
+
+
+def test_last_period_loss_averages_the_evaluations_of_the_last_H_ticks():
+    """The own-model loss over DiLoCo's last period (after tick steps - H), not at its last sync only."""
+    from lowcomm_kernels.train.report import EvalPoint, RunResult
+    from lowcomm_kernels.train.study_loscar import base_spec, last_period_loss
+
+    base = base_spec(False, MLPConfig())
+    H, end = base.sync_every, base.steps
+    losses = {t: (0.1 if t == end else 1.0 + t / end) for t in range(0, end + 1, 16)}
+    run = RunResult("r", "diloco", {}, [EvalPoint(t, 0.0, 0.0, 0.0, v) for t, v in losses.items()])
+    window = [v for t, v in losses.items() if t > end - H]
+    assert len(window) == H // 16 and last_period_loss(run, base) == sum(window) / len(window)
+    assert last_period_loss(run, base) > run.final_loss  # the sync at the last tick flatters
