@@ -188,7 +188,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         "--speed-model",
         choices=SPEED_MODELS,
         help="what --worker-speeds do: 'sleep' (default) stretches a slow worker's steps; 'steps' gives "
-        "a c x slower LOSCAR worker floor(N/c) local steps per round (other methods wait for it)",
+        "a c x slower LOSCAR worker floor(N/c) local steps per round (other methods cannot: their slow "
+        "worker's steps are stretched and the others wait for it)",
     )
     g.add_argument(
         "--split",

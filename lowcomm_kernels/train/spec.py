@@ -38,8 +38,9 @@ WIRE_DTYPE_NAMES = tuple(schedule.WIRE_FORMATS)
 #: the model's parameter dtype (bf16 / fp16: the strategies keep a float32 outer master)
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: how worker_speeds slow a worker: 'sleep' stretches each of its steps (every worker runs the same
-#: steps); 'steps' gives a c x slower LOSCAR worker c x fewer steps per round (other methods wait for
-#: it: no sleep, the time model charges the slowest worker's step)
+#: steps); 'steps' gives a c x slower LOSCAR worker c x fewer steps per round (other methods cannot
+#: leave a worker behind, so their slow worker still sleeps and the others wait for it at each sync;
+#: see TrainSpec.step_stretch, and --task mlp's time model)
 SPEED_MODELS = ("sleep", "steps")
 #: how the training text is shared out: contiguous slices of the sorted files' concatenation (each
 #: worker reads other files: non-iid) or interleaved blocks of IID_BLOCK bytes (every worker reads
@@ -221,6 +222,16 @@ class TrainSpec:
     def round_steps(self) -> int:
         """A LOSCAR round in ticks (steps of the fastest worker): N + Q."""
         return self.resolved_local_steps() + self.resolved_overlap_steps()
+
+    def step_stretch(self, rank: int) -> float:
+        """The factor by which the LM harness stretches ``rank``'s steps in wall-clock (it sleeps
+        (factor - 1) x its step time): worker_speeds[rank] with speed_model 'sleep', and also with
+        'steps' for every method but LOSCAR, which cannot let a slow worker run fewer steps, so it
+        must be slow in time for the others to wait for it; 1 for LOSCAR under 'steps' (fewer steps
+        instead, see steps_on) and without worker_speeds."""
+        if not self.worker_speeds or (self.method == "loscar" and self.speed_model == "steps"):
+            return 1.0
+        return float(self.worker_speeds[rank])
 
     def steps_on(self, rank: int, tick: int) -> bool:
         """Whether ``rank`` runs an inner step at ``tick`` (1-based; a tick is one step of the fastest

@@ -269,7 +269,7 @@ class RankRun:
         # The scheduler is created after the strategy: the runtime may re-home parameters into flat
         # buffers, but the optimizer object (and its param_groups' lr) stays the user's.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
-        self.speed = spec.worker_speeds[rank] if spec.worker_speeds and spec.speed_model == "sleep" else 1.0
+        self.speed = spec.step_stretch(rank)
         self.result = RunResult(
             spec.label,
             spec.method,

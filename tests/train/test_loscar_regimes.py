@@ -223,3 +223,21 @@ def test_last_period_loss_averages_the_evaluations_of_the_last_H_ticks():
     window = [v for t, v in losses.items() if t > end - H]
     assert len(window) == H // 16 and last_period_loss(run, base) == sum(window) / len(window)
     assert last_period_loss(run, base) > run.final_loss  # the sync at the last tick flatters
+
+
+@pytest.mark.parametrize("method", ["diloco", "streaming", "cocodc", "dp", "loscar"])
+@pytest.mark.parametrize("model", ["sleep", "steps"])
+def test_a_slow_worker_is_slow_in_time_unless_loscar_gives_it_fewer_steps(method, model):
+    """Under 'steps' only LOSCAR runs fewer steps on a slow worker; every other method cannot, so its
+    slow worker's steps are stretched in wall-clock and the others wait for it (never a free ride)."""
+    spec = TrainSpec(**{**SLOW, "method": method, "speed_model": model})
+    fewer = method == "loscar" and model == "steps"
+    assert [spec.step_stretch(r) for r in range(4)] == ([1.0] * 4 if fewer else [1.0, 1.0, 1.0, 2.0])
+    ticks = range(1, spec.round_steps() + 1) if method == "loscar" else range(1, 17)
+    assert all(spec.steps_on(0, t) for t in ticks)
+    assert (
+        sum(spec.steps_on(3, t) for t in ticks) < len(ticks)
+        if fewer
+        else all(spec.steps_on(3, t) for t in ticks)
+    )
+    assert TrainSpec(method=method).step_stretch(0) == 1.0  # no worker_speeds: no stretch
