@@ -149,6 +149,11 @@ def check_fault_spec(spec: Any) -> None:
         raise UsageError(
             f"{FLAG}: LOSCAR at --density 0 never communicates: there is no quorum to lose a worker from"
         )
+    if spec.method == "loscar" and spec.worker_speeds and spec.speed_model == "steps":
+        raise UsageError(
+            f"{FLAG}: --speed-model steps (a slow LOSCAR worker idling on some ticks) is not supported "
+            "with faults, whose replicas step on every tick; use --speed-model sleep"
+        )
     if spec.final_eval_bytes:
         raise UsageError(
             f"{FLAG}: --final-eval-bytes is not supported with faults (each replica evaluates its own "

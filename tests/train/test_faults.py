@@ -79,6 +79,11 @@ def test_two_dead_at_once_needs_enough_workers():
         (["train", "--method", "diloco", "--wire-dtype", "int8", "--faults", "kill:2@5"], "wire-dtype int8"),
         (["train", "--method", "loscar", "--density", "0", "--faults", "kill:2@5"], "--density 0"),
         (
+            ["train", "--method", "loscar", "--local-steps", "3", "--overlap-steps", "2", "--worker-speeds",
+             "1,1,2", "--speed-model", "steps", "--faults", "kill:2@8"],
+            "--speed-model steps (a slow LOSCAR worker idling on some ticks) is not supported",
+        ),
+        (
             ["train", "--method", "diloco", "--final-eval-bytes", "4096", "--faults", "kill:2@5"],
             "--final-eval-bytes is not supported with faults",
         ),
