@@ -30,6 +30,11 @@ and all-reduced beside that sync. Both come from values identical on every rank,
 picks the same fragment. ``round_robin`` (for matched-sync studies: delay compensation without
 adaptive selection) replaces (2)-(3) by a fixed cycle 0, 1, .., K−1, 0, .. that skips fragments in
 flight; rule (1) still comes first.
+
+Under torchft with a replica of several ranks (``manager=``, ``Manager(world_size=n)``, the model
+replicated inside the replica), each rank's measured timings and scores are reduced with the same rank
+of the other replicas only, so the ranks of one replica could disagree: at every period start and
+every send slot each rank takes group rank 0's N and choice (``runtime.ft.ReplicaGroup``).
 """
 
 from __future__ import annotations
@@ -169,12 +174,17 @@ class CoCoDC(DenseStrategy):
 
     def _sends_at(self, t: int) -> list[tuple[int, str]]:
         s = (t - 1) % self.H + 1
+        n = self._period_n() if s == 1 else self.N
+        slot = (s * n) // self.H != ((s - 1) * n) // self.H
+        choice = self.choose(t) if slot else None
+        group = getattr(self.transport, "replica_group", None)
+        if group is not None and (s == 1 or slot):
+            # runtime.ft, a replica of several ranks: every rank takes group rank 0's N and choice
+            # (the others' slots between two period starts follow from the agreed N)
+            n, choice = group.agree_decision(t, n, choice)
         if s == 1:
-            self.N = self._period_n()
-            self.n_history.append(self.N)
-        if (s * self.N) // self.H == ((s - 1) * self.N) // self.H:
-            return []
-        choice = self.choose(t)
+            self.N = n
+            self.n_history.append(n)
         if choice is None:
             return []
         p = choice[0]

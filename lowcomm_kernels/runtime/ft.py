@@ -56,13 +56,41 @@ back) is healed by the quorum of a round it began with its old state: that round
 (``HealedInRound``), and the replica replays the peers' step without contributing, as a joining one.
 
 A replica may itself be a data-parallel group (``Manager(rank=r, world_size=n)`` on each of its n
-ranks, DDP over the replica's own process group): each rank's rounds go to the same rank of the other
-replicas (torchft's process group), the presence vector counts replicas, should_commit is agreed
-by the replica's ranks, and every rank heals from the same rank of a healthy replica. So that the
-ranks of a replica stay identical, a fresh start restarts its first step from g on every rank (a heal
-at step 0 does the same), and only the strategies whose decisions are pure functions of the shared
-state are allowed: DiLoCo and Streaming DiLoCo. CoCoDC (timed fragment choice, per process) and LOSCAR
-(heals from a peer's parameters after its first step) raise, naming ``manager``.
+ranks, DDP over the replica's own process group, the model replicated on every rank), for every
+strategy: each rank's rounds go to the same group rank of the other replicas (torchft's process
+group), the presence vector counts replicas, and should_commit is agreed by the replica's ranks. The
+premise is data parallelism's: the ranks of a replica hold the same parameters (DDP broadcasts group
+rank 0's at construction and averages the gradients, the same result on every rank). The rule on top
+of it: whatever torchft decides per group rank, or a process computes from its own measurements, is
+taken from the replica's group rank 0, over a gloo group of the replica's ranks of its own
+(``ReplicaGroup``, made at its first use on the replica's store):
+
+- Healing. torchft heals the group ranks of a replica separately: at a fresh start (``init_sync``)
+  each group rank has a primary replica of its own, so some ranks of a replica heal and others do
+  not; later each group rank heals from the healthy replica torchft picks for it (spread over the
+  healthy replicas), and LOSCAR's replicas (each its own x), like CoCoDC's snapshots in flight, differ
+  between replicas. So after the joining quorum, and after every quorum that healed this rank, every
+  rank takes group rank 0's state and heal step (``FTTransport.agree_replica``): g, u, the schedule
+  and the pending results (LOSCAR: x, step and round), parameters set from them, inner-optimizer state
+  cleared; at a fresh start that did not heal every rank clears its inner-optimizer state too.
+- CoCoDC's decisions. Its measured T_c / T_s and its scores are reduced with the same group rank of
+  the other replicas only, so two ranks of a replica could decide differently (measured timings
+  always differ; scores could through rounding). At every period start and every send slot every rank
+  takes group rank 0's N and fragment (``CoCoDC._sends_at``); the slots in between follow from the
+  agreed N. Group rank 0 of every replica decides from the same reduced values, so all ranks of all
+  replicas send the same fragment.
+
+No discrete decision can therefore differ between the ranks of a replica: drift is impossible, not
+merely unlikely. The continuous values (g, the merged averages) are the results of one all-reduce per
+group rank over identical inputs, bit-identical where those process groups reduce in the same order
+(gloo: the same ring over the same replica order; tested). Each exchange in the replica's group starts
+with a fixed-size header naming it (and the step), so ranks at different points raise ``SyncError``
+instead of pairing two different exchanges, and a rank that does not come (dead, or a heal inside a
+round that failed on some of the replica's ranks only) makes the others raise ``SyncError`` after
+``timeout_s``: the replica stops and, restarted, heals; it never trains on with ranks that differ.
+Refused (a ``ValueError`` naming ``manager``): CoCoDC and LOSCAR on a sharded model (DTensor
+parameters) in a replica of several ranks, where each rank holds another shard, so group rank 0's
+state cannot stand for the others' and each shard would heal from a different healthy replica.
 
 Not supported with ``manager=`` (refused with an error naming the argument): ``process_group``,
 ``wan``, quantized wire formats, ``guard_every`` (they need a fixed group).
@@ -70,18 +98,22 @@ Not supported with ``manager=`` (refused with an error naming the argument): ``p
 
 from __future__ import annotations
 
+import io
 import time
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._checks import integer
 from ..profiling import nvtx_range
-from .transport import Handle, HealedInRound, Transport, ring_wire_bytes
+from .transport import Handle, HealedInRound, SyncError, Transport, ring_wire_bytes
 
 INSTALL_HINT = "pip install 'lowcomm-kernels[ft]'"
 JOIN_ATTEMPTS = 20
 STATE_KEY = "lowcomm"  # the key of the strategy's state among the manager's state-dict functions
+REASONS = ("stale", "round_robin", "never_sent", "score")  # CoCoDC's reasons for a choice (agreed)
 
 
 def require_torchft() -> Any:
@@ -109,6 +141,96 @@ def check_ft_args(manager: Any, num_replicas: Any, process_group: Any, wan: Any)
             "manager: build it with Manager(use_async_quorum=False); a returning replica must be healed "
             "before the collectives of its first round"
         )
+
+
+class ReplicaGroup:
+    """The ranks of one replica (``Manager(rank=r, world_size=n)``, n > 1, the model replicated on
+    each) as a gloo group of their own, over the replica's store, made at its first use. Every rank
+    of the replica takes group rank 0's value of what could otherwise differ between them: CoCoDC's
+    decision at a send slot or period start, and the state a heal brings (see the module docstring).
+
+    Each exchange starts with a fixed-size header naming what is exchanged (and, for a decision, the
+    step), so ranks that are not at the same point raise ``SyncError`` instead of pairing two
+    different exchanges."""
+
+    HEADER = 6
+    DECISION, STATE = 1, 2
+    KINDS = {DECISION: "CoCoDC's decision", STATE: "a heal's state"}
+
+    def __init__(self, manager: Any, timeout_s: float) -> None:
+        self.manager = manager
+        self.rank = int(manager._group_rank)
+        self.size = int(manager._group_world_size)
+        self.timeout = timedelta(seconds=timeout_s)
+        self._pg: Any = None
+        self.exchanges = 0
+
+    def _group(self) -> Any:
+        if self._pg is None:
+            from torchft.manager import REPLICA_ID_KEY
+
+            store = self.manager._store  # the replica's store (store_addr:store_port)
+            # '<replica_id>:<uuid>', written by the replica's group rank 0 at each start: a restarted
+            # replica never meets the keys of its previous incarnation
+            incarnation = store.get(REPLICA_ID_KEY).decode("utf-8")
+            prefixed = dist.PrefixStore(f"lowcomm/replica_group/{incarnation}", store)
+            self._pg = dist.ProcessGroupGloo(prefixed, self.rank, self.size, self.timeout)
+        return self._pg
+
+    def _broadcast(self, t: torch.Tensor, what: str) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        try:
+            self._group().broadcast([t], opts).wait()
+        except Exception as e:
+            raise SyncError(
+                f"{what}: the ranks of this replica did not meet to take group rank 0's value within "
+                f"{self.timeout.total_seconds():g} s ({type(e).__name__}: {e}); restart the replica"
+            ) from e
+
+    def _header(self, kind: int, values: list[int], what: str) -> list[int]:
+        h = torch.zeros(self.HEADER, dtype=torch.int64)
+        if self.rank == 0:
+            h[0] = kind
+            h[1 : 1 + len(values)] = torch.tensor(values, dtype=torch.int64)
+        self._broadcast(h, what)
+        got = [int(v) for v in h.tolist()]
+        if got[0] != kind:
+            raise SyncError(
+                f"{what}: group rank 0 of this replica sent {self.KINDS.get(got[0], got[0])!r} instead: "
+                "the replica's ranks are not at the same point; restart the replica"
+            )
+        self.exchanges += 1
+        return got[1:]
+
+    def agree_decision(
+        self, t: int, n: int, choice: tuple[int, str] | None
+    ) -> tuple[int, tuple[int, str] | None]:
+        """CoCoDC at step t: group rank 0's N and fragment choice (None: no send) on every rank."""
+        what = f"CoCoDC's decision at step {t}"
+        p, reason = choice if choice is not None else (-1, REASONS[0])
+        t0, n0, p0, r0, _ = self._header(self.DECISION, [t, n, p, REASONS.index(reason)], what)
+        if t0 != t:
+            raise SyncError(
+                f"{what}: group rank 0 of this replica decided for step {t0}: the replica's ranks are not "
+                "at the same step; restart the replica"
+            )
+        return n0, (None if p0 < 0 else (p0, REASONS[r0]))
+
+    def agree_state(self, state: Any, what: str) -> Any:
+        """Group rank 0's ``state`` (anything ``torch.save`` writes) on every rank of the replica."""
+        data = None
+        if self.rank == 0:
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        n = self._header(self.STATE, [0 if data is None else data.numel()], what)[0]
+        if data is None:
+            data = torch.empty(n, dtype=torch.uint8)
+        self._broadcast(data, what)
+        if self.rank == 0:
+            return state
+        return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
 
 class FailedRound(list):
@@ -177,6 +299,13 @@ class FTTransport(Transport):
         self.healed_at: int | None = None  # the step this replica was last healed at (None: never)
         self._open_round = False  # a quorum whose collectives the next all_reduce runs (join)
         self.contribute = True
+        # a replica of several ranks holding the model replicated: they take group rank 0's
+        # decisions and healed state (ReplicaGroup; set by register)
+        self.replica_group: ReplicaGroup | None = None
+        # the strategy's own state, its heal and the clearing of the inner-optimizer state (register)
+        self.own_state: Any = None
+        self.load_state: Any = None
+        self.clear_inner_state: Any = None
         self.rounds = 0
         self.failed_rounds = 0
         self.participants: list[int] = []  # how many replicas contributed to each committed round
@@ -218,6 +347,8 @@ class FTTransport(Transport):
                 # `tensors` and `point` belong to the state it had before. The round stays open for
                 # the peers' own send, which finish_heal replays without contributing.
                 self._open_round = True
+                if self.replica_group is not None:  # all its ranks healed here (the replica's step)
+                    self.healed_at = self.agree_replica(self.healed_at)
                 raise HealedInRound(self.healed_at)
         self._open_round = False
         presence = torch.zeros(w, dtype=torch.float64, device=host.device)
@@ -271,6 +402,23 @@ class FTTransport(Transport):
             return bool(self.manager.should_commit())
         return True
 
+    def agree_replica(self, healed: int | None) -> int | None:
+        """A replica of several ranks, right after a quorum, on every rank: each rank takes group rank
+        0's state and heal step. torchft heals the group ranks of a replica separately: at a fresh
+        start (``init_sync``) each group rank has a primary replica of its own, so some ranks of a
+        replica heal and others do not, and later each group rank heals from a healthy replica of
+        its own (spread over them). Returns the step group rank 0 healed at (None: it did not)."""
+        group = self.replica_group
+        assert group is not None
+        sent = {"healed": healed, "state": self.own_state()} if group.rank == 0 else None
+        got = group.agree_state(sent, f"the state after the quorum at step {healed}")
+        if group.rank != 0:
+            self.load_state(got["state"], source="group rank 0 of this replica")
+        self.healed_at = got["healed"]
+        if got["healed"] is None:  # a fresh start: no rank keeps the inner state of its first step
+            self.clear_inner_state()
+        return got["healed"]
+
     # ----- joining: the first quorum of this replica -----------------------------------------------
     def join(self, strategy: Any) -> None:
         """At the first hook: one quorum round. A replica that is behind is healed in it (its
@@ -281,6 +429,8 @@ class FTTransport(Transport):
                 self.manager.start_quorum()  # a heal runs inside (lowcomm/heal)
             self._open_round = True
             healed = self.healed_at
+            if self.replica_group is not None:  # every rank takes group rank 0's state (and heal)
+                healed = self.agree_replica(healed)
             if self.finish_heal(strategy, healed):
                 if healed is None and strategy.step_count == 0 and hasattr(strategy, "g"):
                     # a fresh start that did not heal restarts its first step from g like one that
@@ -327,6 +477,7 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
     from .agreement import _digest
     from .dense import DenseStrategy
     from .loscar import LOSCAR
+    from .sharding import any_sharded
 
     if not isinstance(strategy, (DenseStrategy, LOSCAR)):  # pragma: no cover - every shipped strategy is
         raise NotImplementedError(f"manager=: {strategy.method} is not supported under torchft")
@@ -338,12 +489,15 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
     if strategy.guard_every:
         raise ValueError("guard_every: the consistency guard needs a fixed process group (not with manager=)")
     ranks = int(getattr(strategy.manager, "_group_world_size", 1) or 1)
-    if ranks > 1 and strategy.method not in ("diloco", "streaming_diloco"):
+    sharded = any_sharded(strategy.model)
+    if ranks > 1 and sharded and strategy.method not in ("diloco", "streaming_diloco"):
         raise ValueError(
-            f"manager: a replica of {ranks} ranks (data parallel inside the replica) is supported for "
-            f"DiLoCo and Streaming DiLoCo; {strategy.method} decides per process (CoCoDC's timed "
-            "fragment choice, LOSCAR's heal from a peer's parameters at the first step), so the ranks "
-            "of one replica could drift apart. Use one rank per replica (Manager(world_size=1))"
+            f"manager: a replica of {ranks} ranks holding a sharded model (DTensor parameters) is "
+            f"supported for DiLoCo and Streaming DiLoCo only; with {strategy.method} each rank would heal "
+            "its shard from whichever healthy replica torchft assigns to its group rank (torchft spreads "
+            "the ranks of a healing replica over the healthy replicas), and LOSCAR's replicas, like "
+            "CoCoDC's snapshots in flight, differ between replicas. Replicate the model inside the "
+            "replica (DistributedDataParallel) or use one rank per replica (Manager(world_size=1))"
         )
     if STATE_KEY in getattr(strategy.manager, "_load_state_dict_fns", {}):
         raise ValueError(
@@ -356,6 +510,8 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
     tr = strategy.transport
     assert isinstance(tr, FTTransport)
     manager = strategy.manager
+    if ranks > 1 and not sharded:  # the model replicated on the replica's ranks: group rank 0 decides
+        tr.replica_group = ReplicaGroup(manager, tr.timeout_s)
     sparse = strategy if isinstance(strategy, LOSCAR) else None
     dense = strategy if isinstance(strategy, DenseStrategy) else None
 
@@ -363,7 +519,7 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
         # LOSCAR keeps no global copy: a healthy peer sends its own parameters and round (heal_state)
         return {"digest": digest, "strategy": sparse.heal_state() if sparse else strategy.state_dict()}
 
-    def load_state_dict(sd: dict[str, Any]) -> None:
+    def load_state_dict(sd: dict[str, Any], source: str = "a peer") -> None:
         with nvtx_range("heal"):
             if sd.get("digest") != digest:
                 raise ValueError(
@@ -376,12 +532,16 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
                 dense.load_state_dict(sd["strategy"])
                 with torch.no_grad():
                     dense.frags.flat.copy_(dense.to_model(dense.g))
-            strategy._clear_inner_state(p for grp in strategy.frags.params for p in grp)
+            clear_inner_state()
             tr.healed_at = strategy.step_count
-            source = "the peer's parameters" if sparse else "the global"
+            what = "the peer's parameters" if sparse else "the global"
             strategy.log.warning(
-                f"healed from a peer at step {strategy.step_count}: parameters set to {source}, "
+                f"healed from {source} at step {strategy.step_count}: parameters set to {what}, "
                 "inner-optimizer state cleared"
             )
 
+    def clear_inner_state() -> None:
+        strategy._clear_inner_state(p for grp in strategy.frags.params for p in grp)
+
+    tr.own_state, tr.load_state, tr.clear_inner_state = state_dict, load_state_dict, clear_inner_state
     manager.register_state_dict_fn(STATE_KEY, load_state_dict, state_dict)

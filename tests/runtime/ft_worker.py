@@ -39,6 +39,12 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=1, help="ranks in this replica (inner DDP)")
     ap.add_argument("--group-rank", type=int, default=0)
     ap.add_argument("--group-port", type=int, default=0, help="the replica's store (group rank 0 hosts it)")
+    ap.add_argument(
+        "--skew",
+        action="store_true",
+        help="group rank > 0 computes its own CoCoDC decisions differently and receives a different "
+        "heal state (as from another healthy replica): only the replica's agreement keeps it identical",
+    )
     a = ap.parse_args()
     torch.manual_seed(0)  # the same initial model; each replica has its own data
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
@@ -88,6 +94,8 @@ def main() -> None:
                 manager.report_error(RuntimeError("injected commit failure"))
 
         manager.start_quorum = failing_quorum
+    if a.skew and a.group_rank > 0:
+        _skew(strat, manager)
     gen = torch.Generator().manual_seed(100 + 10 * a.replica + a.group_rank)
     w_true = torch.linspace(-1, 1, 8)
     if a.ready_file:
@@ -115,6 +123,8 @@ def main() -> None:
                 "skipped": strat.metrics.num_skipped,
                 "applied": getattr(strat, "applied_count", strat.metrics.num_syncs),
                 "round_s": tr.round_s[-1] if tr.round_s else 0.0, "t": time.time(),
+                "N": getattr(strat, "N", None), "n_history": getattr(strat, "n_history", None),
+                "last_send": getattr(strat, "last_send", None),
             }  # fmt: skip
             f.write(json.dumps(rec) + "\n")
             f.flush()
@@ -126,6 +136,34 @@ def main() -> None:
     manager.shutdown(wait=False)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _skew(strat, manager) -> None:
+    """What a multi-rank replica's ranks could see differently without the replica's agreement:
+    CoCoDC's N and choice from per-process timings and scores (here: N = its maximum, the last free
+    fragment), and a heal state from another healthy replica than group rank 0's (here: the
+    parameters, or g, shifted by 1)."""
+    if isinstance(strat, CoCoDC):
+        strat._period_n = lambda: strat.n_max
+        choose = strat.choose
+
+        def last_free(t):
+            choice = choose(t)
+            if choice is None:
+                return None
+            busy = {pd.fragment for pd in strat.pending}
+            return max(p for p in range(strat.K) if p not in busy), "score"
+
+        strat.choose = last_free
+    load = manager._load_state_dict_fns["lowcomm"]
+
+    def other_source(sd):
+        state = dict(sd["strategy"])
+        key = "x" if "x" in state else "g"
+        state[key] = state[key] + 1.0
+        return load(dict(sd, strategy=state))
+
+    manager._load_state_dict_fns["lowcomm"] = other_source
 
 
 if __name__ == "__main__":

@@ -236,12 +236,12 @@ def test_loscar_commit_failure_applies_nowhere(lighthouse, tmp_path):
     assert all(rec[s]["g"] == r[s]["g"] for rec in recs for s in good if s in rec)
 
 
-def _start_dp(lh, i, r, port, out: Path, steps: int) -> subprocess.Popen:
+def _start_dp(lh, i, r, port, out: Path, steps: int, *extra: str) -> subprocess.Popen:
     """Group rank r of replica i, a replica of 2 ranks with DDP inside (its store on `port`)."""
     log = open(out / f"log{i}_{r}", "a")  # noqa: SIM115 (closed with the process)
     cmd = [sys.executable, str(WORKER), "--lighthouse", lh.address(), "--replica", str(i), "--replicas", "2"]
     cmd += ["--steps", str(steps), "--out", str(out / f"r{i}_{r}.jsonl"), "--group-size", "2"]
-    cmd += ["--group-rank", str(r), "--group-port", str(port)]
+    cmd += ["--group-rank", str(r), "--group-port", str(port), *extra]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -278,5 +278,61 @@ def test_replica_is_a_data_parallel_group(lighthouse, tmp_path):
     assert after and all(recs[1, r][s]["g"] == a[s]["g"] for r in range(2) for s in after)
     assert all(recs[1, 0][s]["x"] == recs[1, 1][s]["x"] for s in after)
     assert a[steps]["participants"] == 2
+    losses = [a[s]["loss"] for s in sorted(a)]
+    assert sum(losses[-5:]) < sum(losses[:5])
+
+
+@pytest.mark.parametrize("method", ["cocodc", "loscar"])
+def test_replica_data_parallel_group_agrees(lighthouse, tmp_path, method):
+    """CoCoDC and LOSCAR with 2 replicas of 2 ranks (DDP inside a replica). Group rank 1 of each
+    replica is skewed (--skew): left to itself it would pick another N and fragment than rank 0 and
+    receive another heal state (as from another healthy replica). Replica 1 (both ranks) is SIGKILLed
+    after step 12 and restarted: both of its ranks heal at the same step, and the two ranks of each
+    replica hold bit-identical parameters at every step (replica 1: from its heal on), with the same
+    decisions (CoCoDC: N and fragment schedule, on all four ranks) and the same averages as the
+    other replica (CoCoDC: g; LOSCAR: the merged x[S], and the round)."""
+    steps = 40
+    ports = [_free_port(), _free_port()]
+    extra = ("--method", method, "--skew")
+    procs = {
+        (i, r): _start_dp(lighthouse, i, r, ports[i], tmp_path, steps, *extra)
+        for i in range(2)
+        for r in range(2)
+    }
+    _wait_step(tmp_path, "1_0", 12)
+    for r in range(2):
+        procs[1, r].send_signal(signal.SIGKILL)
+        procs[1, r].wait()
+    killed_at = max(_records(tmp_path, f"1_{r}")[-1]["step"] for r in range(2))
+    ports[1] = _free_port()
+    for r in range(2):
+        procs[1, r] = _start_dp(lighthouse, 1, r, ports[1], tmp_path, steps, *extra)
+    _finish(list(procs.values()))
+    recs = {key: _last(_records(tmp_path, f"{key[0]}_{key[1]}")) for key in procs}
+    a, b = recs[0, 0], recs[0, 1]
+    assert sorted(a) == list(range(1, steps + 1))
+    # replica 0: its two ranks identical at every step (parameters, averages, decisions)
+    keys = ("x", "g", "round", "N", "n_history", "last_send", "healed_at")
+    assert all(a[s][k] == b[s][k] for s in a for k in keys)
+    # replica 1: both ranks healed at the same step, after the kill; from then on identical to each
+    # other, and holding replica 0's averages and decisions
+    healed = [recs[1, r][steps]["healed_at"] for r in range(2)]
+    assert healed[0] is not None and healed[0] == healed[1] > killed_at
+    after = [s for s in a if s > healed[0]]
+    assert after and all(s in recs[1, r] for r in range(2) for s in after)
+    assert all(recs[1, 0][s][k] == recs[1, 1][s][k] for s in after for k in keys)
+    shared = ("g", "round", "N", "last_send")
+    assert all(recs[1, r][s][k] == a[s][k] for r in range(2) for s in after for k in shared)
+    if method == "cocodc":  # (N of the periods since the heal: the history is not part of the state)
+        assert len(a[steps]["n_history"]) == steps // 6 + (steps % 6 > 0)
+        since = recs[1, 0][steps]["n_history"]
+        assert since and a[steps]["n_history"][-len(since) :] == since
+        assert len({p for s in a for p in a[s]["last_send"]}) > 2  # both fragments sent, repeatedly
+    else:
+        # right after the heal each rank of replica 1 holds replica 0's parameters of the heal step
+        t = healed[0]
+        assert all(recs[1, r][t + 1]["x"] == recs[0, r][t]["x"] for r in range(2))
+        assert sum(a[s]["g"] is not None for s in after) >= 3  # merges after the heal, equal everywhere
+    assert a[steps]["participants"] == 2 and a[steps]["failed"] == b[steps]["failed"]
     losses = [a[s]["loss"] for s in sorted(a)]
     assert sum(losses[-5:]) < sum(losses[:5])
