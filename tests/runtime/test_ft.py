@@ -236,10 +236,11 @@ def test_loscar_commit_failure_applies_nowhere(lighthouse, tmp_path):
     assert all(rec[s]["g"] == r[s]["g"] for rec in recs for s in good if s in rec)
 
 
-def _start_dp(lh, i, r, port, out: Path, steps: int, *extra: str) -> subprocess.Popen:
+def _start_dp(lh, i, r, port, out: Path, steps: int, *extra: str, replicas: int = 2) -> subprocess.Popen:
     """Group rank r of replica i, a replica of 2 ranks with DDP inside (its store on `port`)."""
     log = open(out / f"log{i}_{r}", "a")  # noqa: SIM115 (closed with the process)
-    cmd = [sys.executable, str(WORKER), "--lighthouse", lh.address(), "--replica", str(i), "--replicas", "2"]
+    cmd = [sys.executable, str(WORKER), "--lighthouse", lh.address(), "--replica", str(i)]
+    cmd += ["--replicas", str(replicas)]
     cmd += ["--steps", str(steps), "--out", str(out / f"r{i}_{r}.jsonl"), "--group-size", "2"]
     cmd += ["--group-rank", str(r), "--group-port", str(port), *extra]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -336,3 +337,50 @@ def test_replica_data_parallel_group_agrees(lighthouse, tmp_path, method):
     assert a[steps]["participants"] == 2 and a[steps]["failed"] == b[steps]["failed"]
     losses = [a[s]["loss"] for s in sorted(a)]
     assert sum(losses[-5:]) < sum(losses[:5])
+
+
+@pytest.mark.parametrize("method", ["loscar", "cocodc"])
+def test_replica_data_parallel_heals_from_two_sources(lighthouse, tmp_path, method):
+    """3 replicas of 2 ranks; replica 2 (both ranks) is SIGKILLed after step 12 and restarted while
+    the two others wait. torchft heals its group rank 0 from replica 0 and its group rank 1 from
+    replica 1 (it spreads the group ranks over the healthy replicas); under LOSCAR their states differ
+    (each replica's own parameters). Both of its ranks continue from group rank 0's, i.e. replica 0's,
+    state: at the same step, with identical parameters from then on, and the same averages (and, for
+    CoCoDC, decisions) as the others."""
+    steps, hold = 40, 24
+    ready = tmp_path / "ready"
+    ports = [_free_port() for _ in range(3)]
+    run = ("--method", method)
+    held = (*run, "--hold-at", str(hold), "--hold-for", str(ready))
+    procs = {
+        (i, r): _start_dp(lighthouse, i, r, ports[i], tmp_path, steps, *held, replicas=3)
+        for i in range(3)
+        for r in range(2)
+    }
+    _wait_step(tmp_path, "2_0", 12)
+    for r in range(2):
+        procs[2, r].send_signal(signal.SIGKILL)
+        procs[2, r].wait()
+    _wait_step(tmp_path, "0_0", hold)
+    ports[2] = _free_port()
+    for r in range(2):
+        extra = (*run, "--ready-file", str(ready)) if r == 1 else run  # the last one up releases them
+        procs[2, r] = _start_dp(lighthouse, 2, r, ports[2], tmp_path, steps, *extra, replicas=3)
+    _finish(list(procs.values()))
+    recs = {key: _last(_records(tmp_path, f"{key[0]}_{key[1]}")) for key in procs}
+    for i in (0, 1):  # the survivors: both ranks of each identical at every step
+        assert sorted(recs[i, 0]) == list(range(1, steps + 1))
+        assert all(recs[i, 0][s]["x"] == recs[i, 1][s]["x"] for s in recs[i, 0])
+    healed = [recs[2, r][steps]["healed_at"] for r in range(2)]
+    t = healed[0]
+    assert t is not None and t == healed[1] >= hold
+    after = [s for s in recs[0, 0] if s > t]
+    assert after and all(s in recs[2, r] for r in range(2) for s in after)
+    assert all(recs[2, 0][s]["x"] == recs[2, 1][s]["x"] for s in after)
+    shared = ("g", "round", "N", "last_send")
+    assert all(recs[2, r][s][k] == recs[0, 0][s][k] for r in range(2) for s in after for k in shared)
+    if method == "loscar":
+        # the two sources differ; both ranks hold replica 0's parameters (group rank 0's source)
+        assert recs[0, 0][t]["x"] != recs[1, 0][t]["x"]
+        assert all(recs[2, r][t + 1]["x"] == recs[0, 0][t]["x"] for r in range(2))
+    assert recs[0, 0][steps]["participants"] == 3
