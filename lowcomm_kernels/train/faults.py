@@ -247,7 +247,15 @@ def _replica_loop(
     from .report import EvalPoint, RunResult
     from .spec import PARAM_DTYPES
     from .strategies import CommTotals, build_strategy
-    from .worker import EVAL_BATCH_WINDOWS, _flat_float32, _profiler, _windows_loss_sum, lr_lambda, slim_trace
+    from .worker import (
+        EVAL_BATCH_WINDOWS,
+        _flat_float32,
+        _profiler,
+        _windows_loss_sum,
+        lr_lambda,
+        slim_trace,
+        stretch_s,
+    )
 
     torch.set_num_threads(1)
     torch.manual_seed(spec.seed)  # the same initial model on every replica
@@ -281,7 +289,7 @@ def _replica_loop(
     # a returning replica draws other batches than its first life did
     gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + index + 7919 * incarnation)
     lr_at = lr_lambda(spec)
-    speed = spec.worker_speeds[index] if spec.worker_speeds else 1.0
+    speed = spec.step_stretch(index)
     result = RunResult(spec.label, spec.method, spec.to_dict(), num_params=num_parameters(model))
     result.val_loss_basis = f"worker {index}'s own model"  # no fixed group to average over
     result.eval_bytes_scored = windows.scored_bytes
@@ -321,7 +329,7 @@ def _replica_loop(
             evaluate(0)
         healed_sent = incarnation == 0
         while strategy.step_count < spec.steps:  # a healed replica jumps ahead to the peers' step
-            t_step = time.perf_counter()
+            t_step, exposed0 = time.perf_counter(), float(strategy.metrics.exposed_comm_s)
             for group in optimizer.param_groups:
                 group["lr"] = spec.lr * lr_at(strategy.step_count)
             x, y = sample_batch(shard, spec.batch_size, spec.model.seq_len, gen)
@@ -342,8 +350,9 @@ def _replica_loop(
                 quorum = int(manager.num_participants())
                 conn.send(("rounds", index, step, committed, failed, quorum, time.time()))
             conn.send(("step", index, step, float(loss)))
-            if speed != 1.0:  # emulate a slower worker: stretch its step time
-                time.sleep(max(0.0, (speed - 1.0) * (time.perf_counter() - t_step)))
+            if speed != 1.0:  # emulate a slower worker
+                waited = float(strategy.metrics.exposed_comm_s) - exposed0
+                time.sleep(stretch_s(speed, time.perf_counter() - t_step, waited))
             if step % spec.eval_every == 0 or step == spec.steps:
                 evaluate(step)
             if kill_step is not None and step >= kill_step:

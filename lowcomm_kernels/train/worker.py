@@ -101,6 +101,13 @@ EVAL_BATCH_WINDOWS = 32
 _AGREED_LOSSES: dict[tuple, float] = {}
 
 
+def stretch_s(speed: float, elapsed_s: float, link_wait_s: float) -> float:
+    """How long a worker ``speed`` x slower than measured sleeps after a step that took
+    ``elapsed_s``, of which ``link_wait_s`` waiting on the link: (speed - 1) x its compute only, since
+    a slower processor does not make the link slower."""
+    return max(0.0, (speed - 1.0) * (elapsed_s - link_wait_s))
+
+
 @dataclass
 class EvalLosses:
     """One evaluation's losses (nats per byte): ``workers[i]`` of rank i's own parameters and
@@ -311,6 +318,13 @@ class RankRun:
         if self.rank == 0:
             self.report(step, loss)
 
+    def exposed_s(self) -> float:
+        """Seconds this rank has waited on the link so far (a slow worker's stretch leaves them out:
+        a slower processor does not make the link slower)."""
+        if self.dp is not None:
+            return self.dp.metrics.exposed_s
+        return float(self.strategy.metrics.exposed_comm_s) if self.strategy is not None else 0.0
+
     def compute_range(self) -> contextlib.AbstractContextManager:
         # The runtime marks lowcomm/compute itself (between two optimizer hooks); the harness marks
         # it only for the data-parallel baseline, which runs without a strategy.
@@ -328,7 +342,7 @@ class RankRun:
                 if not spec.steps_on(self.rank, step):  # speed_model 'steps': a slower worker idles
                     self.scheduler.step()  # the learning rate follows the ticks, the same on every rank
                     continue  # (never an evaluation tick: those are round ends, where every rank steps)
-                t_step = time.perf_counter()
+                t_step, exposed0 = time.perf_counter(), self.exposed_s()
                 with self.compute_range():
                     x, y = sample_batch(self.shard, spec.batch_size, spec.model.seq_len, self.gen)
                     loss = model.loss(x, y)
@@ -344,8 +358,9 @@ class RankRun:
                     optimizer.step()  # the strategy's hook runs here (sends, merges)
                     optimizer.zero_grad(set_to_none=True)
                     self.scheduler.step()
-                if self.speed != 1.0:  # emulate a slower worker: stretch its step time
-                    time.sleep(max(0.0, (self.speed - 1.0) * (time.perf_counter() - t_step)))
+                if self.speed != 1.0:  # emulate a slower worker
+                    elapsed = time.perf_counter() - t_step
+                    time.sleep(stretch_s(self.speed, elapsed, self.exposed_s() - exposed0))
                 if step % spec.eval_every == 0 or step == spec.steps:
                     self.evaluate(step)
                 elif self.rank == 0 and step % progress_every == 0:

@@ -241,3 +241,13 @@ def test_a_slow_worker_is_slow_in_time_unless_loscar_gives_it_fewer_steps(method
         else all(spec.steps_on(3, t) for t in ticks)
     )
     assert TrainSpec(method=method).step_stretch(0) == 1.0  # no worker_speeds: no stretch
+
+
+def test_a_slow_worker_is_slow_in_compute_not_on_the_link():
+    """The stretch multiplies the step's compute only: a step that spent 0.3 s of its 0.31 s waiting
+    on the link sleeps (c - 1) x 0.01 s, not (c - 1) x 0.31 s (the link is no slower for it)."""
+    from lowcomm_kernels.train.worker import stretch_s
+
+    assert stretch_s(3.0, 0.31, 0.30) == pytest.approx(0.02)
+    assert stretch_s(3.0, 0.31, 0.0) == pytest.approx(0.62)
+    assert stretch_s(1.0, 0.31, 0.0) == 0.0 and stretch_s(2.0, 0.1, 0.2) == 0.0  # never negative
