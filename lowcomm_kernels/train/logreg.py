@@ -356,11 +356,15 @@ def logreg_header(config: dict, speeds: tuple[int, ...] | list[int], seeds: int)
 
 def run_logreg_compare(args: argparse.Namespace) -> int:
     from ..runtime.launch import WorkerError
-    from .args import out_dir
+    from .args import _SPEC_FIELDS, out_dir
+    from .mlp import refuse_flags
     from .provenance import collect
     from .report import write_json
     from .runner import report_failure
 
+    # its own fixed setting: the flags of the training runs would be silently ignored
+    model_and_link = "data dim layers heads mlp_hidden seq_len latency_ms bandwidth_mbps target".split()
+    refuse_flags(args, [f for f in _SPEC_FIELDS if f != "workers"] + model_and_link, "--task logreg")
     preset = LOGREG["quick" if args.quick else "default"]
     cfg = LogregConfig(rounds=preset["rounds"])
     workers = args.workers or preset["workers"]

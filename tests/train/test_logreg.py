@@ -51,3 +51,32 @@ def test_tiny_run_all_variants_decrease_the_objective():
         assert r["curve"][-1][1] < r["curve"][0][1]  # f(x̄) dropped from f(0) = ln 2
         assert r["curve"][-1][1] >= r["fstar"] - 1e-9
         assert r["curve"][-1][2] >= r["curve"][-1][1] - 1e-9  # Jensen: f(mean x_i) <= mean f(x_i)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--final-eval-bytes", "4096"], "--final-eval-bytes"),
+        (["--seed", "3"], "--seed"),
+        (["--worker-speeds", "1,2,3,6"], "--worker-speeds"),
+        (["--latency-ms", "5"], "--latency-ms"),
+        (["--dim", "32"], "--dim"),
+    ],
+)
+def test_flags_of_the_training_runs_are_refused_not_ignored(tmp_path, capsys, monkeypatch, argv, flag):
+    """--task logreg runs its own fixed setting: a training flag would change nothing, so it is an
+    error naming the flag, before any run; the task's own flags still run."""
+    from lowcomm_kernels.cli import main
+    from lowcomm_kernels.train import logreg
+
+    class Ran(Exception):
+        pass
+
+    def fake_run_jobs(*a, **k):
+        raise Ran
+
+    monkeypatch.setattr(logreg, "run_jobs", fake_run_jobs)
+    assert main(["compare", "--task", "logreg", *argv, "--out", str(tmp_path / "x"), "--no-progress"]) == 2
+    assert f"{flag} does not apply to --task logreg" in capsys.readouterr().err
+    with pytest.raises(Ran):  # the task's own flags reach the runs
+        main(["compare", "--task", "logreg", "--quick", "--workers", "2", "--out", str(tmp_path / "y")])
