@@ -75,6 +75,9 @@ class RunResult:
     # the evaluation after the last step on TrainSpec.final_eval_bytes (None: none was asked for):
     # eval_bytes_scored, val_loss (the same basis as the points'), val_loss_workers, val_loss_avg_model
     final_eval: dict | None = None
+    # where the validation windows lie: "spread" evenly over the text (corpus.EvalSet), or "start":
+    # the text's first bytes, as files made before the windows were spread say (read as such)
+    eval_windows: str = "spread"
 
     @property
     def final_loss(self) -> float:
@@ -102,6 +105,7 @@ class RunResult:
         (points with only ``val_loss``, which was then the averaged model's loss)."""
         d = dict(d)
         d.pop("final_loss", None)
+        d.setdefault("eval_windows", "start")  # written before the windows were spread
         points = [dict(p) for p in d.get("points", [])]
         legacy = "val_loss_basis" not in d
         if legacy:
@@ -225,10 +229,15 @@ def format_table(results: list[RunResult], target: float) -> str:
         if scored
         else ""
     )
+    if any(r.eval_windows == "start" for r in results):
+        scored_text += (
+            "windows from the start of the validation text (a file made before they were spread over it); "
+        )
     final = sorted({r.final_eval["eval_bytes_scored"] for r in results if r.final_eval})
     if final:
+        which = "" if all(r.final_eval for r in results) else " of the runs that had one"
         scored_text += (
-            "final losses from one more evaluation after the last step on "
+            f"final losses{which} from one more evaluation after the last step on "
             + " / ".join(f"{n:,}" for n in final)
             + " bytes; "
         )

@@ -115,8 +115,14 @@ def test_json_holds_every_worker_value_and_roundtrips_through_json(tmp_path: Pat
     assert d["val_loss_basis"] == "worker models, mean" and d["eval_bytes_scored"] == 262_144
     assert d["points"][-1]["val_loss_workers"] == [2.9, 3.1]
     assert d["points"][-1]["val_loss_avg_model"] == 2.95 and d["points"][-1]["workers_agree"] is False
-    assert RunResult.from_dict(d) == a
+    assert RunResult.from_dict(d) == a and d["eval_windows"] == "spread"
     assert "262,144 bytes scored per evaluation" in format_table([a], 3.0)
+    assert "from the start of the validation text" not in format_table([a], 3.0)
+    del d["eval_windows"]  # a file written before the windows were spread over the text
+    old = RunResult.from_dict(d)
+    assert old.eval_windows == "start" and "windows from the start of the validation text" in format_table(
+        [old], 3.0
+    )
 
 
 def test_results_json_from_before_per_worker_evaluation_still_loads():
