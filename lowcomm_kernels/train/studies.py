@@ -233,11 +233,16 @@ def run_resumable(
                 if then != now:
                     print(f"  warning: made by {_code_text(then)}; this checkout is {_code_text(now)}")
                 continue
+        made_by = _made_by()  # at launch: the workers import the code on disk now
         if run is None:
             done = run_specs(specs, corpus, progress=progress)  # type: ignore[arg-type]
         else:
             done = run(specs)
-        doc = {"label": label, "specs": key, "made_by": _made_by(), "runs": [r.to_dict() for r in done]}
+        doc = {"label": label, "specs": key, "made_by": made_by, "runs": [r.to_dict() for r in done]}
+        after = _made_by()
+        if _code_id(after) != _code_id(made_by):  # the checkout changed while the part ran
+            doc["code_changed_during_run"] = after
+            print(f"  warning: the checkout changed while {label} ran: {_code_text(_code_id(after))}")
         write_json(path, doc)
         results += done
     return results
@@ -277,23 +282,35 @@ def _code_text(code: tuple) -> str:
     return f"revision {rev[:10]}" + (f" + uncommitted changes {diff[:10]}" if diff else "")
 
 
-def sittings(folder: Path) -> list[dict]:
+def sittings(folder: Path, parts: int | None = None) -> list[dict]:
     """The distinct codes that made the parts in ``folder`` (each: revision, diff_sha256, the part
-    files it made, its first and last UTC time); more than one means the study mixes code versions."""
+    files it made, its first and last UTC time); more than one means the study mixes code versions.
+    ``parts``: only the first ``parts`` files (000.json ...), the study's configurations, not files left
+    by an earlier, longer list; a part whose checkout changed while it ran counts under both codes."""
     out: dict[tuple, dict] = {}
-    for path in sorted(folder.glob("*.json")):
-        made_by = json.loads(path.read_text()).get("made_by")
-        code = _code_id(made_by)
-        entry = out.setdefault(
-            code,
-            {"revision": code[0], "diff_sha256": code[1], "parts": [], "first_utc": None, "last_utc": None},
-        )
-        entry["parts"].append(path.name)
-        utc = (made_by or {}).get("utc")
-        if utc is not None:
-            entry["first_utc"] = min(filter(None, [entry["first_utc"], utc]))
-            entry["last_utc"] = max(filter(None, [entry["last_utc"], utc]))
+    paths = (
+        sorted(folder.glob("*.json")) if parts is None else [folder / f"{i:03d}.json" for i in range(parts)]
+    )
+    for path in (p for p in paths if p.exists()):
+        doc = json.loads(path.read_text())
+        for made_by in filter(None, [doc.get("made_by", {}), doc.get("code_changed_during_run")]):
+            _add_sitting(out, path.name, made_by)
+        if "made_by" not in doc:
+            _add_sitting(out, path.name, None)
     return list(out.values())
+
+
+def _add_sitting(out: dict[tuple, dict], name: str, made_by: dict | None) -> None:
+    code = _code_id(made_by)
+    entry = out.setdefault(
+        code, {"revision": code[0], "diff_sha256": code[1], "parts": [], "first_utc": None, "last_utc": None}
+    )
+    if name not in entry["parts"]:
+        entry["parts"].append(name)
+    utc = (made_by or {}).get("utc")
+    if utc is not None:
+        entry["first_utc"] = min(filter(None, [entry["first_utc"], utc]))
+        entry["last_utc"] = max(filter(None, [entry["last_utc"], utc]))
 
 
 def study_table(name: str, labels: list[str], results: list[RunResult], target: float) -> str:
@@ -446,7 +463,7 @@ def run_study(args: argparse.Namespace) -> int:
             "runs": [r.to_dict() for r in results],
             "elapsed_s": time.perf_counter() - t0,
             "provenance": collect(),
-            "sittings": sittings(out / "runs"),  # the code that made each saved part
+            "sittings": sittings(out / "runs", len(groups)),  # the code that made each saved part
         },
     )
     print(f"\n{header}\n\n{table}")

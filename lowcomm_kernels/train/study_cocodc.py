@@ -337,7 +337,7 @@ def run_cocodc_paper(args: argparse.Namespace) -> int:
             "runs": [r.to_dict() for r in results],
             "elapsed_s": time.perf_counter() - t0,
             "provenance": collect(),
-            "sittings": sittings(out / "runs"),  # the code that made each saved part
+            "sittings": sittings(out / "runs", len(groups)),  # the code that made each saved part
         },
     )
     print(f"\n{header}\n\n{md}")

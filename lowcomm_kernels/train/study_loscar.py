@@ -521,11 +521,11 @@ def run_loscar_regimes(args: argparse.Namespace) -> int:
         return run_mlp_specs(specs, cfg, progress=progress)
 
     try:
-        tuned = run_resumable(tuning_configs(base, lrs, cfg), None, out / "tune", progress, run=run)
+        tuning = tuning_configs(base, lrs, cfg)
+        tuned = run_resumable(tuning, None, out / "tune", progress, run=run)
         outer_lr = choose_outer_lr(tuned, lrs)
-        results = run_resumable(
-            study_configs(base, outer_lr, seeds, cfg), None, out / "runs", progress, run=run
-        )
+        configs = study_configs(base, outer_lr, seeds, cfg)
+        results = run_resumable(configs, None, out / "runs", progress, run=run)
     except WorkerError as exc:
         return report_failure(exc, out, "study")
     table, records = summarise(base, outer_lr, seeds, results, cfg)
@@ -553,8 +553,8 @@ def run_loscar_regimes(args: argparse.Namespace) -> int:
             "tuning_runs": [r.to_dict() for r in tuned],
             "elapsed_s": time.perf_counter() - t0,
             "provenance": collect(),
-            "sittings": sittings(out / "runs"),  # the code that made each saved part
-            "tuning_sittings": sittings(out / "tune"),
+            "sittings": sittings(out / "runs", len(configs)),  # the code that made each saved part
+            "tuning_sittings": sittings(out / "tune", len(tuning)),
         },
     )
     print(

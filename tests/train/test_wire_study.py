@@ -30,10 +30,24 @@ def test_wire_study_runs_every_format_with_and_without_error_feedback():
 
 @pytest.mark.slow
 def test_finished_runs_are_saved_and_reused(tmp_path: Path, capsys):
-    tiny = TrainSpec(method="streaming", workers=2, steps=6, batch_size=2, sync_every=4, num_fragments=2,
-                     fragment_sync_delay=1, eval_every=3, eval_bytes=256, warmup_steps=1, latency_s=0.001,
-                     wire_dtype="int4", quant_block=16, error_feedback=True, name="int4+EF",
-                     model=ModelConfig(dim=16, n_layers=2, n_heads=2, mlp_hidden=32, seq_len=16))
+    tiny = TrainSpec(
+        method="streaming",
+        workers=2,
+        steps=6,
+        batch_size=2,
+        sync_every=4,
+        num_fragments=2,
+        fragment_sync_delay=1,
+        eval_every=3,
+        eval_bytes=256,
+        warmup_steps=1,
+        latency_s=0.001,
+        wire_dtype="int4",
+        quant_block=16,
+        error_feedback=True,
+        name="int4+EF",
+        model=ModelConfig(dim=16, n_layers=2, n_heads=2, mlp_hidden=32, seq_len=16),
+    )
     corpus = load_corpus(None, max_train_bytes=200_000, max_val_bytes=50_000)
     first = run_resumable([("int4+EF", [tiny])], corpus, tmp_path, progress=False)
     saved = tmp_path / "000.json"
@@ -75,3 +89,33 @@ def test_each_saved_part_records_the_code_that_made_it(tmp_path: Path, capsys, m
     studies.run_resumable(cfgs[:1], None, tmp_path, progress=False, run=fake_run)
     assert "made by code not recorded" in capsys.readouterr().out
     assert studies.sittings(tmp_path)[0]["revision"] is None
+
+
+def test_a_part_whose_checkout_changed_while_it_ran_says_so(tmp_path: Path, capsys, monkeypatch):
+    """The code is recorded at launch (the workers import what is on disk then); a commit landing
+    while the part runs is recorded too, warned about, and sittings() counts the part under both.
+    Files beyond the study's configurations (an earlier, longer list) are not counted."""
+    from lowcomm_kernels.train import studies
+    from lowcomm_kernels.train.report import RunResult
+
+    codes = iter("12")
+
+    def made_by():
+        rev = next(codes, "2") * 40
+        return {
+            "revision": rev,
+            "dirty": False,
+            "diff_sha256": None,
+            "utc": "2026-01-01T00:00:00Z",
+            "load": None,
+        }
+
+    monkeypatch.setattr(studies, "_made_by", made_by)
+    fake = lambda specs: [RunResult(s.label, s.method, s.to_dict()) for s in specs]  # noqa: E731
+    studies.run_resumable([("a", [TrainSpec(name="a")])], None, tmp_path, progress=False, run=fake)
+    doc = json.loads((tmp_path / "000.json").read_text())
+    assert doc["made_by"]["revision"] == "1" * 40 and doc["code_changed_during_run"]["revision"] == "2" * 40
+    assert "the checkout changed while a ran: revision 2222222222" in capsys.readouterr().out
+    assert sorted(p["revision"][:1] for p in studies.sittings(tmp_path, 1)) == ["1", "2"]
+    (tmp_path / "001.json").write_text(json.dumps({"made_by": {"revision": "3" * 40}}))  # not a config
+    assert len(studies.sittings(tmp_path, 1)) == 2 and len(studies.sittings(tmp_path)) == 3
