@@ -299,12 +299,13 @@ def summarise(
         "|" + "---|" * 6,
     ]
     for rg in REGIMES:
-        own_final: dict[str, list[float]] = {}
+        own_final: dict[str, dict[int, float]] = {}  # method -> seed -> final own-model loss
         for _, m, row in [x for x in rows(base, outer_lr, cfg) if x[0] == rg]:
             key = run_key(run_spec(row))
-            runs = [by_name[f"{key} seed={s}"] for s in seeds if f"{key} seed={s}" in by_name]
+            present = [s for s in seeds if f"{key} seed={s}" in by_name]
+            runs = [by_name[f"{key} seed={s}"] for s in present]
             own = [r.final_loss for r in runs]  # the mean of the workers' own models
-            own_final[m] = own
+            own_final[m] = dict(zip(present, own, strict=True))
             hits_tick, hits_s = [], []
             for r in runs:
                 times = retime(r, row, cfg)
@@ -334,10 +335,11 @@ def summarise(
                 )
             )
         for m in METHODS[1:]:
-            a, b = own_final.get("loscar", []), own_final.get(m, [])
-            if len(a) != len(b) or not a:
+            a, b = own_final.get("loscar", {}), own_final.get(m, {})
+            both = [s for s in seeds if s in a and s in b]  # pairs by seed, never by position
+            if not both:
                 continue
-            mean, sd, t, p = paired_t([x - y for x, y in zip(a, b, strict=True)])
+            mean, sd, t, p = paired_t([a[s] - b[s] for s in both])
             paired.append(f"| {rg.label} | {LABELS[m]} | {mean:+.4f} | {sd:.4f} | {t:.2f} | {p:.3g} |")
     return "\n".join(table + paired), records
 
