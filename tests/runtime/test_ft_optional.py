@@ -35,9 +35,11 @@ def test_manager_arguments_are_checked_by_name():
         DiLoCo(model, opt, num_replicas=2, **kw)  # num_replicas without a manager
 
 
-def test_replica_of_several_ranks_refuses_cocodc_and_loscar():
-    """A replica that is a data-parallel group (Manager(world_size=2)) runs DiLoCo / Streaming DiLoCo;
-    CoCoDC and LOSCAR, whose decisions are per process, are refused naming manager."""
+def test_every_strategy_builds_on_a_replica_of_several_ranks():
+    """A replica that is a data-parallel group (Manager(world_size=2)) takes every strategy: DiLoCo,
+    Streaming DiLoCo, and CoCoDC and LOSCAR, whose per-process decisions the replica's ranks take
+    from its group rank 0 (a group of their own, made at first use, so building one rank alone does
+    not block). Running them is tested with 2 and 3 replicas of 2 ranks in test_ft.py."""
     pytest.importorskip("torchft")
     from datetime import timedelta
 
@@ -45,29 +47,35 @@ def test_replica_of_several_ranks_refuses_cocodc_and_loscar():
     from torchft import Manager, ProcessGroupGloo
     from torchft._torchft import LighthouseServer
 
-    from lowcomm_kernels.runtime import LOSCAR, CoCoDC, DiLoCo
+    from lowcomm_kernels.runtime import LOSCAR, CoCoDC, DiLoCo, StreamingDiLoCo
 
     lh = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
     store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=2, load_state_dict=None,
-        state_dict=None, replica_id="replica_0", store_addr="localhost", store_port=store.port, rank=0,
-        world_size=2, lighthouse_addr=lh.address(), use_async_quorum=False, timeout=timedelta(seconds=5),
-    )  # fmt: skip
+    builds = {
+        "LOSCAR": lambda m, o, ft: LOSCAR(m, o, density=0.5, local_steps=2, overlap_steps=1, **ft),
+        "CoCoDC": lambda m, o, ft: CoCoDC(m, o, sync_every=6, num_fragments=1, fragment_sync_delay=1, **ft),
+        "StreamingDiLoCo": lambda m, o, ft: StreamingDiLoCo(
+            m, o, sync_every=6, num_fragments=1, fragment_sync_delay=1, **ft
+        ),
+        "DiLoCo": lambda m, o, ft: DiLoCo(m, o, sync_every=2, **ft),
+    }
     try:
-        ft = dict(manager=manager, num_replicas=2)
-        model = nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with pytest.raises(ValueError, match="manager: a replica of 2 ranks"):
-            LOSCAR(model, opt, density=0.5, local_steps=2, overlap_steps=1, **ft)
-        model = nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with pytest.raises(ValueError, match="manager: a replica of 2 ranks"):
-            CoCoDC(model, opt, sync_every=6, num_fragments=1, fragment_sync_delay=1, **ft)
-        model = nn.Linear(4, 1)
-        DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, **ft).close()
+        for name, build in builds.items():
+            manager = Manager(
+                pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), min_replica_size=2, load_state_dict=None,
+                state_dict=None, replica_id="replica_0", store_addr="localhost", store_port=store.port,
+                rank=0, world_size=2, lighthouse_addr=lh.address(), use_async_quorum=False,
+                timeout=timedelta(seconds=5),
+            )  # fmt: skip
+            try:
+                model = nn.Linear(4, 1)
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+                strategy = build(model, opt, dict(manager=manager, num_replicas=2))
+                assert type(strategy).__name__ == name and strategy.transport.manager is manager
+                strategy.close()
+            finally:
+                manager.shutdown(wait=False)
     finally:
-        manager.shutdown(wait=False)
         lh.shutdown()
 
 
