@@ -22,7 +22,9 @@ beside per-fragment normalization; the reference code's l1_local score.
 Output: per configuration, final validation loss and steps to ``TARGET_LOSS`` (mean +- std over
 seeds), the N chosen per period, and the paired differences (same seed) against CoCoDC adaptive with
 Student's t (df = pairs - 1) and its two-sided p-value (scipy; '-' without it). Steps to target
-pairs only the seeds where both runs reached it.
+pairs only the seeds where both runs reached it. Steps to target are known to the evaluation
+interval (100 steps), so paired differences of steps are often equal on every seed: then the
+spread is 0, t is infinite and no p-value is given (the cell shows the mean and a spread of 0).
 
 Target: ``TARGET_LOSS`` below was fixed before any run of the study, from one pilot run of CoCoDC
 adaptive at seed 1000 (not a seed of the study: 0..4 by default; command below): the pilot's
