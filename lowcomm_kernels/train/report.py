@@ -105,7 +105,9 @@ class RunResult:
         (points with only ``val_loss``, which was then the averaged model's loss)."""
         d = dict(d)
         d.pop("final_loss", None)
-        d.setdefault("eval_windows", "start")  # written before the windows were spread
+        # the windows were spread over the text in the same change that added final_eval: a file
+        # with final_eval but no eval_windows used spread windows, one without either the start
+        d.setdefault("eval_windows", "spread" if "final_eval" in d else "start")
         points = [dict(p) for p in d.get("points", [])]
         legacy = "val_loss_basis" not in d
         if legacy:
