@@ -49,6 +49,10 @@ ALLOWED = {  # (module, function) -> why a host read is fine there
     ("ft", "finish_heal"): "should_commit() of a heal round (a host flag, torchft blocks by design)",
     ("dcp", "_resize"): "checkpoint restore with another number of ranks or replicas",
     ("loscar", "heal_state"): "the state a healthy peer sends for a heal (torchft, inside a quorum)",
+    ("ft", "_header"): "a replica's ranks agree over a gloo group of CPU tensors: the header is host "
+    "memory, and the ranks must read it to take group rank 0's decision",
+    ("ft", "agree_state"): "group rank 0's state after a heal, a CPU byte tensor over the replica's "
+    "gloo group (only after a quorum that healed a rank)",
 }
 
 
