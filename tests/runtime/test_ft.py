@@ -73,37 +73,10 @@ def test_kill_then_heal(lighthouse, tmp_path, method):
     """3 replicas; SIGKILL one mid-run: the others go on (loss decreasing, no hang); restarted, it
     heals and then holds exactly the others' g at every step."""
     steps, hold = 100, 50
-    ready = tmp_path / "ready"
-    # the survivors pause after step `hold` until the restarted replica is up (a slow restart must
-    # not find them finished); they train through the outage before that
-    procs = [
-        _start(
-            lighthouse,
-            i,
-            tmp_path,
-            steps,
-            "--method",
-            method,
-            "--hold-at",
-            str(hold),
-            "--hold-for",
-            str(ready),
-        )
-        for i in range(3)
-    ]
-    _wait_step(tmp_path, 2, 12)
-    procs[2].send_signal(signal.SIGKILL)
-    procs[2].wait()
-    killed_at = _records(tmp_path, 2)[-1]["step"]
-    _wait_step(tmp_path, 0, hold)
-    # it stops at step 80, before the others (a replica alone would wait for a quorum of two)
-    procs[2] = _start(lighthouse, 2, tmp_path, 80, "--method", method, "--ready-file", str(ready))
-    _finish(procs)
-    r0, r1, r2 = (_last(_records(tmp_path, i)) for i in range(3))
+    killed_at, (r0, r1, r2) = _hold_run(lighthouse, tmp_path, method, steps, hold, 12)
     # the survivors trained through the failure: every step recorded, same g, loss went down
     # (a replica that started late healed at the first sync: no records before it)
-    common = sorted(set(r0) & set(r1))
-    assert common[-1] == steps and len(common) >= steps - 10
+    common = _survivors_common_steps(r0, r1, killed_at, steps)
     assert all(r0[s]["g"] == r1[s]["g"] for s in common)
     losses = [r0[s]["loss"] for s in common]
     assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
@@ -165,7 +138,9 @@ def _hold_run(lighthouse, tmp_path, method: str, steps: int, hold: int, kill_aft
     ready = tmp_path / "ready"
     hold_args = ["--method", method, "--hold-at", str(hold), "--hold-for", str(ready)]
     procs = [_start(lighthouse, i, tmp_path, steps, *hold_args) for i in range(3)]
-    _wait_step(tmp_path, 2, kill_after)
+    # under load a replica can join late (healing at its first sync): kill once all three train
+    for i in range(3):
+        _wait_step(tmp_path, i, kill_after)
     procs[2].send_signal(signal.SIGKILL)
     procs[2].wait()
     killed_at = _records(tmp_path, 2)[-1]["step"]
@@ -175,14 +150,22 @@ def _hold_run(lighthouse, tmp_path, method: str, steps: int, hold: int, kill_aft
     return killed_at, [_last(_records(tmp_path, i)) for i in range(3)]
 
 
+def _survivors_common_steps(r0: dict, r1: dict, killed_at: int, steps: int) -> list[int]:
+    """The steps both survivors recorded: every step from before the kill to the last one (a
+    replica that started late has no records before its heal, so the first step may be > 1)."""
+    common = sorted(set(r0) & set(r1))
+    assert common == list(range(common[0], steps + 1)), "a survivor skipped recording steps"
+    assert common[0] <= killed_at, "both survivors must have trained before the kill"
+    return common
+
+
 def test_loscar_kill_then_heal(lighthouse, tmp_path):
     """LOSCAR (overwrite merge, so the merged x[S] is the average, equal on every replica): SIGKILL one
     replica mid-run, the others go on with decreasing loss; restarted, it heals from a peer's
     parameters and round, then merges the same averages as the others."""
     steps, hold = 100, 50
     killed_at, (r0, r1, r2) = _hold_run(lighthouse, tmp_path, "loscar", steps, hold, 12)
-    common = sorted(set(r0) & set(r1))
-    assert common[-1] == steps and len(common) >= steps - 10
+    common = _survivors_common_steps(r0, r1, killed_at, steps)
     # the survivors share the round counter and every merged average (g: hash of x[S] after a merge)
     assert all(r0[s]["round"] == r1[s]["round"] and r0[s]["g"] == r1[s]["g"] for s in common)
     merged = [s for s in common if r0[s]["g"] is not None]
