@@ -117,7 +117,16 @@ def torchrun(*args: str) -> None:
         pytest.skip("torchrun is not on PATH")
     cmd = [exe, "--standalone", "--nproc_per_node", "2", __file__, *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.returncode == 0, _failure_summary(proc.stdout + proc.stderr)
+
+
+def _failure_summary(output: str) -> str:
+    """What a failed torchrun printed, shortened: its tail ends with the launcher's summary, so the
+    failing rank's own words (a traceback, a C++ ``terminate called ... what(): ...``) are picked
+    out of the rest first."""
+    clues = ("Traceback", "Error", "terminate called", "what()", "Abort", "Signal", "Exception")
+    lines = [ln for ln in output.splitlines() if any(c in ln for c in clues) and "lighthouse" not in ln]
+    return "\n".join(lines[:60])[-6000:] + "\n----- tail -----\n" + output[-3000:]
 
 
 def reports(out: Path, tag: str) -> list[dict]:
