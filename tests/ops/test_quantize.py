@@ -217,10 +217,18 @@ def test_pack_nearest_fp32_matches_ref(backend, fmt, block, with_res, snap, rng)
         res[5 * b : 5 * b + 8] = -0.0
     res_ref = None if res is None else res.clone()
     out = {"aligned": torch.empty(n), "offset": torch.empty(n + 1)[1:], "none": False}[snap]
+    f = FORMATS[fmt]
     for r in range(2):
+        # the second round writes into preallocated codes and scales holding garbage
+        reuse = {} if r == 0 else {
+            "codes_out": torch.full((f.payload_bytes(n),), 0xA5, dtype=torch.uint8),
+            "scales_out": torch.full((f.num_scales(n, block),), math.nan),
+        }  # fmt: skip
         codes, scales, s, nf = pack_quantized(
-            g, x, fmt, block, residual=res, snapshot_out=out, backend=backend
+            g, x, fmt, block, residual=res, snapshot_out=out, backend=backend, **reuse
         )
+        if reuse:
+            assert codes is reuse["codes_out"] and scales is reuse["scales_out"]
         rc, rs, rsnap, rnf = pack_quantized_ref(g, x, fmt, block, residual=res_ref, snapshot=snap != "none")
         assert torch.equal(codes, rc), r
         assert torch.equal(_bits(scales), _bits(rs)), r
@@ -386,6 +394,40 @@ def test_bad_input(backend, close):
         bufs,
     )
     rej(lambda: pq(g, x[:50], "int8", 32, residual=res, backend=backend), ValueError, "x", bufs)
+    c_out, s_out = torch.full((100,), 9, dtype=torch.uint8), torch.full((4,), 3.0)
+    outs = bufs + [c_out, s_out]
+    rej(lambda: pq(g, x, "int8", 32, codes_out=c_out, backend=backend), TypeError, "codes_out", outs)
+    rej(
+        lambda: pq(g, x, "int8", 32, residual=res, codes_out=c_out[:99], scales_out=s_out, backend=backend),
+        ValueError,
+        "codes_out",
+        outs,
+    )
+    rej(
+        lambda: pq(g, x, "int8", 32, residual=res, codes_out=c_out, scales_out=s_out[:3], backend=backend),
+        ValueError,
+        "scales_out",
+        outs,
+    )
+    rej(
+        lambda: pq(g, x, "int8", 32, codes_out=c_out, scales_out=s_out.double(), backend=backend),
+        TypeError,
+        "scales_out",
+        outs,
+    )
+    rej(
+        lambda: pq(g, x, "int8", 25 * 4, codes_out=c_out, scales_out=res[:1], residual=res, backend=backend),
+        ValueError,
+        "block",
+        outs,
+    )
+    alias = torch.zeros(400, dtype=torch.uint8)  # scales_out a float view of the codes' last bytes
+    rej(
+        lambda: pq(g, x, "int8", 32, codes_out=alias[:100], scales_out=alias[96:112].view(torch.float32)),
+        ValueError,
+        ("codes_out", "scales_out"),
+        outs + [alias],
+    )
     codes, scales = quantize(g, "int4", 32)
     out = torch.full((100,), 5.0)
     rej(
