@@ -122,7 +122,7 @@ def test_op(benchmark, case, request) -> None:
 
 
 INTERLEAVED_BUDGET_S = 4.0
-INTERLEAVED_MIN_ROUNDS, INTERLEAVED_MAX_ROUNDS = 5, 60
+INTERLEAVED_MIN_ROUNDS, INTERLEAVED_MAX_ROUNDS = 12, 60
 
 
 def test_interleaved(benchmark, icase) -> None:
