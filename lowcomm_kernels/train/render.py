@@ -126,7 +126,34 @@ def provenance_line(src: Source) -> str:
         parts.append(f"{load['cpu_s']:.0f} CPU s in {load['wall_s']:.0f} s")
     if p.get("command"):
         parts.append(f"command: `{p['command']}`")
-    return " · ".join(parts)
+    line = " · ".join(parts)
+    made = _made_by(src.data)
+    return f"{line}\n\n{made}" if made else line
+
+
+def _made_by(data: dict) -> str:
+    """For a resumable study: the code that made its saved runs (the provenance above is that of
+    the command that wrote results.json, which may only have read them back) and their CPU time."""
+    sits = data.get("sittings")
+    if not isinstance(sits, list) or not sits:
+        return ""
+    codes = []
+    for s in sits:
+        rev = s.get("revision")
+        code = "unrecorded code" if rev is None else f"revision `{rev[:10]}`"
+        if rev is not None:
+            code += (
+                " (clean)" if s.get("diff_sha256") is None else f" + changes (diff {s['diff_sha256'][:8]})"
+            )
+        n = len(s.get("parts") or [])
+        when = f", {s['first_utc']} → {s['last_utc']}" if s.get("first_utc") else ""
+        codes.append(f"{code}: {n} saved part{'s' * (n != 1)}{when}")
+    cpu = [r.get("extra", {}).get("cpu_s_all_ranks") for r in data.get("runs", [])]
+    cpu_note = ""
+    if cpu and all(isinstance(c, (int, float)) for c in cpu):
+        cpu_note = f"; {len(cpu)} runs, {sum(cpu):,.0f} CPU s of all ranks"
+    mixed = " (more than one code: the runs mix code versions)" if len(sits) > 1 else ""
+    return "Runs made by " + "; ".join(codes) + mixed + cpu_note
 
 
 def _runs(src: Source) -> list[RunResult]:

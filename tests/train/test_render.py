@@ -101,6 +101,31 @@ def test_report_of_a_study_is_its_table(study_run, capsys):
     assert table in text and " ± " in table
     assert text.startswith("**" + printed.split("\n", 1)[0].removeprefix("# ") + "**")  # the same header
     assert "Command: `lowcomm compare --study matched --seeds 2`" in text
+    # the code that made the saved runs, beside the provenance of the command that assembled them
+    doc = json.loads((study_run / "results.json").read_text())
+    (sitting,) = doc["sittings"]
+    assert f"Runs made by revision `{sitting['revision'][:10]}`" in text
+    assert f"{len(sitting['parts'])} saved parts" in text and f"{len(doc['runs'])} runs" in text
+
+
+def test_runs_made_by_several_codes_are_flagged():
+    sits = [
+        {
+            "revision": "a" * 40,
+            "diff_sha256": None,
+            "parts": ["000.json"],
+            "first_utc": "t0",
+            "last_utc": "t1",
+        },
+        {"revision": "b" * 40, "diff_sha256": "c" * 64, "parts": ["001.json"], "first_utc": None},
+        {"revision": None, "diff_sha256": None, "parts": ["002.json"], "first_utc": None},
+    ]
+    line = render._made_by({"sittings": sits, "runs": [{"extra": {"cpu_s_all_ranks": 2.0}}, {"extra": {}}]})
+    assert line.startswith("Runs made by revision `aaaaaaaaaa` (clean): 1 saved part, t0 → t1; ")
+    assert "revision `bbbbbbbbbb` + changes (diff cccccccc): 1 saved part;" in line
+    assert "unrecorded code: 1 saved part" in line and "mix code versions" in line
+    assert "CPU s" not in line  # a run without its CPU time: no total is claimed
+    assert render._made_by({"runs": []}) == ""
 
 
 def _rc_err(argv: list[str], capsys) -> tuple[int, str]:
