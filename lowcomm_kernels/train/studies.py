@@ -356,8 +356,9 @@ def study_plot(name: str, labels: list[str], results: list[RunResult], path: Pat
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, ax = plt.subplots(figsize=(7, 4.4))
-    for label in labels:
+    many = len(labels) > 8  # then: legend beside the axes, fainter bands, a line style per 10 colours
+    fig, ax = plt.subplots(figsize=(10.5, 4.8) if many else (7, 4.4))
+    for i, label in enumerate(labels):
         runs = [r for r in results if r.name == label and r.points]
         if not runs:
             continue
@@ -365,8 +366,10 @@ def study_plot(name: str, labels: list[str], results: list[RunResult], path: Pat
         steps = [p.step for p in runs[0].points[:n]]
         losses = np.array([[p.val_loss for p in r.points[:n]] for r in runs])
         m, s = losses.mean(0), losses.std(0, ddof=1) if len(runs) > 1 else np.zeros(n)
-        (line,) = ax.plot(steps[1:], m[1:], label=label)  # skip step 0 (initial loss ~5.5) for scale
-        ax.fill_between(steps[1:], (m - s)[1:], (m + s)[1:], color=line.get_color(), alpha=0.15)
+        style = ("-", "--", ":")[(i // 10) % 3]  # the default cycle has 10 colours
+        (line,) = ax.plot(steps[1:], m[1:], style, label=label)  # skip step 0 (initial loss ~5.5) for scale
+        band = 0.06 if many else 0.15
+        ax.fill_between(steps[1:], (m - s)[1:], (m + s)[1:], color=line.get_color(), alpha=band)
     # Zoom on the second half of the run, where the configurations separate (full curves: results.json).
     late = [p.val_loss for r in results for p in r.points if p.step >= r.points[-1].step // 2]
     if late:
@@ -377,7 +380,10 @@ def study_plot(name: str, labels: list[str], results: list[RunResult], path: Pat
     ax.set_ylabel("validation loss (nats/byte), mean ± std")
     ax.set_title(f"study: {name}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    if many:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    else:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
