@@ -201,12 +201,13 @@ def table(labels: list[str], results: list[RunResult], target: float, seeds: lis
     from .studies import _cell
 
     head = [
-        "configuration", "seeds", "final val loss", "steps to target (reached)", "N per period", "syncs",
+        "configuration", "seeds", "final val loss (own models)", "final, averaged model*",
+        "steps to target (reached)", "N per period", "syncs",
         f"final loss − {REFERENCE} (paired)", f"steps to target − {REFERENCE} (paired)",
     ]  # fmt: skip
     lines = [
-        f"target validation loss {target:.4f}; paired differences: same seed, t with df = pairs − 1, "
-        "two-sided p",
+        f"target validation loss {target:.4f} (the workers' own models, mean); paired differences: "
+        "same seed, t with df = pairs − 1, two-sided p",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -237,6 +238,7 @@ def table(labels: list[str], results: list[RunResult], target: float, seeds: lis
                     label,
                     str(len(done)),
                     _cell(final),
+                    _cell([_avg_model_final(r) for r in runs]),
                     f"{_cell(steps, '{:.0f}')} ({reached}/{len(done)})",
                     _n_cell(runs),
                     _cell([float(r.syncs) for r in done], "{:.0f}"),
@@ -246,7 +248,20 @@ def table(labels: list[str], results: list[RunResult], target: float, seeds: lis
             )
             + " |"
         )
+    lines += [
+        "",
+        "final val loss (own models): the mean of the workers' own models' losses (what each worker "
+        "holds); * the workers' parameters averaged by one all-reduce that is not counted in any byte or "
+        "sync column (no worker holds that model between syncs, except DiLoCo's right after one).",
+    ]
     return "\n".join(lines), stats_out
+
+
+def _avg_model_final(run: RunResult | None) -> float | None:
+    """The final evaluation's loss of the workers' averaged parameters (None when not recorded)."""
+    fe = run.final_eval if run is not None else None
+    v = (fe or {}).get("val_loss_avg_model")
+    return float(v) if v is not None else None
 
 
 def study_header(base: dict, n_seeds: int, corpus: str, how: str) -> str:

@@ -22,6 +22,7 @@ from tests.train.test_cli import PNG
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSCAR_DATA = ROOT / "docs" / "data" / "loscar-regimes"
+COCODC_DATA = ROOT / "docs" / "data" / "cocodc-paper"
 
 
 def _expected(md: str) -> str:
@@ -79,6 +80,22 @@ def test_the_committed_loscar_regimes_results_render_as_their_markdown():
     key = "loscar p=0.25 N=14 Q=2 tau=2 outer_lr=0.7 speeds=1 split=contiguous seed="
     own = [r["final_loss"] for r in runs if r["name"].startswith(key)]
     assert len(own) == 5 and f"{sum(own) / 5:.3f} ± " in body
+
+
+def test_the_committed_cocodc_paper_results_render_as_their_markdown():
+    body, plots = render.render(["docs/data/cocodc-paper"], base=ROOT)
+    assert plots == []
+    assert body.startswith(_expected((COCODC_DATA / "cocodc-paper.md").read_text()))
+    # both losses come from results.json: the own models' mean and the averaged model, 5 seeds each
+    runs = [
+        r
+        for r in json.loads((COCODC_DATA / "results.json").read_text())["runs"]
+        if r["name"] == "CoCoDC lambda=1"
+    ]
+    own = [r["final_eval"]["val_loss"] for r in runs]
+    avg = [r["final_eval"]["val_loss_avg_model"] for r in runs]
+    assert len(own) == 5 and f"| CoCoDC lambda=1 | 5 | {sum(own) / 5:.4f} ± " in body
+    assert f" | {sum(avg) / 5:.4f} ± " in body and "Runs made by revision" in body
 
 
 @pytest.fixture(scope="module")
