@@ -38,8 +38,10 @@ periods and measured ``cpu_s_all_ranks`` = 174.1 CPU seconds for the whole 2,000
 setup, training, 21 small evaluations and the final one of every worker's model and of the averaged
 model: 11.2 s and 13.6 s of wall-clock), 155 s wall for the command while other jobs kept the load
 average at 2-4.5. 15 configurations x 5 seeds = 75 runs x 174 CPU s = 13,060 CPU s, about 109
-minutes on 2 free cores (wall >= CPU seconds / 2); the study's own ``elapsed_s`` in results.json is
-the measured total.
+minutes on 2 free cores (wall >= CPU seconds / 2). Measured: the 75 runs of the committed study
+took 13,712 CPU seconds of all ranks (135-219 s per run, under load 1-11), 114 minutes of 2 cores;
+``lowcomm report`` prints that total from the runs (``elapsed_s`` in results.json is only the last
+sitting's, which may have read every run back).
 
     lowcomm train --method cocodc --seed 1000 --steps 2000 --sync-every 100 --delay 5 --fragments 4 \\
         --lam 0.5 --gamma 0.4 --dim 16 --layers 4 --heads 2 --mlp-hidden 43 --seq-len 16 \\
