@@ -258,13 +258,13 @@ def _qpack_workload(fmt: str) -> Workload:
         codes = torch.empty(f.payload_bytes(n), dtype=torch.uint8, device=device)
         scales = torch.empty(f.num_scales(n, QBLOCK), dtype=torch.float32, device=device)
         return dict(g=g, x=g + _rand(n, device, 0.01, gen), res=torch.zeros_like(g), snap=torch.empty_like(g),
-                    codes=codes, scales=scales)  # fmt: skip
+                    codes_out=codes, scales_out=scales)  # fmt: skip
 
-    def target(g, x, res, snap, codes, scales):  # the unfused reference, writing the same outputs
+    def target(g, x, res, snap, codes_out, scales_out):  # the unfused reference, writing the same outputs
         c, sc, s, nonfinite = pack_quantized_ref(g, x, fmt, QBLOCK, residual=res, snapshot=True)
         snap.copy_(s)
-        codes.copy_(c)
-        scales.copy_(sc)
+        codes_out.copy_(c)
+        scales_out.copy_(sc)
         return nonfinite
 
     return Workload(
@@ -273,10 +273,10 @@ def _qpack_workload(fmt: str) -> Workload:
         nbytes=lambda n: n * (4 * 3 + 4 * 2) + f.wire_bytes(n, QBLOCK),
         ref=lambda b: pack_quantized_ref(b["g"], b["x"], fmt, QBLOCK, residual=b["res"]),
         compile_target=target,
-        compile_args=lambda b: {k: b[k] for k in ("g", "x", "res", "snap", "codes", "scales")},
+        compile_args=lambda b: {k: b[k] for k in ("g", "x", "res", "snap", "codes_out", "scales_out")},
         fused=lambda b, backend: pack_quantized(b["g"], b["x"], fmt, QBLOCK, residual=b["res"],
-                                                snapshot_out=b["snap"], codes_out=b["codes"],
-                                                scales_out=b["scales"], backend=backend),
+                                                snapshot_out=b["snap"], codes_out=b["codes_out"],
+                                                scales_out=b["scales_out"], backend=backend),
         note=f"{fmt}, block {QBLOCK}, error feedback: read g, x, residual; write codes, scales, snapshot, "
              "residual", target=True, extra=dict(fmt=fmt, block=QBLOCK))
 
