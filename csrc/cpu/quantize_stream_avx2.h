@@ -12,9 +12,10 @@
 // The maths is quant.h's, operation for operation, so the codes, scales and residual are bit-identical
 // to the scalar path and to the reference (ops/quantize.py): e = (g - x) + r in fp32; per block
 // amax = the largest |e| bit pattern (integer max, exact in any order); s = q_scale; for a block with
-// q_scale_ok(s): q = e / s (correctly rounded vector division), m = min(|q|, qmax) (minps returns its
-// second operand unless m < qmax: the scalar `m < qmax ? m : qmax`), c = round-half-even(m),
-// v = q < 0 ? 0 - c : c (0 - 0 = +0, as the scalar's int -> float conversion of 0), residual
+// q_scale_ok(s): q = e / s (correctly rounded vector division; finite, |q| <= qmax (1 + 2^-23)), then
+// the scalar's v = q < 0 ? 0 - c : c with c = round-half-even(min(|q|, qmax)) is computed as
+// v = round-half-even(clamp(q, -qmax, qmax)) + 0: the same value, since rounding half to even is
+// odd-symmetric, and the same zero, +0 (the + 0 turns the -0 of q in (-0.5, -0] into +0), residual
 // r = e - v * s (no contraction: separate multiply and subtract). Blocks that are not ok (zero, or
 // holding inf / NaN) get codes 0 and keep their residual, as in the scalar path; a last partial block
 // goes to the scalar path.
@@ -33,6 +34,11 @@ namespace cpu {
 
 // Elements per step of the encode: 64 fill one 32-byte store of int4 codes and two of int8 codes.
 constexpr int64_t kQStreamStep = 64;
+// How far ahead (elements) the encode pass prefetches g, x and the residual: the two-pass structure
+// reads memory only in its first pass, so without it the memory stream pauses while a block encodes.
+constexpr int64_t kQStreamPrefetch = 1024;
+// The largest block whose e pass 1 keeps for pass 2 (4 KiB on the stack).
+constexpr int64_t kQStreamEBuf = 1024;
 
 // True when the streaming path can take blocks of `block` elements with these buffers: whole steps
 // per block, and the codes and the snapshot 32-byte aligned at every block start.
@@ -48,27 +54,29 @@ inline __m256 qstream_e(const float* g, const float* x, const float* r, int64_t 
   return e;
 }
 
-// The signed integer code of 8 elements of one ok block (as exact fp32 integers), and the residual
-// e - v * s stored to r when kRes.
+// The signed integer code of 8 elements of one ok block (as exact fp32 integers) from their e, and
+// the residual e - v * s stored to r + i when kRes.
 template <bool kRes>
-inline __m256i qstream_code8(const float* g, const float* x, float* r, int64_t i, __m256 s, __m256 qmax) {
-  const __m256 e = qstream_e<kRes>(g, x, r, i);
+inline __m256i qstream_code8(__m256 e, float* r, int64_t i, __m256 s, __m256 qmax) {
   const __m256 q = _mm256_div_ps(e, s);
-  const __m256 m = _mm256_min_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), q), qmax);
-  const __m256 c = _mm256_round_ps(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 neg = _mm256_cmp_ps(q, _mm256_setzero_ps(), _CMP_LT_OQ);
-  const __m256 v = _mm256_blendv_ps(c, _mm256_sub_ps(_mm256_setzero_ps(), c), neg);
+  // round-half-even is odd-symmetric, so rounding q clamped to [-qmax, qmax] equals the scalar's
+  // sign(q) * rint(min(|q|, qmax)); the + 0 turns the -0 it gives for q in (-0.5, -0] into the
+  // scalar's +0 (only q = -0, i.e. e = -0, would otherwise change the residual's sign of zero)
+  const __m256 w = _mm256_max_ps(_mm256_min_ps(q, qmax), _mm256_sub_ps(_mm256_setzero_ps(), qmax));
+  const __m256 c = _mm256_round_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 v = _mm256_add_ps(c, _mm256_setzero_ps());
   if constexpr (kRes) _mm256_storeu_ps(r + i, _mm256_sub_ps(e, _mm256_mul_ps(v, s)));
   return _mm256_cvtps_epi32(v);
 }
 
 // 32 int8 codes of elements i .. i + 31, in element order.
+// e: the e values of those 32 elements.
 template <bool kRes>
-inline __m256i qstream_code32(const float* g, const float* x, float* r, int64_t i, __m256 s, __m256 qmax) {
-  const __m256i v0 = qstream_code8<kRes>(g, x, r, i, s, qmax);
-  const __m256i v1 = qstream_code8<kRes>(g, x, r, i + 8, s, qmax);
-  const __m256i v2 = qstream_code8<kRes>(g, x, r, i + 16, s, qmax);
-  const __m256i v3 = qstream_code8<kRes>(g, x, r, i + 24, s, qmax);
+inline __m256i qstream_code32(const float* e, float* r, int64_t i, __m256 s, __m256 qmax) {
+  const __m256i v0 = qstream_code8<kRes>(_mm256_load_ps(e), r, i, s, qmax);
+  const __m256i v1 = qstream_code8<kRes>(_mm256_load_ps(e + 8), r, i + 8, s, qmax);
+  const __m256i v2 = qstream_code8<kRes>(_mm256_load_ps(e + 16), r, i + 16, s, qmax);
+  const __m256i v3 = qstream_code8<kRes>(_mm256_load_ps(e + 24), r, i + 24, s, qmax);
   // packs work per 128-bit lane: bytes come out as [v0 lo, v1 lo, v2 lo, v3 lo | v0 hi, ...] in
   // groups of 4; the dword permutation puts them back in element order. |v| <= 127: no saturation.
   const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3));
@@ -76,14 +84,19 @@ inline __m256i qstream_code32(const float* g, const float* x, float* r, int64_t 
 }
 
 // Blocks [b0, b1) of n elements, all whole (hi - lo = block, a multiple of kQStreamStep); codes and
-// snap as qstream_ok requires. Per block: pass 1 reads g, x (, r) from memory, streams the snapshot
-// and takes the absmax; pass 2 re-reads the block from L1 / L2 and streams the codes. Issues no fence
+// snap as qstream_ok requires. Per block: pass 1 reads g, x (, r) from memory, streams the snapshot,
+// takes the absmax and keeps e (blocks up to kQStreamEBuf); pass 2 encodes e from L1 (or recomputes
+// it from L1 / L2 for larger blocks), prefetches the blocks ahead and streams the codes. Issues no fence
 // (the caller does, once per thread). Returns the count of non-finite e.
 template <bool kRes, bool kSnap, int kBits>
 int64_t qstream_blocks(const QFmt& f, const float* g, const float* x, float* snap, float* r, int64_t block,
                        uint8_t* codes, float* scales, int64_t b0, int64_t b1) {
   const __m256 qmax = _mm256_set1_ps(f.qmax);
   const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
+  // Pass 1 keeps the block's e here when it fits (L1-resident), so pass 2 reads one stream instead
+  // of recomputing e from three; larger blocks recompute e 64 elements at a time into its start.
+  alignas(32) float ebuf[kQStreamEBuf];
+  const bool keep = block <= kQStreamEBuf;
   int64_t bad = 0;
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lo = b * block, hi = lo + block;
@@ -95,6 +108,10 @@ int64_t qstream_blocks(const QFmt& f, const float* g, const float* x, float* sna
       if constexpr (kRes) {
         e0 = _mm256_add_ps(e0, _mm256_loadu_ps(r + i));
         e1 = _mm256_add_ps(e1, _mm256_loadu_ps(r + i + 8));
+      }
+      if (keep) {
+        _mm256_store_ps(ebuf + (i - lo), e0);
+        _mm256_store_ps(ebuf + (i - lo) + 8, e1);
       }
       am0 = _mm256_max_epu32(am0, _mm256_and_si256(_mm256_castps_si256(e0), absmask));
       am1 = _mm256_max_epu32(am1, _mm256_and_si256(_mm256_castps_si256(e1), absmask));
@@ -122,8 +139,20 @@ int64_t qstream_blocks(const QFmt& f, const float* g, const float* x, float* sna
     }
     const __m256 s = _mm256_set1_ps(sf);
     for (int64_t i = lo; i < hi; i += kQStreamStep) {
-      const __m256i c0 = qstream_code32<kRes>(g, x, r, i, s, qmax);
-      const __m256i c1 = qstream_code32<kRes>(g, x, r, i + 32, s, qmax);
+      // the lines kQStreamPrefetch elements ahead: memory keeps streaming while this block encodes
+      // (prefetches never fault, so running past the end of the buffers is harmless)
+      for (int64_t l = 0; l < kQStreamStep; l += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(g + i + kQStreamPrefetch + l), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(x + i + kQStreamPrefetch + l), _MM_HINT_T0);
+        if constexpr (kRes) _mm_prefetch(reinterpret_cast<const char*>(r + i + kQStreamPrefetch + l), _MM_HINT_T0);
+      }
+      const float* e = ebuf + (i - lo);
+      if (!keep) {
+        for (int64_t j = 0; j < kQStreamStep; j += 8) _mm256_store_ps(ebuf + j, qstream_e<kRes>(g, x, r, i + j));
+        e = ebuf;
+      }
+      const __m256i c0 = qstream_code32<kRes>(e, r, i, s, qmax);
+      const __m256i c1 = qstream_code32<kRes>(e + 32, r, i + 32, s, qmax);
       if constexpr (kBits == 8) {
         _mm256_stream_si256(reinterpret_cast<__m256i*>(codes + i), c0);
         _mm256_stream_si256(reinterpret_cast<__m256i*>(codes + i + 32), c1);

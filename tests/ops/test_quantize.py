@@ -191,13 +191,14 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", NAMES)
-@pytest.mark.parametrize("block", [64, 1024])
+@pytest.mark.parametrize("block", [64, 1024, 4096])
 @pytest.mark.parametrize("with_res", [True, False], ids=["res", "nores"])
 @pytest.mark.parametrize("snap", ["aligned", "offset", "none"])
 def test_pack_nearest_fp32_matches_ref(backend, fmt, block, with_res, snap, rng):
     """The fp32 pack rounded to nearest (the CPU's vectorised streaming path for int8 / int4 when the
-    block is a multiple of 64 and the outputs are 32-byte aligned, the scalar path otherwise: an
-    offset snapshot) is bit-identical to the reference: codes, scales, snapshot, residual to the bit
+    block is a multiple of 64 and the outputs are 32-byte aligned, keeping e between its passes up
+    to blocks of 1024 and recomputing it beyond; the scalar path otherwise: an offset snapshot) is
+    bit-identical to the reference: codes, scales, snapshot, residual to the bit
     (signed zeros included), the non-finite count, over 2 rounds in a row. The data holds what
     vectorising could get wrong: exact ties, an all-zero block, inf / NaN blocks, a block whose
     scale is subnormal (so |q| is clamped at qmax), e = -0 with residual -0, a partial last block,
