@@ -174,5 +174,8 @@ def pytest_benchmark_update_json(config: pytest.Config, benchmarks: list, output
         "sizes": [workloads.size_label(n) for n in bench_sizes(config)],
         "loadavg_end": list(os.getloadavg()),
         "notes": list(config._lowcomm_notes),  # type: ignore[attr-defined]
-        "workloads": {w.name: {"op": w.op, "note": w.note, "target": w.target} for w in workloads.WORKLOADS},
+        "workloads": {
+            w.name: {"op": w.op, "note": w.note, "target": w.target, "target_pct": w.target_pct}
+            for w in workloads.WORKLOADS
+        },
     }

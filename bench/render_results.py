@@ -144,8 +144,8 @@ def derive(rows: dict[str, dict]) -> dict[str, object]:
     return {"name": base_name, "row": base}
 
 
-def verdict(r: dict) -> tuple[str, list[str]]:
-    checks = [("% of memcpy", r.get("pct"), TARGET_PCT, "{:.0f}% (≥ 80%)"),
+def verdict(r: dict, target_pct: float = TARGET_PCT) -> tuple[str, list[str]]:
+    checks = [("% of memcpy", r.get("pct"), target_pct, "{:.0f}% (≥ " + f"{target_pct:.0f}%)"),
               ("vs ref", r.get("vs_ref"), TARGET_VS_REF, "{:.1f}x ref (≥ 3x)"),
               ("vs compile", r.get("vs_compile"), TARGET_VS_COMPILE, "{:.2f}x compile (≥ 1x)")]
     parts, ok = [], True
@@ -213,6 +213,8 @@ def interleaved_row(info: dict, seq: dict[str, dict]) -> dict:
 
 def headline(data: dict, rows: dict, inter: dict) -> list[str]:
     out = ["## Targets: pack and outer_merge_ at ≥ 16M fp32 elements, fused CPU backend", "",
+           "The quantized wire formats (pack_quantized, outer_merge/…-avg) are held to ≥ 90% of the "
+           "memcpy, the others to ≥ 80%.", "",
            "Measured interleaved (`test_interleaved`: each round calls the nt memcpy, torch.compile(ref) "
            "and the fused op once each, in rotating order, best of N each), so load from the other "
            "engineers on this shared machine hits all three alike; the speed-up over eager ref uses the "
@@ -233,7 +235,7 @@ def headline(data: dict, rows: dict, inter: dict) -> list[str]:
         else:
             base = r.get("memcpy_nt") or r.get("torch_copy")
             f = dict(r["fused"], base_gbps=base["gbps"] if base else None, how="sequential rows")
-        v, parts = verdict(f)
+        v, parts = verdict(f, wl[name].get("target_pct", TARGET_PCT))
         base_gbps = f"{f['base_gbps']:.1f}" if f.get("base_gbps") else "—"
         out.append(f"| {name} | {size_label(n)} | {fmt_time(f['time'])} | {f['gbps']:.1f} | {base_gbps} | "
                    f"{parts[0]} | {parts[1]} | {parts[2]} | **{v}** | {f['how']} |")
