@@ -142,6 +142,7 @@ class CoCoDC(DenseStrategy):
         self._init_buffers()
         if self.auto and self.timing == "emulated":
             wan = self.timing_link
+            assert wan is not None  # checked above: emulated timing needs a link model
             wire = [ring_wire_bytes(self.wire.payload_bytes(n), self.world) for n in self.frags.sizes()]
             self.T_c = self.step_time_s
             self.T_s = wan.latency_s + wan.transfer_s(sum(wire) / len(wire))
@@ -275,6 +276,7 @@ class CoCoDC(DenseStrategy):
             )
             direction = torch.randn(g_p.numel(), generator=gen, dtype=torch.float64)
         bounds = self._tensor_bounds[pd.fragment]
+        assert pd.x_sent is not None  # CoCoDC's merge always reads the snapshot (needs_snapshot)
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             if a == b:
                 continue

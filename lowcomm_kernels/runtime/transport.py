@@ -68,7 +68,7 @@ class WAN:
         if not (isinstance(self.bandwidth_bytes_per_s, (int, float)) and self.bandwidth_bytes_per_s > 0):
             raise ValueError(f"bandwidth_bytes_per_s must be > 0, got {self.bandwidth_bytes_per_s!r}")
 
-    def transfer_s(self, wire_bytes: int) -> float:
+    def transfer_s(self, wire_bytes: float) -> float:
         return wire_bytes / float(self.bandwidth_bytes_per_s)
 
 
