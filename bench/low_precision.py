@@ -94,8 +94,8 @@ def memory_rank(rank: int, world: int, dtype: str, name: str) -> dict[str, float
 def memory_table() -> str:
     rows = [
         "| model params | strategy | params B/param | outer state (g, u) | in flight, peak | "
-        "extra over plain training, peak | inner AdamW state |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "kept for later sends, peak | extra over plain training, peak | inner AdamW state |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     numel = 0
     for dtype in DTYPES:
@@ -104,7 +104,7 @@ def memory_table() -> str:
             numel = int(m["numel"])
             rows.append(
                 f"| {dtype} | {name} | {m['params']:.2f} | {m['outer_state']:.2f} | {m['in_flight']:.2f} | "
-                f"{m['extra']:.2f} | {m['adamw_state']:.2f} |"
+                f"{m['spare']:.2f} | {m['extra']:.2f} | {m['adamw_state']:.2f} |"
             )
     head = f"TinyLlama {ModelConfig()}: {numel} trainable parameters; bytes per parameter, measured\n"
     return head + "\n".join(rows)

@@ -409,7 +409,9 @@ class Strategy(abc.ABC):
         ``outer_state``, the persistent state (g and u: the master copy and outer momentum; the
         error-feedback residual);
         ``in_flight``, the buffers of the syncs in flight now (wire payloads, snapshots, control
-        vectors); ``extra`` = outer_state + in_flight, what the strategy adds to plain training."""
+        vectors); ``spare``, the wire buffers applied syncs left for later sends (as many sets as
+        syncs were in flight at once); ``extra`` = outer_state + in_flight + spare, what the
+        strategy adds to plain training."""
         n = max(self.frags.numel, 1)
 
         def nbytes(ts: Iterable[Any]) -> int:
@@ -422,12 +424,19 @@ class Strategy(abc.ABC):
 
         outer = nbytes(getattr(self, name, None) for name in ("g", "u", "residual"))
         pending = [*getattr(self, "pending", []), getattr(self, "inflight", None)]
-        in_flight = nbytes(v for pd in pending if pd is not None for v in vars(pd).values())
+        in_flight = nbytes(
+            v
+            for pd in pending
+            if pd is not None
+            for v in [*vars(pd).values(), *getattr(pd, "buffers", {}).values()]
+        )
+        spare = nbytes(v for full in getattr(self, "_spare", []) for v in full.values())
         return {
             "params": nbytes([self.frags.flat]) / n,
             "outer_state": outer / n,
             "in_flight": in_flight / n,
-            "extra": (outer + in_flight) / n,
+            "spare": spare / n,
+            "extra": (outer + in_flight + spare) / n,
         }
 
     def to_outer(self, t: torch.Tensor) -> torch.Tensor:

@@ -165,13 +165,23 @@ def quantize(v: torch.Tensor, wire: WireFormat) -> tuple[torch.Tensor, torch.Ten
 
 
 def pack_quantized(
-    g: torch.Tensor, x: torch.Tensor, wire: WireFormat, *, residual: torch.Tensor | None, snapshot: bool
+    g: torch.Tensor,
+    x: torch.Tensor,
+    wire: WireFormat,
+    *,
+    residual: torch.Tensor | None,
+    snapshot: bool,
+    reuse: dict[str, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """(codes, scales, snapshot or None, nonfinite) of Δ = g − x (+ residual, updated in place)."""
+    """(codes, scales, snapshot or None, nonfinite) of Δ = g − x (+ residual, updated in place),
+    written into ``reuse``'s "codes", "scales" and "snapshot" buffers where it holds them."""
     assert wire.quant is not None
+    reuse = reuse or {}
+    snap_out = reuse.get("snapshot") if snapshot else False
     return _pack_quantized(
-        g, x, wire.quant.name, wire.block, residual=residual, snapshot_out=None if snapshot else False
-    )
+        g, x, wire.quant.name, wire.block, residual=residual, snapshot_out=snap_out,
+        codes_out=reuse.get("codes"), scales_out=reuse.get("scales"),
+    )  # fmt: skip
 
 
 # ----- the quantized all-reduce ------------------------------------------------------------------
@@ -290,15 +300,23 @@ class QuantizedAllReduce:
     # ----- the caller's side ---------------------------------------------------------------------
     def start(
         self, codes: torch.Tensor, scales: torch.Tensor, n: int, *, control: torch.Tensor, name: str,
-        out_dtype: torch.dtype,
+        out_dtype: torch.dtype, out: torch.Tensor | None = None,
     ) -> QuantHandle:  # fmt: skip
-        """Queue the average of (codes, scales) of n elements; the control vector is all-reduced
-        now on the main group, charged with the quantized payload's bytes."""
+        """Queue the average of (codes, scales) of n elements into ``out`` (n elements of out_dtype
+        on codes' device, or a new tensor); the control vector is all-reduced now on the main group,
+        charged with the quantized payload's bytes."""
         if not self._thread.is_alive():
             raise RuntimeError(f"{name}: the quantized all-reduce was closed")
         payload = codes.numel() * codes.element_size() + scales.numel() * scales.element_size()
         ctl = self.transport.all_reduce([control], name=name, host=control, payload_bytes=payload)
-        job = _Job(codes, scales, n, torch.empty(n, dtype=out_dtype, device=codes.device), name)
+        if out is None:
+            out = torch.empty(n, dtype=out_dtype, device=codes.device)
+        elif out.shape != (n,) or out.dtype != out_dtype or out.device != codes.device:
+            raise ValueError(
+                f"{name}: out must be {n} elements of {out_dtype} on {codes.device}, "
+                f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+            )
+        job = _Job(codes, scales, n, out, name)
         if self._stream is not None:
             job.ready = torch.cuda.Event()
             job.ready.record(torch.cuda.current_stream(codes.device))

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -53,6 +53,9 @@ class Pending:
     in_flight_s: float = 0.0
     wire_bytes: int = 0
     control_host: list[float] | None = None  # restored from a checkpoint: the reduced control
+    # the full-size wire buffers this sync's tensors are cut from, kept for a later send once it
+    # is applied (DenseStrategy._take_buffers); empty when its tensors were allocated for it alone
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def nbytes(self) -> int:
         n = self.delta.numel() * self.delta.element_size()
@@ -104,6 +107,14 @@ class DenseStrategy(Strategy):
             self.metrics.residual_bytes = self.residual.numel() * self.residual.element_size()
             self.metrics.extra_memory_bytes += self.metrics.residual_bytes
         self.applied_count = 0
+        # The wire buffers of applied syncs, for later sends (_take_buffers; CPU only). On the CPU a
+        # fresh large buffer is a fresh mapping whose first write faults in every page: a pack of 4M
+        # fp32 elements into new buffers took 3x as long as into reused ones. Every set is sized for
+        # the largest fragment and cut to the one it serves, so as many are kept as syncs were in
+        # flight at once. GPUs keep none: the caching allocator already reuses freed memory, and
+        # there a kept set would only take memory from the activations.
+        self._spare: list[dict[str, torch.Tensor]] = []
+        self._largest_fragment = max(self.frags.sizes(), default=0)
 
     # ----- schedule (subclasses) -----------------------------------------------------------------
     @abc.abstractmethod
@@ -165,15 +176,16 @@ class DenseStrategy(Strategy):
             g_p = self.frags.slice(self.g, p)
             x_p = self.frags.x(p)
             x_src = self.to_outer(x_p)
+            buffers, out = self._take_buffers(g_p.numel())
             if self.quantized is not None:  # codes + scales (runtime.compression)
                 res = None if self.residual is None else self.frags.slice(self.residual, p)
                 codes, scales, snap, nonfinite = pack_quantized(
-                    g_p, x_src, self.wire, residual=res, snapshot=self.needs_snapshot
+                    g_p, x_src, self.wire, residual=res, snapshot=self.needs_snapshot, reuse=out
                 )
             else:
-                snap_out = None if self.needs_snapshot else False
+                snap_out = out.get("snapshot") if self.needs_snapshot else False
                 delta, snap, nonfinite = ops.pack(
-                    g_p, x_src, wire_dtype=self.wire_dtype, snapshot_out=snap_out
+                    g_p, x_src, wire_dtype=self.wire_dtype, delta_out=out.get("delta"), snapshot_out=snap_out
                 )
             # the fragment's inner-optimizer state and the model's buffers count too: a finite x
             # beside an inf Adam moment or a NaN running mean is a poisoned rank all the same
@@ -188,7 +200,7 @@ class DenseStrategy(Strategy):
         if self.quantized is not None:  # averaged on arrival into handle.result, in the outer dtype
             handle = self.quantized.start(
                 self.to_model(codes), self.to_model(scales), g_p.numel(), control=control, name=name,
-                out_dtype=self.wire_dtype,
+                out_dtype=self.wire_dtype, out=out.get("result"),
             )  # fmt: skip
             delta = handle.result
         else:
@@ -196,11 +208,39 @@ class DenseStrategy(Strategy):
                 [delta, control], name=name, host=control, payload_bytes=delta.numel() * delta.element_size()
             )
         pd = Pending(
-            p, t, t + self.tau, delta, snap, control, handle, reason, pack_s, wire_bytes=handle.wire_bytes
-        )
+            p, t, t + self.tau, delta, snap, control, handle, reason, pack_s, wire_bytes=handle.wire_bytes,
+            buffers=buffers,
+        )  # fmt: skip
         self.pending.append(pd)
         inflight = sum(q.nbytes() for q in self.pending)
         self.metrics.peak_inflight_bytes = max(self.metrics.peak_inflight_bytes, inflight)
+
+    def _take_buffers(self, n: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """(a full-size set of wire buffers, its tensors cut to a fragment of n elements): a set an
+        applied sync left, or a new one; ({}, {}) (the ops allocate) off the CPU, and when the outer
+        state is on another device than the model (the payload is copied across on send)."""
+        if self.outer_dev.type != "cpu" or self.outer_dev != self.device:
+            return {}, {}
+        full = self._spare.pop() if self._spare else self._new_buffers()
+        q = self.wire.quant
+        size = {
+            "codes": q.payload_bytes(n) if q is not None else 0,
+            "scales": q.num_scales(n, self.wire.block) if q is not None else 0,
+        }
+        return full, {k: v[: size.get(k, n)] for k, v in full.items()}
+
+    def _new_buffers(self) -> dict[str, torch.Tensor]:
+        n, dev, q = self._largest_fragment, self.outer_dev, self.wire.quant
+        out = {}
+        if q is not None:  # the codes and scales sent, and the average received (runtime.compression)
+            out["codes"] = torch.empty(q.payload_bytes(n), dtype=torch.uint8, device=dev)
+            out["scales"] = torch.empty(q.num_scales(n, self.wire.block), dtype=torch.float32, device=dev)
+            out["result"] = torch.empty(n, dtype=self.wire_dtype, device=dev)
+        else:  # Δ, summed in place by the all-reduce
+            out["delta"] = torch.empty(n, dtype=self.wire_dtype, device=dev)
+        if self.needs_snapshot:
+            out["snapshot"] = torch.empty(n, dtype=self.g.dtype, device=dev)
+        return out
 
     def _wait(self, pd: Pending) -> None:
         if pd.handle is not None and not pd.handle.waited:
@@ -242,6 +282,8 @@ class DenseStrategy(Strategy):
                 if x_work is not x_p:
                     x_p.copy_(self.to_model(x_work))
         self.applied_count += 1
+        if pd.buffers:  # the collective finished (_wait) and the merge has read them: free for a send
+            self._spare.append(pd.buffers)
         self._record_sync(pd, t, t0, fragment=p, skipped=skipped, reason=pd.reason)
 
     def _merge(

@@ -134,7 +134,7 @@ def test_memory_per_param_is_measured_from_the_buffers(runs):
     assert mem["mem_fp32"]["params"] == 4.0 and mem["mem_bf16"]["params"] == 2.0
     for m in mem.values():
         assert m["outer_state"] == 8.0, m
-        assert m["extra"] == pytest.approx(m["outer_state"] + m["in_flight"], rel=1e-12)
+        assert m["extra"] == pytest.approx(m["outer_state"] + m["in_flight"] + m["spare"], rel=1e-12)
     d = runs[0]["mem_bf16"]["d"]
     half = mem["mem_bf16"]["in_flight"] * d  # bytes in flight: Δ of one fragment + control
     assert mem["mem_fp32"]["in_flight"] == mem["mem_bf16"]["in_flight"] > 0
