@@ -13,9 +13,9 @@
 // to the scalar path and to the reference (ops/quantize.py): e = (g - x) + r in fp32; per block
 // amax = the largest |e| bit pattern (integer max, exact in any order); s = q_scale; for a block with
 // q_scale_ok(s): q = e / s (correctly rounded vector division; finite, |q| <= qmax (1 + 2^-23)), then
-// the scalar's v = q < 0 ? 0 - c : c with c = round-half-even(min(|q|, qmax)) is computed as
-// v = round-half-even(clamp(q, -qmax, qmax)) + 0: the same value, since rounding half to even is
-// odd-symmetric, and the same zero, +0 (the + 0 turns the -0 of q in (-0.5, -0] into +0), residual
+// the scalar's v = q < 0 ? 0 - c : c with c = round-half-even(min(|q|, qmax)) is computed as the
+// integer conversion of clamp(q, -qmax, qmax) under round-to-nearest-even: the same value, since
+// rounding half to even is odd-symmetric, and, converted back to fp32, the same zero, +0; residual
 // r = e - v * s (no contraction: separate multiply and subtract). Blocks that are not ok (zero, or
 // holding inf / NaN) get codes 0 and keep their residual, as in the scalar path; a last partial block
 // goes to the scalar path.
@@ -60,13 +60,16 @@ template <bool kRes>
 inline __m256i qstream_code8(__m256 e, float* r, int64_t i, __m256 s, __m256 qmax) {
   const __m256 q = _mm256_div_ps(e, s);
   // round-half-even is odd-symmetric, so rounding q clamped to [-qmax, qmax] equals the scalar's
-  // sign(q) * rint(min(|q|, qmax)); the + 0 turns the -0 it gives for q in (-0.5, -0] into the
-  // scalar's +0 (only q = -0, i.e. e = -0, would otherwise change the residual's sign of zero)
+  // sign(q) * rint(min(|q|, qmax)). The conversion rounds under MXCSR's rounding control, which
+  // qstream_blocks sets to nearest-even; converted back, a code of 0 is the scalar's +0 (a -0 would
+  // change the residual's sign of zero for e = -0).
   const __m256 w = _mm256_max_ps(_mm256_min_ps(q, qmax), _mm256_sub_ps(_mm256_setzero_ps(), qmax));
-  const __m256 c = _mm256_round_ps(w, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 v = _mm256_add_ps(c, _mm256_setzero_ps());
-  if constexpr (kRes) _mm256_storeu_ps(r + i, _mm256_sub_ps(e, _mm256_mul_ps(v, s)));
-  return _mm256_cvtps_epi32(v);
+  const __m256i c = _mm256_cvtps_epi32(w);
+  if constexpr (kRes) {
+    const __m256 v = _mm256_cvtepi32_ps(c);
+    _mm256_storeu_ps(r + i, _mm256_sub_ps(e, _mm256_mul_ps(v, s)));
+  }
+  return c;
 }
 
 // 32 int8 codes of elements i .. i + 31, in element order.
@@ -98,6 +101,10 @@ int64_t qstream_blocks(const QFmt& f, const float* g, const float* x, float* sna
   alignas(32) float ebuf[kQStreamEBuf];
   const bool keep = block <= kQStreamEBuf;
   int64_t bad = 0;
+  // qstream_code8 converts to integers under MXCSR's rounding control: nearest here, whatever the
+  // caller's (bits 13-14 cleared), restored on return
+  const unsigned int csr = _mm_getcsr();
+  _mm_setcsr(csr & ~0x6000u);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t lo = b * block, hi = lo + block;
     __m256i am0 = _mm256_setzero_si256(), am1 = _mm256_setzero_si256();
@@ -166,6 +173,7 @@ int64_t qstream_blocks(const QFmt& f, const float* g, const float* x, float* sna
       }
     }
   }
+  _mm_setcsr(csr);
   return bad;
 }
 
