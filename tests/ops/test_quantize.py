@@ -313,27 +313,30 @@ def test_reduce(backend, fmt, m, rng):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fmt", ["int8", "fp4_e2m1"])
 @pytest.mark.parametrize("lam_mode", ["absolute", "normalized"])
-def test_outer_merge_quantized(backend, fmt, lam_mode, rng):
+@pytest.mark.parametrize("dtype,nesterov", [(torch.float32, True), (torch.float64, False)])
+def test_outer_merge_quantized(backend, fmt, lam_mode, dtype, nesterov, rng):
     """outer_merge_ with a Quantized (or a tuple) Δ̄ equals the dense merge of the dequantized Δ̄,
-    bit for bit (the CPU kernel runs the dense kernel on dequantized chunks)."""
+    bit for bit (the CPU kernel dequantizes int8 inside the merge's loop, the other formats into
+    chunks that the dense kernel reads)."""
     n, block = 300001, 64
-    g, u, x, xs = (torch.randn(n, generator=rng) for _ in range(4))
+    g, u, x, xs = (torch.randn(n, generator=rng, dtype=dtype) for _ in range(4))
     codes, scales = quantize(torch.randn(n, generator=rng), fmt, block)
     ref = [t.clone() for t in (g, u, x)]
     kw = {
         "lr": 0.7,
         "momentum": 0.9,
-        "nesterov": True,
+        "nesterov": nesterov,
         "alpha": 0.1,
         "beta": 1.0,
         "lam": 0.2,
         "lam_mode": lam_mode,
     }
     outer_merge_(g, u, Quantized(codes, scales, fmt, block), x, xs, **kw, backend=backend)
-    outer_merge_ref(ref[0], ref[1], dequantize_ref(codes, scales, fmt, block, n), ref[2], xs, **kw)
+    deq = dequantize_ref(codes, scales, fmt, block, n, out_dtype=dtype)
+    outer_merge_ref(ref[0], ref[1], deq, ref[2], xs, **kw)
     assert torch.equal(g, ref[0]) and torch.equal(u, ref[1]) and torch.equal(x, ref[2])
     outer_merge_(g, u, (codes, scales, fmt, block), x, xs, **kw, backend=backend)
-    outer_merge_ref(ref[0], ref[1], dequantize_ref(codes, scales, fmt, block, n), ref[2], xs, **kw)
+    outer_merge_ref(ref[0], ref[1], deq, ref[2], xs, **kw)
     assert torch.equal(g, ref[0]) and torch.equal(x, ref[2])
 
 
