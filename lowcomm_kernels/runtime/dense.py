@@ -108,11 +108,11 @@ class DenseStrategy(Strategy):
             self.metrics.extra_memory_bytes += self.metrics.residual_bytes
         self.applied_count = 0
         # The wire buffers of applied syncs, for later sends (_take_buffers; CPU only). On the CPU a
-        # fresh large buffer is a fresh mapping whose first write faults in every page: a pack of 4M
-        # fp32 elements into new buffers took 3x as long as into reused ones. Every set is sized for
-        # the largest fragment and cut to the one it serves, so as many are kept as syncs were in
-        # flight at once. GPUs keep none: the caching allocator already reuses freed memory, and
-        # there a kept set would only take memory from the activations.
+        # fresh large buffer is a fresh mapping whose first write faults in every page: a pack of 8M
+        # fp32 elements into new buffers took 2.2x as long as into reused ones (bench/send_buffers.py).
+        # Every set is sized for the largest fragment and cut to the one it serves, so as many are
+        # kept as syncs were in flight at once. GPUs keep none: the caching allocator already reuses
+        # freed memory, and there a kept set would only take memory from the activations.
         self._spare: list[dict[str, torch.Tensor]] = []
         self._largest_fragment = max(self.frags.sizes(), default=0)
 

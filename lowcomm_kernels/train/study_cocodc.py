@@ -39,9 +39,15 @@ setup, training, 21 small evaluations and the final one of every worker's model 
 model: 11.2 s and 13.6 s of wall-clock), 155 s wall for the command while other jobs kept the load
 average at 2-4.5. 15 configurations x 5 seeds = 75 runs x 174 CPU s = 13,060 CPU s, about 109
 minutes on 2 free cores (wall >= CPU seconds / 2). Measured: the 75 runs of the committed study
-took 13,712 CPU seconds of all ranks (135-219 s per run, under load 1-11), 114 minutes of 2 cores;
-``lowcomm report`` prints that total from the runs (``elapsed_s`` in results.json is only the last
-sitting's, which may have read every run back).
+took 13,712 CPU seconds of all ranks (135-219 s per run, under load 1-11); ``lowcomm report`` prints
+that total from the runs (``elapsed_s`` in results.json is only the last sitting's, which may have
+read every run back). Since then a foreach AdamW, validation batches of 4,096 tokens and q and k
+rotated in one call made a run cheaper with the same training, bit for bit: ``--seeds 1`` (one seed
+of all 15 configurations) took 1,342 s of wall-clock on the idle machine and reproduced the
+committed seed-0 final losses (docs/data/cocodc-paper-timing), so 5 seeds take about
+5 x 1,213 s of runs + 129 s of launches = 103 minutes. A worker step of this model is 14.4 ms of
+one core alone and with 4 processes on 2 cores alike, so any other job on the machine slows the
+study in proportion (a nice'd test run beside it cost it 30 %).
 
     lowcomm train --method cocodc --seed 1000 --steps 2000 --sync-every 100 --delay 5 --fragments 4 \\
         --lam 0.5 --gamma 0.4 --dim 16 --layers 4 --heads 2 --mlp-hidden 43 --seq-len 16 \\
