@@ -6,7 +6,13 @@ a second of compute; every test's time goes to process start-up.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 IN, WIDTH, BLOCKS, BATCH = 4, 8, 4, 16
@@ -63,3 +69,22 @@ INNER_MOMENTUM = 0.5
 
 def make_opt(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=INNER_LR, momentum=INNER_MOMENTUM)
+
+
+@contextlib.contextmanager
+def one_rank_world() -> Iterator[dist.ProcessGroup]:
+    """This process as a gloo world of one (on a free port), for strategies built in the test
+    process; an existing default group is reused and left as it was. Destroyed on exit, since later
+    tests in the process (the Hugging Face callback's) expect no default group."""
+    owner = not dist.is_initialized()
+    if owner:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        if owner:
+            dist.destroy_process_group()

@@ -3,33 +3,23 @@ against a float64 computation written out here (not the code under test)."""
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from lowcomm_kernels.ops.outer_merge import outer_merge_control_ref, outer_merge_ref
 from lowcomm_kernels.runtime import CoCoDC
 from lowcomm_kernels.runtime.dense import Pending
 
+from .rt_common import one_rank_world
+
 LR, MU = 0.7, 0.9
 
 
 @pytest.fixture(scope="module")
 def group():
-    owner = not dist.is_initialized()
-    if owner:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    yield dist.group.WORLD
-    if owner:
-        dist.destroy_process_group()
+    with one_rank_world() as g:
+        yield g
 
 
 def _tensors(n: int, seed: int = 0) -> dict[str, torch.Tensor]:

@@ -3,11 +3,9 @@ resume into a fresh strategy, and the trajectory goes on exactly as without the 
 with another number of ranks (up and down), and refuse it where it has no meaning."""
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -17,20 +15,13 @@ from lowcomm_kernels.runtime.checkpoint import CheckpointError
 from lowcomm_kernels.runtime.dcp import DCPState
 from lowcomm_kernels.runtime.launch import spawn_local
 from tests.runtime import dcp_worker
+from tests.runtime.rt_common import one_rank_world
 
 
 @pytest.fixture(scope="module")
 def group():
-    owner = not dist.is_initialized()
-    if owner:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    yield dist.group.WORLD
-    if owner:  # later tests in this process (the Hugging Face callback's) expect no default group
-        dist.destroy_process_group()
+    with one_rank_world() as g:
+        yield g
 
 
 def _make():

@@ -4,17 +4,13 @@ were in flight at once, and training is bit for bit what it is with fresh buffer
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from lowcomm_kernels import runtime as rt
 from lowcomm_kernels.runtime.dense import DenseStrategy
 
-from .rt_common import inner_step, make_model, make_opt
+from .rt_common import inner_step, make_model, make_opt, one_rank_world
 
 STREAM = dict(num_fragments=3, sync_every=9, fragment_sync_delay=2)
 SCENARIOS = {
@@ -30,16 +26,8 @@ STEPS = 30
 
 @pytest.fixture(scope="module")
 def group():
-    owner = not dist.is_initialized()
-    if owner:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    yield dist.group.WORLD
-    if owner:
-        dist.destroy_process_group()
+    with one_rank_world() as g:
+        yield g
 
 
 def _train(name: str, group, fresh: bool) -> tuple[torch.Tensor, set[int], int, DenseStrategy]:
