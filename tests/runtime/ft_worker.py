@@ -133,6 +133,9 @@ def main() -> None:
                     time.sleep(0.05)
             if a.step_sleep:
                 time.sleep(a.step_sleep)
+    # every replica stops at the same step: apply what is still in flight (a collective), so no
+    # rank exits with a sync its peers are still completing
+    strat.finish()
     manager.shutdown(wait=False)
     if dist.is_initialized():
         dist.destroy_process_group()
