@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 
@@ -26,6 +25,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import lowcomm_kernels.runtime as rt  # noqa: E402
+from lowcomm_kernels.runtime.launch import free_port  # noqa: E402
 
 H, K = 8, 4  # a fragment sent every 2 steps
 
@@ -74,10 +74,7 @@ def main() -> None:
     ap.add_argument("--numel", type=int, default=32 << 20)
     ap.add_argument("--syncs", type=int, default=8)
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         print(measure(args.numel, args.syncs))

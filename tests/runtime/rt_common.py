@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lowcomm_kernels.runtime.launch import free_port
 
 IN, WIDTH, BLOCKS, BATCH = 4, 8, 4, 16
 
@@ -78,10 +79,7 @@ def one_rank_world() -> Iterator[dist.ProcessGroup]:
     tests in the process (the Hugging Face callback's) expect no default group."""
     owner = not dist.is_initialized()
     if owner:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield dist.group.WORLD
