@@ -168,6 +168,37 @@ def cpu_model() -> str | None:
     return platform.processor() or None
 
 
+# The vector extensions that decide which kernels torch and its BLAS run, hence the last bits of
+# every float32 result: the same seeded run on an AVX2 and on an AVX-512 machine trains apart
+# (by chaos over thousands of steps, up to the seed noise), so a results file names them.
+ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "asimd", "sve")
+
+
+def cpu_flags() -> list[str] | None:
+    """The :data:`ISA_FLAGS` this CPU reports (None without ``/proc/cpuinfo``)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            have = set(value.split())
+            return [f for f in ISA_FLAGS if f in have]
+    return None
+
+
+def torch_cpu_capability() -> str | None:
+    """The vector level torch's own CPU kernels dispatch to (``AVX512``, ``AVX2``, ``DEFAULT``…;
+    the ``ATEN_CPU_CAPABILITY`` environment variable lowers it)."""
+    try:
+        import torch
+
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # an old torch, or none: unknown, never an error
+        return None
+
+
 def machine() -> dict:
     try:
         usable = len(os.sched_getaffinity(0))
@@ -179,6 +210,8 @@ def machine() -> dict:
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable,
         "cpu_model": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "torch_cpu_capability": torch_cpu_capability(),
     }
 
 

@@ -12,6 +12,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
+import torch
 
 from lowcomm_kernels.train import provenance
 
@@ -116,6 +117,8 @@ def test_record_fields_versions_machine_and_load():
     assert m["cpu_count"] == os.cpu_count() and m["cpus_usable"] >= 1
     if Path("/proc/cpuinfo").is_file():
         assert m["cpu_model"]
+        assert set(m["cpu_flags"]) <= set(provenance.ISA_FLAGS)
+    assert m["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     load = rec["load"]
     assert len(load["loadavg_start"]) == 3 and len(load["loadavg_end"]) == 3
     assert load["cpu_s"] > 0 and load["wall_s"] >= 0.01
