@@ -45,7 +45,9 @@ read every run back). Since then a foreach AdamW, validation batches of 4,096 to
 rotated in one call made a run cheaper with the same training, bit for bit: ``--seeds 1`` (one seed
 of all 15 configurations) took 1,342 s of wall-clock on the idle machine and reproduced the
 committed seed-0 final losses (docs/data/cocodc-paper-timing), so 5 seeds take about
-5 x 1,213 s of runs + 129 s of launches = 103 minutes. A worker step of this model is 14.4 ms of
+5 x 1,213 s of runs + 129 s of launches = 103 minutes. Timed in one sitting on a second 2-core
+machine (AVX-512; docs/data/cocodc-paper-avx512): 3,632 s for the 75 runs, 70 minutes with the
+loscar-regimes study. A worker step of this model is 14.4 ms of
 one core alone and with 4 processes on 2 cores alike, so any other job on the machine slows the
 study in proportion (a nice'd test run beside it cost it 30 %).
 
