@@ -55,6 +55,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if threads < 1:
         raise pytest.UsageError(f"--bench-threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
+    out = config.getoption("benchmark_json", None)  # pytest-benchmark writes it at the very end and
+    if out is not None:  # fails there, after the whole run, when its folder does not exist
+        Path(out).resolve().parent.mkdir(parents=True, exist_ok=True)
     config._lowcomm_notes = []  # type: ignore[attr-defined]  # skipped rows, with the reason
     config._lowcomm_load_start = os.getloadavg()  # type: ignore[attr-defined]
 

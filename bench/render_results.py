@@ -208,17 +208,31 @@ def interleaved_row(info: dict, seq: dict[str, dict]) -> dict:
     gbps, base_gbps = info["bytes"] / t / 1e9, info["memcpy_bytes"] / best[base] / 1e9
     return dict(time=t, gbps=gbps, base_gbps=base_gbps, pct=100 * gbps / base_gbps,
                 vs_compile=best["compile"] / t, vs_ref=seq["ref"]["time"] / t if "ref" in seq else None,
-                how=f"interleaved, {info['rounds']} rounds")
+                how=interleaved_how(info))
+
+
+def interleaved_how(info: dict) -> str:
+    """The measured column of an interleaved row: its rounds and, where recorded, the median over
+    rounds of the same round's memcpy / fused ratio (a noisy host shows it far from the best's)."""
+    how = f"interleaved, {info['rounds']} rounds"
+    if "compile_rounds" in info:
+        how += f" ({info['compile_rounds']} with compile)"
+    if "paired_pct_median" in info:
+        how += f"; same-round median {info['paired_pct_median']:.0f}%"
+    return how
 
 
 def headline(data: dict, rows: dict, inter: dict) -> list[str]:
     out = ["## Targets: pack and outer_merge_ at ≥ 16M fp32 elements, fused CPU backend", "",
            "The quantized wire formats (pack_quantized, outer_merge/…-avg) are held to ≥ 90% of the "
            "memcpy, the others to ≥ 80%.", "",
-           "Measured interleaved (`test_interleaved`: each round calls the nt memcpy, torch.compile(ref) "
-           "and the fused op once each, in rotating order, best of N each), so load from the other "
-           "engineers on this shared machine hits all three alike; the speed-up over eager ref uses the "
-           "sequential ref row. Where no interleaved measurement exists, the sequential rows are used.", "",
+           "Measured interleaved (`test_interleaved`: each round calls the nt memcpy and the fused op "
+           "once each, in alternating order, and torch.compile(ref) on an evenly spread subset of the "
+           "rounds; best of N each), so load from the other engineers on this shared machine hits them "
+           "alike; the speed-up over eager ref uses the sequential ref row. The verdict takes the bests; "
+           "the last column also gives the median over rounds of the memcpy / fused time ratio of the "
+           "same round, as % of the memcpy's bandwidth: near the best's % on a quiet host, far from it "
+           "on a noisy one. Where no interleaved measurement exists, the sequential rows are used.", "",
            "| workload | size | fused | GB/s | memcpy GB/s | % of memcpy | vs eager ref "
            "| vs torch.compile(ref) | verdict | measured |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
