@@ -156,16 +156,21 @@ def package_version() -> str | None:
         return __version__
 
 
-def cpu_model() -> str | None:
+def _cpuinfo_field(*keys: str) -> str | None:
+    """The value of the first ``/proc/cpuinfo`` line named one of `keys` (None without the file)."""
     try:
         text = Path("/proc/cpuinfo").read_text(errors="replace")
     except OSError:
-        return platform.processor() or None
+        return None
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        if key.strip() in ("model name", "Model", "cpu model"):
-            return value.strip() or None
-    return platform.processor() or None
+        if key.strip() in keys:
+            return value.strip()
+    return None
+
+
+def cpu_model() -> str | None:
+    return _cpuinfo_field("model name", "Model", "cpu model") or platform.processor() or None
 
 
 # The vector extensions that decide which kernels torch and its BLAS run, hence the last bits of
@@ -176,16 +181,11 @@ ISA_FLAGS = ("avx", "avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_ti
 
 def cpu_flags() -> list[str] | None:
     """The :data:`ISA_FLAGS` this CPU reports (None without ``/proc/cpuinfo``)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    except OSError:
+    value = _cpuinfo_field("flags", "Features")
+    if value is None:
         return None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            have = set(value.split())
-            return [f for f in ISA_FLAGS if f in have]
-    return None
+    have = set(value.split())
+    return [f for f in ISA_FLAGS if f in have]
 
 
 def torch_cpu_capability() -> str | None:

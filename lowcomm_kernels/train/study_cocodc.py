@@ -43,13 +43,13 @@ took 13,712 CPU seconds of all ranks (135-219 s per run, under load 1-11); ``low
 that total from the runs (``elapsed_s`` in results.json is only the last sitting's, which may have
 read every run back). Since then a foreach AdamW, validation batches of 4,096 tokens and q and k
 rotated in one call made a run cheaper with the same training, bit for bit: ``--seeds 1`` (one seed
-of all 15 configurations) took 1,342 s of wall-clock on the idle machine and reproduced the
+of all 15 configurations) took 1,342 s of wall-clock on the idle AVX2 machine and reproduced the
 committed seed-0 final losses (docs/data/cocodc-paper-timing), so 5 seeds take about
 5 x 1,213 s of runs + 129 s of launches = 103 minutes. Timed in one sitting on a second 2-core
 machine (AVX-512; docs/data/cocodc-paper-avx512): 3,632 s for the 75 runs, 70 minutes with the
-loscar-regimes study. A worker step of this model is 14.4 ms of
-one core alone and with 4 processes on 2 cores alike, so any other job on the machine slows the
-study in proportion (a nice'd test run beside it cost it 30 %).
+loscar-regimes study. A worker step of this model is 14.4 ms of one core alone and with 4
+processes on 2 cores alike, so any other job on the machine slows the study in proportion (a
+nice'd test run beside it cost it 30 %).
 
     lowcomm train --method cocodc --seed 1000 --steps 2000 --sync-every 100 --delay 5 --fragments 4 \\
         --lam 0.5 --gamma 0.4 --dim 16 --layers 4 --heads 2 --mlp-hidden 43 --seq-len 16 \\
