@@ -378,7 +378,11 @@ class QuantizedAllReduce:
         f, blk, M, n = self.fmt, self.block, self.world, job.n
         chunk, spans = self.layout(n)
         pb, ns = f.payload_bytes(chunk), f.num_scales(chunk, blk)
-        row = pb + 4 * ns  # one uint8 row per chunk: codes, then the fp32 scales' bytes
+        # one uint8 row per chunk: codes, then the fp32 scales' bytes at a 4-byte aligned offset (a
+        # chunk of 2-element int8 or 2/4-element int4 blocks has codes of 4k + 2 bytes, and viewing
+        # bytes as fp32 needs an offset divisible by 4), so row, and every row's start, is aligned too
+        so = -(-pb // 4) * 4
+        row = so + 4 * ns
         dev = job.codes.device
         send = torch.zeros(M, row, dtype=torch.uint8, device=dev)
         codes, scales = job.codes.reshape(-1), job.scales.reshape(-1)
@@ -387,7 +391,7 @@ class QuantizedAllReduce:
                 b0, nb = f.payload_bytes(lo), f.payload_bytes(hi - lo)
                 s0, nsc = lo // blk, f.num_scales(hi - lo, blk)
                 send[c, :nb] = codes[b0 : b0 + nb]
-                send[c, pb : pb + 4 * nsc] = scales[s0 : s0 + nsc].view(torch.uint8)
+                send[c, so : so + 4 * nsc] = scales[s0 : s0 + nsc].view(torch.uint8)
         if self.group is not None:
             recv = torch.empty_like(send)
             self._wait_work(
@@ -401,10 +405,10 @@ class QuantizedAllReduce:
             L = hi - lo
             nb, nsc = f.payload_bytes(L), f.num_scales(L, blk)
             in_codes = recv[:, :nb].contiguous()
-            in_scales = recv[:, pb : pb + 4 * nsc].contiguous().view(torch.float32)
+            in_scales = recv[:, so : so + 4 * nsc].contiguous().view(torch.float32)
             rc, rs = reduce_quantized(in_codes, in_scales, f.name, blk, L, scale=1.0 / M)
             mine[:nb] = rc
-            mine[pb : pb + 4 * nsc] = rs.view(torch.uint8)
+            mine[so : so + 4 * nsc] = rs.view(torch.uint8)
         if self.group is not None:
             gathered = torch.empty(M, row, dtype=torch.uint8, device=dev)
             self._wait_work(
@@ -419,7 +423,7 @@ class QuantizedAllReduce:
                 L = hi - lo
                 nb, nsc = f.payload_bytes(L), f.num_scales(L, blk)
                 rc = gathered[c, :nb]
-                rs = gathered[c, pb : pb + 4 * nsc].contiguous().view(torch.float32)
+                rs = gathered[c, so : so + 4 * nsc].contiguous().view(torch.float32)
                 dequantize(rc, rs, f.name, blk, L, out=job.result[lo:hi])
         if self._stream is not None:
             for t in (job.codes, job.scales, job.result, send, recv, mine, gathered):

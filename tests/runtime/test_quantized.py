@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from lowcomm_kernels.ops import FORMATS, dequantize_ref, quantize_ref, reduce_quantized_ref
+from lowcomm_kernels.runtime import DiLoCo
 from lowcomm_kernels.runtime.compression import resolve_wire_format
 from lowcomm_kernels.runtime.launch import spawn_local
 from lowcomm_kernels.runtime.transport import ring_wire_bytes
+from tests.runtime.rt_common import inner_step, make_model, make_opt, one_rank_world
 from tests.runtime.rt_quant import payload
 from tests.runtime.rt_sim import SimWire, simulate_dense, simulate_loscar
 
@@ -65,6 +67,44 @@ def test_quantized_sync_overlaps_like_the_dense_one():
         got = res[r]["fp4_e2m1_wan"]
         assert got["polled_early"] is False
         assert 0.2 < got["exposed"] < 2.0 and got["in_flight_s"] >= 0.3 - 1e-3
+
+
+# Blocks of 2 (8-bit codes) and 2 or 4 (4-bit codes) give chunks whose codes take 4k + 2 bytes on
+# 2 or 4 ranks; the scales that follow them in the byte row must still start 4-byte aligned.
+SMALL_BLOCK_CASES = [
+    {"name": "int8_block2", "fmt": "int8", "block": 2, "n": 18, "seed": 6},
+    {"name": "fp8_block2", "fmt": "fp8_e5m2", "block": 2, "n": 1002, "seed": 7},
+    {"name": "int4_block4_odd", "fmt": "int4", "block": 4, "n": 37, "seed": 8},
+    {"name": "fp4_block2", "fmt": "fp4_e2m1", "block": 2, "n": 101, "seed": 9},
+]
+
+
+@pytest.mark.parametrize("M", [2, 4])
+def test_small_blocks_average_like_the_reference(M):
+    res = spawn_local(f"{QUANT}:allreduce_cases", M, (SMALL_BLOCK_CASES,), timeout_s=180)
+    for case in SMALL_BLOCK_CASES:
+        want = _expected(case, M)
+        for r in range(M):
+            assert torch.equal(res[r][case["name"]]["result"], want), (case["name"], M, r)
+
+
+@pytest.mark.parametrize(("fmt", "block"), [("int8", 2), ("int4", 2), ("int4", 4), ("fp4_e2m1", 4)])
+def test_small_blocks_sync_every_model_size(fmt, block):
+    """A documented block of 2 or 4 used to crash every rank at its first sync for most model sizes
+    ("storage_offset() must be divisible by 4"): DiLoCo syncs models of 1 to 8 widths."""
+    with one_rank_world():
+        for width in range(1, 9):
+            model = make_model(torch.float32, width=width, blocks=1)
+            opt = make_opt(model)
+            st = DiLoCo(model, opt, sync_every=1, wire_dtype=fmt, quant_block=block)
+            try:
+                for t in (1, 2):
+                    inner_step(model, opt, 0, t)
+                    st.step()
+                assert st.metrics.num_syncs == 2 and st.metrics.num_skipped == 0, width
+                assert torch.isfinite(st.g).all(), width
+            finally:
+                st.close()
 
 
 # ----- every strategy against the simulation -----------------------------------------------------
