@@ -1,4 +1,5 @@
-"""lowcomm: compare the methods, train one, run the studies, profile a run, run the benchmarks.
+"""lowcomm: compare the methods, train one, run the studies, profile a run, run the benchmarks,
+simulate the methods at scale.
 
 Exit codes: 0 success; 2 bad input (one line on stderr, no traceback); 1 a run failed.
 """
@@ -11,6 +12,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from .sim import command as simulate
 from .train.args import add_tensorboard_flag
 from .train.errors import UsageError
 from .train.faults import add_fault_flags
@@ -254,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--check", action="store_true", help="with --update-docs: only report stale regions (exit 1)"
     )
+    simulate.add_parser(sub)
     return p
 
 
@@ -268,14 +271,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     provenance.begin(None if argv is None else list(argv))  # results files record the command from here
     try:
-        return commands.dispatch(build_parser().parse_args(argv))
+        args = build_parser().parse_args(argv)
+        if args.command == "simulate":  # numpy and the runtime's schedule rules only: no workers
+            return simulate.run(args)
+        return commands.dispatch(args)
     except argparse.ArgumentError as exc:  # a flag's value: "--latency-ms must be >= 0, got -1"
         print(
             f"error: {exc.argument_name} {exc.message}" if exc.argument_name else f"error: {exc}",
             file=sys.stderr,
         )
         return 2
-    except UsageError as exc:
+    except (UsageError, simulate.SimUsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

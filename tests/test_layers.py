@@ -2,11 +2,14 @@
 
 From the top:
 
-    cli  >  train, integrations  >  runtime  >  ops  >
+    cli  >  train, integrations, sim  >  runtime  >  ops  >
         triton_kernels, _native, _checks, _dispatch, _config, profiling
 
 - ``cli`` (``lowcomm_kernels/cli.py``) builds the parser and dispatches to ``train``.
 - ``train`` (the CLI's harness) uses the ``runtime``'s strategies and launcher.
+- ``sim`` (``lowcomm simulate``: the discrete-event simulator) reads the ``runtime``'s schedule
+  rules and wire formats, so the simulated methods are the ones the runtime runs; it imports nothing
+  of ``train`` (a room of its own: numpy, no workers).
 - ``integrations`` (callbacks for other libraries, e.g. the Hugging Face Trainer) wrap the
   ``runtime``'s strategies, at ``train``'s rank.
 - ``runtime`` (strategies, transport, launcher) uses the fused ``ops``.
@@ -34,6 +37,7 @@ LAYERS = {  # first name under the package -> rank (higher imports lower)
     "cli": 4,
     "train": 3,
     "integrations": 3,
+    "sim": 3,
     "runtime": 2,
     "": 2,  # the package's __init__
     "ops": 1,
@@ -103,3 +107,16 @@ def test_no_module_imports_from_a_layer_above_it(module: str):
         if layer(target) > own
     ]
     assert not upward, f"{module} ({NAMES[own]}) imports from a layer above it: " + "; ".join(upward)
+
+
+def test_the_simulator_is_a_room_of_its_own():
+    """sim reads the runtime's rules (schedule, wire formats) and nothing of the CLI's harness."""
+    for module in (m for m in MODULES if m.startswith(f"{PACKAGE}.sim")):
+        for line, target in imports(module, MODULES[module]):
+            first = target[len(PACKAGE) + 1 :].split(".")[0]
+            assert first in ("sim", "runtime"), f"{module} line {line} imports {target}"
+            if first == "runtime":
+                assert target in (f"{PACKAGE}.runtime.schedule", f"{PACKAGE}.runtime.compression"), (
+                    f"{module} line {line}: the simulator reads only the runtime's schedule rules and "
+                    f"wire formats, got {target}"
+                )

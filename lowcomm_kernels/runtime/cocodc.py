@@ -57,7 +57,9 @@ from .schedule import (
     TAYLOR_CONTROLS,
     TIMINGS,
     check_cocodc_schedule,
+    cocodc_auto_syncs,
     cocodc_max_syncs,
+    cocodc_slot,
     fragment_schedule,
 )
 from .sharding import check_sharded_cocodc
@@ -152,7 +154,7 @@ class CoCoDC(DenseStrategy):
     def _period_n(self) -> int:
         if not self.auto or self.T_s <= 0 or self.T_c <= 0:
             return self.N
-        return max(self.K, min(math.floor(self.gamma * self.H * self.T_c / self.T_s), self.n_max))
+        return cocodc_auto_syncs(self.gamma, self.H, self.T_c, self.T_s, self.K, self.n_max)
 
     def choose(self, t: int) -> tuple[int, str] | None:
         """The fragment for a send slot after step t (see the module docstring), or None."""
@@ -176,7 +178,7 @@ class CoCoDC(DenseStrategy):
     def _sends_at(self, t: int) -> list[tuple[int, str]]:
         s = (t - 1) % self.H + 1
         n = self._period_n() if s == 1 else self.N
-        slot = (s * n) // self.H != ((s - 1) * n) // self.H
+        slot = cocodc_slot(s, n, self.H)
         choice = self.choose(t) if slot else None
         group = getattr(self.transport, "replica_group", None)
         if group is not None and (s == 1 or slot):

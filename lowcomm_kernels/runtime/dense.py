@@ -32,7 +32,7 @@ from .._checks import integer, scalar
 from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .compression import pack_quantized
-from .schedule import check_streaming_schedule, fragment_schedule
+from .schedule import check_streaming_schedule, diloco_sends, fragment_schedule, streaming_offsets
 from .transport import Handle
 
 
@@ -441,7 +441,7 @@ class DiLoCo(DenseStrategy):
         return {"sync_every": self.H}
 
     def _sends_at(self, t: int) -> list[tuple[int, str]]:
-        return [(0, "schedule")] if t % self.H == 0 else []
+        return [(0, "schedule")] if diloco_sends(t, self.H) else []
 
 
 class StreamingDiLoCo(DenseStrategy):
@@ -465,7 +465,7 @@ class StreamingDiLoCo(DenseStrategy):
             model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau,
             outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, alpha=alpha, **common,
         )  # fmt: skip
-        self.offsets_in_period = [(p * self.H) // K for p in range(K)]
+        self.offsets_in_period = streaming_offsets(self.H, K)
         self._init_buffers()
 
     def _schedule_fields(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ identity for the Python API; ``--flag`` for the CLI).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -43,8 +44,12 @@ __all__ = [
     "WIRE_FORMATS",
     "check_cocodc_schedule",
     "check_streaming_schedule",
+    "cocodc_auto_syncs",
     "cocodc_max_syncs",
+    "cocodc_slot",
+    "diloco_sends",
     "fragment_schedule",
+    "streaming_offsets",
 ]
 
 Name = Callable[[str], str]
@@ -61,6 +66,16 @@ def fragment_schedule(sync_every: int, num_fragments: int, fragment_sync_delay: 
         integer("num_fragments", num_fragments, lo=1),
         integer("fragment_sync_delay", fragment_sync_delay, lo=0),
     )
+
+
+def diloco_sends(t: int, sync_every: int) -> bool:
+    """DiLoCo sends (all parameters, blocking) after inner step t when t ≡ 0 (mod H)."""
+    return t % sync_every == 0
+
+
+def streaming_offsets(sync_every: int, num_fragments: int) -> list[int]:
+    """Streaming DiLoCo's stagger: fragment p is sent after inner steps t ≡ ⌊p·H/K⌋ (mod H), t ≥ 1."""
+    return [(p * sync_every) // num_fragments for p in range(num_fragments)]
 
 
 def check_streaming_schedule(
@@ -84,6 +99,20 @@ def check_streaming_schedule(
 def cocodc_max_syncs(sync_every: int, fragment_sync_delay: int) -> int:
     """⌊H/τ⌋ (H when τ = 0): at most one sync in flight per τ steps."""
     return sync_every if fragment_sync_delay == 0 else sync_every // fragment_sync_delay
+
+
+def cocodc_slot(s: int, syncs: int, sync_every: int) -> bool:
+    """Is there a CoCoDC send slot after step s of a period (s = 1..H)? N = ``syncs`` evenly spaced
+    slots, the last at s = H: ⌊s·N/H⌋ > ⌊(s−1)·N/H⌋."""
+    return (s * syncs) // sync_every != ((s - 1) * syncs) // sync_every
+
+
+def cocodc_auto_syncs(
+    gamma: float, sync_every: int, step_s: float, sync_s: float, num_fragments: int, max_syncs: int
+) -> int:
+    """CoCoDC's adaptive N = clamp(⌊γ·H·T_c/T_s⌋, K, ⌊H/τ⌋) from an inner step's time T_c =
+    ``step_s`` and a fragment sync's time on the link T_s = ``sync_s`` (both > 0)."""
+    return max(num_fragments, min(math.floor(gamma * sync_every * step_s / sync_s), max_syncs))
 
 
 def check_cocodc_schedule(

@@ -1,0 +1,210 @@
+"""The methods as the runtime schedules them: which layers each sync carries, when it is sent and when
+its result is needed.
+
+A sync sent after inner step t with overlap τ is needed before step t + τ + 1 (τ = 0: blocking, as
+DiLoCo). The send steps come from the runtime's own schedule rules (``runtime.schedule``:
+``diloco_sends``, ``streaming_offsets``, ``cocodc_slot``, ``cocodc_auto_syncs``) and the bytes from
+its own wire formats (``runtime.compression.resolve_wire_format``), so the simulator and the runtime
+cannot drift apart.
+
+- ``data-parallel``: every step, every layer's gradient (τ = 0).
+- ``diloco``: every H steps, every layer's outer gradient (τ = 0 unless ``overlap`` is set).
+- ``streaming``: K fragments of layers in the strided pattern (fragment p holds layers p, p + K,
+  p + 2K, …), fragment p sent after steps t ≡ ⌊p·H/K⌋ (mod H), needed τ steps later.
+- ``cocodc``: the same fragments, N sends per H steps in evenly spaced slots, N = clamp(⌊γ·H·T_c /
+  T_s⌋, K, ⌊H/τ⌋) from the step time T_c and the simulated time T_s of one fragment's sync on an
+  idle link (or ``syncs_per_period`` fixed); the fragment at each slot in round-robin order (with
+  fragments of equal size, which one is sent changes no timing).
+- ``loscar``: rounds of H steps, a shared random mask of k = ⌈p·d⌉ coordinates of the whole model
+  sent after step H − τ of each round and merged at its end (no indices travel: the mask comes from
+  a shared seed). The runtime gathers the k values after the optimizer step, so LOSCAR's sync is one
+  collective at the end of the step, never layer by layer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+
+from ..runtime.compression import DEFAULT_QUANT_BLOCK, check_quant_block, resolve_wire_format
+from ..runtime.schedule import (
+    WIRE_FORMATS,
+    cocodc_auto_syncs,
+    cocodc_max_syncs,
+    cocodc_slot,
+    diloco_sends,
+    streaming_offsets,
+)
+from .link import Link
+from .workload import Workload
+
+KINDS = ("data-parallel", "diloco", "streaming", "cocodc", "loscar")
+
+#: wire formats the simulator knows beyond the runtime's: bits per value, no scales. The Streaming
+#: DiLoCo paper's FP4 is E3M0 (1 sign, 3 exponent, 0 mantissa bits) and gives no scale overhead.
+SIM_ONLY_FORMATS = {"fp4_e3m0": 4}
+WIRES = (*WIRE_FORMATS, *SIM_ONLY_FORMATS)
+
+
+def wire_bytes(wire: str, values: int, quant_block: int = DEFAULT_QUANT_BLOCK) -> float:
+    """Bytes one replica's payload of ``values`` values takes in ``wire`` (scales included)."""
+    if wire in SIM_ONLY_FORMATS:
+        return SIM_ONLY_FORMATS[wire] * values / 8
+    fmt = resolve_wire_format(wire, quant_block, torch.float32, torch.float32)
+    return float(fmt.payload_bytes(values))
+
+
+@dataclass(frozen=True)
+class Sync:
+    """One sync: sent after step ``step``, needed before step ``need_step``; ``layers`` it carries
+    with ``payload`` bytes per replica for each (``whole``: one collective at the end of the step
+    instead of one per layer as each layer's gradient is ready)."""
+
+    step: int
+    need_step: int
+    layers: tuple[int, ...]
+    payload: tuple[float, ...]
+    whole: bool = False
+    collective: str = "all_reduce"
+
+
+def _int(name: str, v: object, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class Method:
+    """A method and its knobs (see the module docstring). ``sync_every`` is H; ``overlap`` is τ;
+    streaming and CoCoDC fragments are ``layers_per_fragment`` layers each (the paper's 3), or
+    exactly ``num_fragments`` when given."""
+
+    kind: str
+    sync_every: int = 100
+    overlap: int = 0
+    layers_per_fragment: int = 3
+    num_fragments: int | None = None
+    wire: str = "fp32"
+    quant_block: int = DEFAULT_QUANT_BLOCK
+    density: float = 1.0
+    gamma: float = 0.4
+    syncs_per_period: int | str = "auto"
+    label: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"method must be one of {KINDS}, got {self.kind!r}")
+        _int("sync_every", self.sync_every, 1)
+        _int("overlap", self.overlap, 0)
+        _int("layers_per_fragment", self.layers_per_fragment, 1)
+        if self.num_fragments is not None:
+            _int("num_fragments", self.num_fragments, 1)
+        if self.wire not in WIRES:
+            raise ValueError(f"wire must be one of {WIRES}, got {self.wire!r}")
+        check_quant_block(self.quant_block)
+        if not (isinstance(self.density, (int, float)) and 0 < self.density <= 1):
+            raise ValueError(f"density must be in (0, 1], got {self.density!r}")
+        if not (isinstance(self.gamma, (int, float)) and math.isfinite(self.gamma) and self.gamma > 0):
+            raise ValueError(f"gamma must be a finite number > 0, got {self.gamma!r}")
+        if self.syncs_per_period != "auto":
+            _int("syncs_per_period", self.syncs_per_period, 1)
+        H, tau = self.sync_every, self.overlap
+        if self.kind == "data-parallel" and tau:
+            raise ValueError("data-parallel takes no overlap: every step needs the averaged gradient")
+        if self.kind in ("diloco", "loscar") and tau >= H:
+            raise ValueError(f"overlap={tau} must be < sync_every={H} (a result lands before the next send)")
+
+    @property
+    def name(self) -> str:
+        return self.label or self.kind
+
+    def fragments(self, workload: Workload) -> list[tuple[int, ...]]:
+        """Layer indices (0-based) of each fragment, strided: fragment p holds p, p + K, p + 2K, …"""
+        L = workload.layers
+        if self.kind in ("data-parallel", "diloco", "loscar"):
+            return [tuple(range(L))]
+        K = self.num_fragments if self.num_fragments is not None else -(-L // self.layers_per_fragment)
+        if K > L:
+            raise ValueError(f"num_fragments={K} must be <= the model's {L} layers")
+        return [tuple(range(p, L, K)) for p in range(K)]
+
+    def validate(self, workload: Workload) -> None:
+        """The checks that need the workload (the runtime's own rules, where it has them)."""
+        K, H, tau = len(self.fragments(workload)), self.sync_every, self.overlap
+        if self.kind == "streaming":
+            if K > H:
+                raise ValueError(f"{K} fragments need sync_every >= {K} (one send slot each), got {H}")
+            if tau >= H // K:
+                raise ValueError(
+                    f"overlap={tau} must be < sync_every // fragments = {H // K}, so each fragment's "
+                    "result lands before the next fragment is sent"
+                )
+        if self.kind == "cocodc":
+            if tau * K > H:
+                raise ValueError(f"overlap x fragments = {tau * K} must be <= sync_every={H}")
+            n_max = cocodc_max_syncs(H, tau)
+            if self.syncs_per_period != "auto" and not K <= int(self.syncs_per_period) <= n_max:
+                raise ValueError(f"syncs_per_period must lie in [{K}, {n_max}], got {self.syncs_per_period}")
+
+    def period(self) -> int:
+        return 1 if self.kind == "data-parallel" else self.sync_every
+
+    def payload(self, workload: Workload, layers: tuple[int, ...]) -> tuple[float, ...]:
+        share = self.density if self.kind == "loscar" else 1.0
+        return tuple(
+            wire_bytes(self.wire, max(1, math.ceil(share * workload.layer_params[l])), self.quant_block)
+            for l in layers
+        )
+
+    def cocodc_syncs(self, workload: Workload, link: Link) -> int:
+        """N per period: fixed, or CoCoDC's rule from T_c = the step time and T_s = the mean
+        fragment's sync on an idle link."""
+        frags = self.fragments(workload)
+        K, H = len(frags), self.sync_every
+        if self.syncs_per_period != "auto":
+            return int(self.syncs_per_period)
+        mean = sum(sum(self.payload(workload, f)) for f in frags) / K
+        return cocodc_auto_syncs(
+            self.gamma, H, workload.step_s, link.collective_s(mean), K, cocodc_max_syncs(H, self.overlap)
+        )
+
+    def syncs(self, workload: Workload, link: Link, steps: int) -> list[Sync]:
+        """Every sync sent in steps 1..``steps``, in send order."""
+        self.validate(workload)
+        frags = self.fragments(workload)
+        H, tau = self.sync_every, self.overlap
+        out: list[Sync] = []
+
+        def add(t: int, p: int, whole: bool = False) -> None:
+            out.append(Sync(t, t + tau + 1, frags[p], self.payload(workload, frags[p]), whole))
+
+        if self.kind == "data-parallel":
+            for t in range(1, steps + 1):
+                add(t, 0)
+        elif self.kind == "diloco":
+            for t in range(1, steps + 1):
+                if diloco_sends(t, H):
+                    add(t, 0)
+        elif self.kind == "streaming":
+            offsets = streaming_offsets(H, len(frags))
+            for t in range(1, steps + 1):
+                for p, off in enumerate(offsets):
+                    if t % H == off:
+                        add(t, p)
+        elif self.kind == "cocodc":
+            n, nxt = self.cocodc_syncs(workload, link), 0
+            for t in range(1, steps + 1):
+                if cocodc_slot((t - 1) % H + 1, n, H):
+                    add(t, nxt)
+                    nxt = (nxt + 1) % len(frags)
+        else:  # loscar: send after step H − τ of each round, merge at the round's end
+            for t in range(1, steps + 1):
+                if t % H == (H - tau) % H:
+                    add(t, 0, whole=True)
+        return out
+
+    def with_(self, **changes: object) -> Method:
+        return replace(self, **changes)  # type: ignore[arg-type]
