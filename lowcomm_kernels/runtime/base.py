@@ -53,7 +53,7 @@ from .fragments import FlatFragments, FragmentSpec
 from .log import rank_logger
 from .metrics import RuntimeMetrics, SyncRecord
 from .sharding import local, refuse_sharded_checkpoint, sharding_fields
-from .transport import WAN, HealedInRound, Transport
+from .transport import DEFAULT_TIMEOUT_S, WAN, HealedInRound, Transport
 
 FORMAT_VERSION = 2
 NONFINITE_MODES = ("skip", "raise")
@@ -105,7 +105,7 @@ class Strategy(abc.ABC):
         wire_dtype: torch.dtype | None = None,
         on_nonfinite: str = "skip",
         max_nonfinite_syncs: int = 3,
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
         outer_device: str = "model",
         metrics_callback: Callable[[SyncRecord], None] | None = None,
         guard_every: int = 0,
@@ -220,11 +220,17 @@ class Strategy(abc.ABC):
             from .ft import register
 
             return register(self, fields)
+        # a link on which the largest sync outlasts timeout_s would time out at every sync
+        self.transport.check_wan(self.wire.payload_bytes(self._largest_sync()))
         agree(self.transport, fields, self.method)
         trainable = {id(p) for grp in self.frags.params for p in grp}
         broadcast_module_state(self.transport, self.frags.flat, self.model, trainable)
         if self.wire.quant is not None:  # collective: a process group of its own (runtime.compression)
             self.quantized = QuantizedAllReduce(self.transport, self.wire)
+
+    def _largest_sync(self) -> int:
+        """Elements of the largest payload one sync sends (a whole fragment; LOSCAR: k)."""
+        return max(self.frags.sizes(), default=0)
 
     @abc.abstractmethod
     def _config_fields(self) -> dict[str, Any]:

@@ -119,6 +119,9 @@ class LOSCAR(Strategy):
         self.last_idx: torch.Tensor | None = None  # S_r of the last merged round (inspection, tests)
         self.metrics.extra_memory_bytes = 0  # no persistent copy: only k-sized buffers per round
 
+    def _largest_sync(self) -> int:
+        return self.k
+
     def _advance(self, t: int) -> None:
         if self.inflight is not None and self.inflight.handle is not None:
             self.inflight.handle.poll()

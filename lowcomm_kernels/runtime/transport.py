@@ -19,7 +19,10 @@ used and returns the seconds it blocked (the *exposed* communication).
   all-reduce puts on the wire per worker, 2(M−1)/M × payload. Nothing blocks at send time; at wait
   time only the remaining time until the deadline is slept, and counted as exposed.
 - Timeout: every wait is bounded by ``timeout_s``; a failed or timed-out collective (dead peer)
-  raises ``SyncError`` naming the sync, never hangs.
+  raises ``SyncError`` naming the sync, never hangs. So is the emulated part: a link on which one
+  collective would outlast ``timeout_s`` is refused when the strategy is built
+  (``Transport.check_wan``), and a wait whose deadline lies further than ``timeout_s`` ahead
+  (collectives queued on the link) raises ``SyncError`` at once instead of sleeping.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ import torch
 import torch.distributed as dist
 
 from ..profiling import nvtx_range
+
+#: seconds a strategy's collective may take before it is a ``SyncError`` (``timeout_s``), by default
+DEFAULT_TIMEOUT_S = 300.0
 
 
 class SyncError(RuntimeError):
@@ -70,6 +76,13 @@ class WAN:
 
     def transfer_s(self, wire_bytes: float) -> float:
         return wire_bytes / float(self.bandwidth_bytes_per_s)
+
+    def collective_s(self, payload_bytes: int, world: int) -> float:
+        """Emulated seconds of one all-reduce of ``payload_bytes`` per worker on an idle link: latency
+        plus the ring's wire bytes over the bandwidth (0 for a group of one: nothing is emulated)."""
+        if world <= 1:
+            return 0.0
+        return self.latency_s + self.transfer_s(ring_wire_bytes(payload_bytes, world))
 
 
 def ring_wire_bytes(payload_bytes: int, world: int) -> int:
@@ -141,8 +154,14 @@ class Handle:
         if self.waited:
             return 0.0
         t0 = time.perf_counter()
+        tr = self._transport
+        if self.deadline - t0 > tr.timeout_s:  # bounded like the collective: no sleep past timeout_s
+            raise SyncError(
+                f"{self.name}: the emulated WAN completes it {self.deadline - t0:.4g} s from now, more "
+                f"than timeout_s={tr.timeout_s:g} (a link this slow, or this many collectives queued "
+                "on it, times out)"
+            )
         with nvtx_range("wait"):
-            tr = self._transport
             if self._done_event is not None:  # CUDA: host waits for the collective only, bounded
                 try:
                     ok = wait_until(self._done_event.query, tr.timeout_s)
@@ -203,7 +222,7 @@ class Transport:
         *,
         device: torch.device,
         wan: WAN | None = None,
-        timeout_s: float = 300.0,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
             raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
@@ -218,6 +237,22 @@ class Transport:
         self._link_free_at = 0.0
         self._cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device=device) if self._cuda else None
+
+    def check_wan(self, payload_bytes: int) -> None:
+        """ValueError naming ``wan`` and ``timeout_s`` when one collective of ``payload_bytes`` (the
+        largest a strategy sends) would take longer than ``timeout_s`` on the emulated link: every
+        such sync would time out, so the configuration is refused before anything runs."""
+        if self.wan is None:
+            return
+        need = self.wan.collective_s(payload_bytes, self.world)
+        if need > self.timeout_s:
+            raise ValueError(
+                f"wan: one collective of {payload_bytes} payload bytes takes {need:.4g} s on the emulated "
+                f"link (latency_s={self.wan.latency_s:g} + "
+                f"{ring_wire_bytes(payload_bytes, self.world)} wire bytes / "
+                f"bandwidth_bytes_per_s={self.wan.bandwidth_bytes_per_s:g}), more than "
+                f"timeout_s={self.timeout_s:g}; every sync would time out"
+            )
 
     def abort(self) -> None:
         """Best effort after a timed-out NCCL collective: abort the communicator so the process can

@@ -167,3 +167,11 @@ class TinyLlama(nn.Module):
 
 def num_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """``num_parameters(TinyLlama(cfg))`` without building it (a spec's checks run in every process
+    that makes one): embedding and head, and per block two norms, qkv + output and SwiGLU's three
+    matrices; tests/train/test_model.py holds it to the built model."""
+    d, h = cfg.dim, cfg.mlp_hidden
+    return 2 * VOCAB_SIZE * d + d + cfg.n_layers * (2 * d + 4 * d * d + 3 * d * h)

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from ..runtime import compression, schedule
+from ..runtime.transport import DEFAULT_TIMEOUT_S, WAN
 from .corpus import DEFAULT_EVAL_BYTES
 from .errors import SpecError
-from .model import ModelConfig
+from .model import ModelConfig, parameter_count
 from .presets import DEFAULT
 
 # CLI names of the methods, in the order the comparison shows them.
@@ -280,11 +281,12 @@ class TrainSpec:
             f"<wire_dtype> must be one of {WIRE_DTYPE_NAMES}, got {self.wire_dtype!r}",
         )
         try:  # the strategies' own rules for the block and error feedback
-            compression.check_wire_choice(
+            wire = compression.check_wire_choice(
                 self.wire_dtype, self.quant_block, self.error_feedback, name=_marked
             )
         except (TypeError, ValueError) as exc:
             raise SpecError(str(exc)) from None
+        self._check_link(wire)
         need(
             not (self.error_feedback and self.method == "loscar"),
             "<error_feedback> is not supported by LOSCAR (its mask changes every round); leave it out "
@@ -338,6 +340,31 @@ class TrainSpec:
                     f"<{name}> must be a multiple of a LOSCAR round (N + Q = {R} steps) with "
                     f"<speed_model> 'steps', got {getattr(self, name)}",
                 )
+
+    def _check_link(self, wire: compression.WireFormat) -> None:
+        """The runtime refuses a link on which one sync outlasts its timeout (Transport.check_wan);
+        the same rule here, naming the flags, before any worker starts. The payload is a lower bound
+        of this run's largest sync (a fragment holds at least 1/K of the model), so nothing that
+        could run is refused."""
+        P = parameter_count(self.model)
+        if self.method == "dp":  # the fp32 gradient, every step
+            n, nbytes = P, 4 * P
+        else:
+            n = {"diloco": P, "loscar": math.ceil(self.density * P)}.get(
+                self.method, -(-P // self.num_fragments)
+            )
+            nbytes = wire.payload_bytes(n) if n else 0
+        try:
+            secs = WAN(self.latency_s, self.bandwidth_bytes_per_s).collective_s(nbytes, self.workers)
+        except ValueError as exc:
+            raise SpecError(f"<latency_s> / <bandwidth_bytes_per_s>: {exc}") from None
+        if n and secs > DEFAULT_TIMEOUT_S:
+            raise SpecError(
+                f"<latency_s> {self.latency_s * 1e3:g} ms and <bandwidth_bytes_per_s> "
+                f"{self.bandwidth_bytes_per_s * 8 / 1e6:g} Mbit/s: one sync of {nbytes} payload bytes "
+                f"with <workers> {self.workers} takes {secs:.4g} s on the emulated link, more than "
+                f"the runtime's timeout of {DEFAULT_TIMEOUT_S:g} s"
+            )
 
     def with_(self, **changes: Any) -> TrainSpec:
         return replace(self, **changes)

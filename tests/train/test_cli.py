@@ -410,6 +410,16 @@ def test_bad_flag_value_names_the_flag_as_typed(capsys, no_workers, command, fla
             "--final-eval-bytes must be 0 (none) or at least one window of --seq-len = 64 bytes, got 63",
         ),
         (["compare", "--study", "matched", "--sync-every", "2"], "--delay=5 is too long: --delay x"),
+        # a link on which one sync outlasts the runtime's timeout (it used to hang, or overflow a sleep)
+        (
+            ["train", "--method", "diloco", "--latency-ms", "1e12"],
+            "--latency-ms 1e+12 ms and --bandwidth-mbps 100 Mbit/s: one sync of 923904 payload bytes",
+        ),
+        (
+            ["train", "--method", "streaming", "--bandwidth-mbps", "1e-12"],
+            "--latency-ms 50 ms and --bandwidth-mbps 1e-12 Mbit/s: one sync of 230976 payload bytes",
+        ),
+        (["compare", "--quick", "--bandwidth-mbps", "1e-9"], "--latency-ms 50 ms and --bandwidth-mbps 1e-09"),
     ],
 )
 def test_knobs_that_disagree_are_named_by_their_flags(capsys, no_workers, argv, expected):

@@ -11,6 +11,7 @@ from lowcomm_kernels.train.model import (
     TinyLlama,
     apply_rotary,
     num_parameters,
+    parameter_count,
     rotary_tables,
 )
 
@@ -18,6 +19,11 @@ from lowcomm_kernels.train.model import (
 def test_default_size_is_a_few_hundred_thousand_parameters():
     n = num_parameters(TinyLlama(ModelConfig()))
     assert 100_000 < n < 1_000_000
+
+
+@pytest.mark.parametrize("cfg", [ModelConfig(), ModelConfig(dim=32, n_layers=2, n_heads=2, mlp_hidden=7)])
+def test_parameter_count_is_the_built_models(cfg):
+    assert parameter_count(cfg) == num_parameters(TinyLlama(cfg))
 
 
 def test_forward_shape_and_causality():
