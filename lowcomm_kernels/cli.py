@@ -131,6 +131,11 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--out", help="output folder (default runs/<command>-<UTC timestamp>)")
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
+    g.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="start --workers even beyond what this machine's cores and memory are estimated to hold",
+    )
     m = p.add_argument_group("model")
     m.add_argument("--dim", type=_positive_int, help="model width (default 64)")
     m.add_argument("--layers", type=_positive_int, help="transformer blocks (default 4)")

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import os
 import tempfile
 from pathlib import Path
 
+from . import provenance
 from .errors import SpecError, UsageError
-from .model import ModelConfig
+from .model import ModelConfig, parameter_count
 from .spec import METHODS, TrainSpec
 
 # TrainSpec fields set by a flag of the same name (its dest); the model's and the WAN's are below.
@@ -74,9 +76,41 @@ def spec_from_args(args: argparse.Namespace, method: str, preset: dict | None = 
     try:
         values["model"] = ModelConfig(**model_kw)
         values["data"] = getattr(args, "data", None)
-        return TrainSpec(method=method, **values)
+        spec = TrainSpec(method=method, **values)
     except SpecError as exc:
         raise usage_error(exc) from None
+    # params, grads, two Adam moments, g, u, a snapshot and the wire payload, in fp32
+    check_workers(args, spec.workers, 8 * 4 * parameter_count(spec.model))
+    return spec
+
+
+#: worker processes per usable core beyond which a run is refused: each runs one thread, so 8 per
+#: core already make every step 8x slower, and thousands exhaust memory long before they start
+WORKERS_PER_CORE = 8
+#: memory of one worker before its model: torch and this package imported, a gloo group (a worker
+#: holds 270 MB resident on the 2-core development machine, part of it shared libraries)
+WORKER_BASE_BYTES = 200 * 2**20
+
+
+def check_workers(args: argparse.Namespace, workers: int, model_bytes: int = 0) -> None:
+    """A UsageError naming --workers, before any spawn, when this machine cannot hold ``workers``
+    processes: more than WORKERS_PER_CORE per usable core, or more memory than is available
+    (WORKER_BASE_BYTES + ``model_bytes`` each, a lower estimate). --oversubscribe starts them anyway."""
+    if getattr(args, "oversubscribe", False):
+        return
+    cores = provenance.usable_cores() or os.cpu_count() or 1
+    avail = provenance.available_memory_bytes()
+    each = WORKER_BASE_BYTES + model_bytes
+    most = WORKERS_PER_CORE * cores
+    if avail is not None:
+        most = min(most, max(1, avail // each))
+    if workers > most:
+        memory = "" if avail is None else f" and {avail / 2**30:.1f} GiB of available memory"
+        raise UsageError(
+            f"--workers {workers}: this machine has {cores} usable cores{memory}, enough for at most "
+            f"{most} worker processes ({WORKERS_PER_CORE} per core, about {each / 2**20:.0f} MiB each); "
+            "use fewer, or --oversubscribe to start them anyway"
+        )
 
 
 def out_dir(args: argparse.Namespace, command: str) -> Path:

@@ -356,7 +356,7 @@ def logreg_header(config: dict, speeds: tuple[int, ...] | list[int], seeds: int)
 
 def run_logreg_compare(args: argparse.Namespace) -> int:
     from ..runtime.launch import WorkerError
-    from .args import _SPEC_FIELDS, out_dir
+    from .args import _SPEC_FIELDS, check_workers, out_dir
     from .mlp import refuse_flags
     from .provenance import collect
     from .report import write_json
@@ -368,6 +368,7 @@ def run_logreg_compare(args: argparse.Namespace) -> int:
     preset = LOGREG["quick" if args.quick else "default"]
     cfg = LogregConfig(rounds=preset["rounds"])
     workers = args.workers or preset["workers"]
+    check_workers(args, workers)
     seeds = args.seeds or preset["seeds"]
     jobs = [(ds, p, v, s) for ds in DATASETS for p in DENSITIES for v in VARIANTS for s in range(seeds)]
     out = out_dir(args, "compare-logreg")

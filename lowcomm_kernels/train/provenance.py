@@ -53,6 +53,26 @@ def _loadavg() -> list[float] | None:
         return None
 
 
+def usable_cores() -> int | None:
+    """Cores this process may run on: its affinity mask (None where there is none)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+def available_memory_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def _cpu_s() -> float:
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
@@ -200,10 +220,7 @@ def torch_cpu_capability() -> str | None:
 
 
 def machine() -> dict:
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        usable = None
+    usable = usable_cores()
     return {
         "platform": platform.platform(),
         "arch": platform.machine(),

@@ -427,6 +427,43 @@ def test_knobs_that_disagree_are_named_by_their_flags(capsys, no_workers, argv, 
     assert _one_error_line(capsys).startswith(f"error: {expected}")
 
 
+@pytest.fixture
+def small_machine(monkeypatch):
+    """A 2-core machine with 4 GiB available (what check_workers reads)."""
+    from lowcomm_kernels.train import provenance
+
+    monkeypatch.setattr(provenance, "usable_cores", lambda: 2)
+    monkeypatch.setattr(provenance, "available_memory_bytes", lambda: 4 * 2**30)
+
+
+@pytest.mark.parametrize(
+    ("argv", "most"),
+    [
+        (["train", "--method", "dp", "--workers", "5000"], 16),  # 8 per core
+        (["compare", "--quick", "--workers", "17"], 16),
+        (["compare", "--task", "logreg", "--workers", "17"], 16),
+        # the memory: 12.9M parameters take ~400 MiB of state per worker on top of its ~200
+        (["train", "--method", "diloco", "--dim", "512", "--mlp-hidden", "1376", "--workers", "7"], 6),
+    ],
+)
+def test_more_workers_than_the_machine_holds_are_refused(capsys, no_workers, small_machine, argv, most):
+    assert main(argv) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith(f"error: --workers {argv[-1]}: this machine has 2 usable cores and 4.0 GiB of "
+                           f"available memory, enough for at most {most} worker processes"), line
+    assert line.endswith("use fewer, or --oversubscribe to start them anyway"), line
+
+
+def test_oversubscribe_starts_them_anyway(small_machine):
+    from lowcomm_kernels.cli import build_parser
+    from lowcomm_kernels.train.args import spec_from_args
+
+    args = build_parser().parse_args(["train", "--method", "dp", "--workers", "5000", "--oversubscribe"])
+    assert spec_from_args(args, "dp").workers == 5000
+    args = build_parser().parse_args(["train", "--method", "dp", "--workers", "16"])
+    assert spec_from_args(args, "dp").workers == 16
+
+
 def test_every_flag_named_in_errors_exists():
     """FLAGS (field -> flag, used to word SpecError) matches the parser's flags and dests."""
     from lowcomm_kernels.cli import build_parser
