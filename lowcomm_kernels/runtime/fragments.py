@@ -114,6 +114,19 @@ def plan_fragments(
     return groups
 
 
+def _refuse_meta(model: nn.Module) -> None:
+    """A meta tensor holds no values to broadcast, pack or check (2 ranks failed in the join on
+    Tensor.item(), one rank trained until its first sync): refused before anything changes."""
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for n, t in named:
+            if t.is_meta:
+                raise ValueError(
+                    f"model: {kind} {n!r} is on the meta device and holds no values to synchronise; "
+                    "materialise the model first (e.g. model.to_empty(device=...), then initialise or "
+                    "load its weights) and wrap it after"
+                )
+
+
 class FlatFragments:
     """The K fragments of a model as slices of one flat buffer (see the module docstring).
 
@@ -145,6 +158,7 @@ class FlatFragments:
                 f"model parameters are on mixed devices {sorted(map(str, devices))}; "
                 "move the model to one device before wrapping"
             )
+        _refuse_meta(model)
         dtypes = {p.dtype for grp in groups for p in grp}
         if len(dtypes) != 1 or next(iter(dtypes)) not in PARAM_DTYPES:
             raise TypeError(
