@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         if args.command == "simulate":  # numpy and the runtime's schedule rules only: no workers
-            return simulate.run(args)
+            return simulate.run(args, provenance=provenance.collect)
         return commands.dispatch(args)
     except argparse.ArgumentError as exc:  # a flag's value: "--latency-ms must be >= 0, got -1"
         print(

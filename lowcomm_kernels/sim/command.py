@@ -15,10 +15,12 @@ Bad input raises :class:`SimUsageError` (the CLI prints one line and exits 2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import re
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -365,83 +367,78 @@ def _write(path: str | None, text: str) -> None:
             raise SimUsageError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def run_preset(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    levels = CU_LEVELS
-    rows_json: list[dict[str, Any]] = []
+def run_preset(args: argparse.Namespace) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
     curves: dict[str, dict[str, list[float]]] = {}
-    ours_md = [
-        "| model | method | " + " | ".join(f"{int(c * 100)}%" for c in levels) + " |",
-        "|---|---|" + "---|" * len(levels),
-    ]
-    beside_md = list(ours_md)
-    same = total = 0
     for model in paper.MODELS:
         w, link = paper.workload(model), paper.link()
         curves[f"{model} ({w.layers} layers, {w.step_s:g} s/step)"] = lines = {}
         for key, (_, method) in paper.METHODS.items():
-            table = bandwidth_table(w, method, link, levels)
+            table = bandwidth_table(w, method, link, CU_LEVELS)
             if args.plot:
                 lines[key] = [simulate(w, method, link.with_gbps(g)).utilisation for g in PLOT_GBPS]
-            cells, beside = [], []
-            for level, published in zip(levels, paper.PUBLISHED[(model, key)], strict=True):
-                exact, reading = table[level], grid_reading(table[level])
-                ok = reading is not None and grid_index(reading) == grid_index(published)
-                same += ok
-                total += 1
-                cells.append(_fmt_gbps(exact))
-                beside.append(
-                    f"{published:g} / {reading:.3g}" + ("" if ok else " ✗")
-                    if reading
-                    else f"{published:g} / –"
-                )
-                rows_json.append(
-                    dict(
-                        model=model, method=key, cu=level, gbps=exact, grid_gbps=reading, paper_gbps=published
-                    )
-                )
-            ours_md.append(f"| {model} | {key} | " + " | ".join(cells) + " |")
-            beside_md.append(f"| {model} | {key} | " + " | ".join(beside) + " |")
-    md = "\n".join(
+            for level, published in zip(CU_LEVELS, paper.PUBLISHED[(model, key)], strict=True):
+                exact = table[level]
+                rows.append(
+                    dict(model=model, method=key, cu=level, gbps=exact, grid_gbps=grid_reading(exact),
+                         paper_gbps=published)
+                )  # fmt: skip
+    if args.plot:
+        _plot(curves, args.plot, "compute utilisation, Streaming DiLoCo paper's setting (simulated)")
+    return {"preset": "streaming-diloco-paper", "rows": rows}
+
+
+def _levels_header(levels: list[float]) -> list[str]:
+    return ["| model | method | " + " | ".join(f"{c * 100:g}%" for c in levels) + " |",
+            "|---|---|" + "---|" * len(levels)]  # fmt: skip
+
+
+def preset_markdown(payload: dict[str, Any]) -> str:
+    """The preset's two tables, from its JSON rows: ours, then beside the paper's, cell by cell."""
+    cells: dict[tuple[str, str], dict[float, dict[str, Any]]] = {}
+    for r in payload["rows"]:
+        cells.setdefault((r["model"], r["method"]), {})[r["cu"]] = r
+    levels = sorted({r["cu"] for r in payload["rows"]})
+    ours, beside = _levels_header(levels), _levels_header(levels)
+    same = 0
+    for (model, method), by_level in cells.items():
+        row_ours, row_beside = [], []
+        for level in levels:
+            r = by_level[level]
+            reading, published = r["grid_gbps"], r["paper_gbps"]
+            ok = reading is not None and grid_index(reading) == grid_index(published)
+            same += ok
+            row_ours.append(_fmt_gbps(r["gbps"]))
+            row_beside.append(
+                f"{published:g} / " + (f"{reading:.3g}" if reading else "–") + ("" if ok else " ✗")
+            )
+        ours.append(f"| {model} | {method} | " + " | ".join(row_ours) + " |")
+        beside.append(f"| {model} | {method} | " + " | ".join(row_beside) + " |")
+    return "\n".join(
         [
             "**Gbit/s per replica to reach a compute utilisation, the Streaming DiLoCo paper's setting** "
             "(2 replicas, H = 100, fragments of 3 layers strided, τ = 1 when overlapped, bf16 or E3M0 FP4 "
             "on the wire, no latency); ours, exact to 0.01 %:",
             "",
-            *ours_md,
+            *ours,
             "",
             "**Beside the paper's Table 4**, cell by cell: the paper's value / what its grid (50 points, "
             "0.1–1000 Gbit/s, log-spaced; it prints the last point below the level) prints for ours "
-            f"(✗: differs). {same} of {total} cells print the same.",
+            f"(✗: a different grid point). {same} of {len(payload['rows'])} cells print the same.",
             "",
-            *beside_md,
+            *beside,
         ]
     )
-    payload = {"preset": "streaming-diloco-paper", "rows": rows_json, "same_cells": same, "cells": total}
-    if args.plot:
-        _plot(curves, args.plot, "compute utilisation, Streaming DiLoCo paper's setting (simulated)")
-    return md, payload
 
 
-def run_custom(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+def run_custom(args: argparse.Namespace) -> dict[str, Any]:
     w = _workload(args)
     rows = _methods(args)
     link = Link(args.bandwidth[0], args.latency, args.replicas, args.latency_model, args.quorum_ms)
     failures = None
     if args.mtbf_h is not None:
-        failures = Failures(
-            args.mtbf_h,
-            args.restart_s,
-            args.detect_s,
-            args.checkpoint_s,
-            args.checkpoint_every_s,
-            args.heal_bytes_per_param,
-        )
-    head = ["method"] + [f"CU @ {g:g} Gbit/s" for g in args.bandwidth]
-    head += [f"exposed s/step @ {g:g}" for g in args.bandwidth[:1]]
-    head += [f"Gbit/s for {c * 100:g}%" for c in args.cu]
-    if failures:
-        head += [f"goodput @ {g:g}" for g in args.bandwidth]
-    md = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        failures = Failures(args.mtbf_h, args.restart_s, args.detect_s, args.checkpoint_s,
+                            args.checkpoint_every_s, args.heal_bytes_per_param)  # fmt: skip
     out: list[dict[str, Any]] = []
     lines: dict[str, list[float]] = {}
     for row in rows:
@@ -449,71 +446,88 @@ def run_custom(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
             row.method.validate(w)
         except ValueError as e:
             raise SimUsageError(f"{row.label}: {e}") from None
-        results = [simulate(w, row.method, link.with_gbps(g)) for g in args.bandwidth]
         table = bandwidth_table(w, row.method, link, args.cu)
-        cells = [f"{r.utilisation:.3f}" for r in results]
-        cells.append(f"{results[0].exposed_s / results[0].steps:.3g}")
-        cells += [_fmt_gbps(table[c]) for c in args.cu]
-        goods = []
-        if failures:
-            goods = [
-                goodput(r.utilisation, w, row.method, link.with_gbps(g), failures)
-                for r, g in zip(results, args.bandwidth, strict=True)
-            ]
-            cells += [f"{gp.fraction:.3f}" for gp in goods]
-        md.append(f"| {row.label} | " + " | ".join(cells) + " |")
-        for i, (g, r) in enumerate(zip(args.bandwidth, results, strict=True)):
-            item = dict(
-                method=row.label,
-                kind=row.method.kind,
-                wire=row.method.wire,
-                gbps=g,
-                cu=r.utilisation,
-                exposed_s_per_step=r.exposed_s / r.steps,
-                wire_bytes_per_step=r.wire_bytes / r.steps,
-            )
-            if goods:
-                item.update(goodput=goods[i].fraction, goodput_lost=goods[i].lost)
-            out.append(item)
-        for c in args.cu:
-            out.append(
-                dict(method=row.label, kind=row.method.kind, wire=row.method.wire, cu=c, gbps=table[c])
-            )
+        item: dict[str, Any] = dict(method=row.label, kind=row.method.kind, wire=row.method.wire,
+                                    at={}, needs={f"{c:g}": table[c] for c in args.cu})  # fmt: skip
+        for g in args.bandwidth:
+            r = simulate(w, row.method, link.with_gbps(g))
+            at = dict(cu=r.utilisation, exposed_s_per_step=r.exposed_s / r.steps,
+                      wire_bytes_per_step=r.wire_bytes / r.steps)  # fmt: skip
+            if failures:
+                gp = goodput(r.utilisation, w, row.method, link.with_gbps(g), failures)
+                at.update(goodput=gp.fraction, goodput_lost=gp.lost)
+            item["at"][f"{g:g}"] = at
+        out.append(item)
         if args.plot:
             lines[row.label] = [simulate(w, row.method, link.with_gbps(g)).utilisation for g in PLOT_GBPS]
-    title = (
-        f"**{w.name} ({w.params:.3g} parameters, {w.layers} layers, {w.step_s:.3g} s/step), "
-        f"{args.replicas} replicas, "
-        f"latency {args.latency * 1000:g} ms one way ({args.latency_model}), H = {args.sync_every}**"
-    )
-    if args.plot:
-        _plot({title.strip("*"): lines}, args.plot, "compute utilisation (simulated)")
-    payload = {
+    payload: dict[str, Any] = {
         "workload": dict(name=w.name, params=w.params, layers=w.layers, step_s=w.step_s),
         "link": dict(
             latency_s=args.latency,
             replicas=args.replicas,
             latency_model=args.latency_model,
             quorum_s=args.quorum_ms,
-        ),
+            sync_every=args.sync_every,
+        ),  # fmt: skip
+        "failures": None if failures is None else dataclasses.asdict(failures),
         "rows": out,
     }
-    return "\n".join([title, "", *md]), payload
+    if args.plot:
+        _plot({_title(payload).strip("*"): lines}, args.plot, "compute utilisation (simulated)")
+    return payload
 
 
-def run(args: argparse.Namespace) -> int:
+def _title(payload: dict[str, Any]) -> str:
+    w, k = payload["workload"], payload["link"]
+    return (
+        f"**{w['name']} ({w['params']:.3g} parameters, {w['layers']} layers, {w['step_s']:.3g} s/step), "
+        f"{k['replicas']} replicas, latency {k['latency_s'] * 1000:g} ms one way ({k['latency_model']}), "
+        f"H = {k['sync_every']}**"
+    )
+
+
+def custom_markdown(payload: dict[str, Any]) -> str:
+    """One model on one link: per method, utilisation (and goodput) at each bandwidth, bandwidth per level."""
+    rows = payload["rows"]
+    gbps, levels = list(rows[0]["at"]), list(rows[0]["needs"])
+    goods = payload.get("failures") is not None
+    head = ["method"] + [f"CU @ {g} Gbit/s" for g in gbps] + [f"exposed s/step @ {gbps[0]}"]
+    head += [f"Gbit/s for {float(c) * 100:g}%" for c in levels]
+    head += [f"goodput @ {g}" for g in gbps] if goods else []
+    md = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [f"{r['at'][g]['cu']:.3f}" for g in gbps] + [f"{r['at'][gbps[0]]['exposed_s_per_step']:.3g}"]
+        cells += [_fmt_gbps(r["needs"][c]) for c in levels]
+        cells += [f"{r['at'][g]['goodput']:.3f}" for g in gbps] if goods else []
+        md.append(f"| {r['method']} | " + " | ".join(cells) + " |")
+    return "\n".join([_title(payload), "", *md])
+
+
+def markdown(payload: dict[str, Any]) -> str:
+    """What ``lowcomm simulate`` printed, from its JSON (``lowcomm report`` renders it again)."""
+    return preset_markdown(payload) if "preset" in payload else custom_markdown(payload)
+
+
+def run(args: argparse.Namespace, provenance: Callable[[], dict[str, Any]] | None = None) -> int:
+    """The command: print the tables; write --out (markdown), --json (rows, and ``provenance()``,
+    where the code and machine came from) and --plot."""
+    fixed = [
+        f for f in ("model", "params", "layers", "step_s", "tokens_per_step") if getattr(args, f) is not None
+    ]
+    if args.preset and fixed:
+        raise SimUsageError(f"--preset fixes the models: drop --{fixed[0].replace('_', '-')}")
     try:
-        if args.preset:
-            md, payload = run_preset(args)
-        else:
-            md, payload = run_custom(args)
+        payload = run_preset(args) if args.preset else run_custom(args)
     except SimUsageError:
         raise
     except ValueError as e:  # a knob the simulator refused (fragments > layers, ...)
         raise SimUsageError(str(e)) from None
+    md = markdown(payload)
     print(md)
     _write(args.out, md + "\n")
     if args.json:
+        if provenance is not None:
+            payload["provenance"] = provenance()
         _write(args.json, json.dumps(payload, indent=1) + "\n")
     written = [p for p in (args.out, args.json, args.plot) if p]
     if written:

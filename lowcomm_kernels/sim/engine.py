@@ -9,7 +9,9 @@ last byte; the compute waits only where it needs a result:
   soon as that layer's backward w.r.t. its weights is done, so reductions overlap the rest of the
   backward; the forward of layer l in the step that needs the result waits for layer l's collective.
 - ``layerwise=False`` (what this package's runtime does): one collective per sync, issued after the
-  optimizer step; the result is merged before the step that needs it starts.
+  optimizer step; its result is waited for and merged at the end of step send + τ, in the runtime's
+  order: the results due at a step before that step's sends, a blocking (τ = 0) sync right after
+  its own send.
 
 Only the steps that send or need a sync are simulated node by node (numpy over the layers); the
 others advance the clock by the step time, since nothing they do can wait. With the link FIFO, the
@@ -78,26 +80,22 @@ class _Timeline:
     def step(self, t: int, t0: float, sends: list[Sync]) -> float:
         """Run step ``t`` from time t0 (its sends and the waits of the results it needs); returns its end."""
         L, f = self.L, self.f
-        start = max(t0, self.need_whole.pop(t, -np.inf))
-        self.exposed += start - t0
-        merge = self.merges.pop(t, 0) * self.merge_s
-        self.overhead += merge
-        start += merge
+        start = t0
         need = self.need_layer.pop(t, None)
         if need is not None:
             g = max(start, float(np.max(need - self.fwd_offset)))
             self.exposed += g - start
             start = g
         bwd0 = start + L * f
-        end = bwd0 + self.bwd_s
+        end = self._merge_due(t + 1, bwd0 + self.bwd_s)  # results sent at earlier steps, due now
         for s in sends:
             end += self.pack_s
             self.overhead += self.pack_s
             busy = np.array([self.link.busy_s(b, s.collective) for b in s.payload])
             self.wire += sum(self.link.wire_bytes(b, s.collective) for b in s.payload)
             delay = self.link.delay_s(s.collective)
-            self.merges[s.need_step] += 1
             if s.whole or not self.layerwise:
+                self.merges[s.need_step] += 1
                 done = max(end, self.link_free) + busy.sum()
                 self.link_free = done
                 self.need_whole[s.need_step] = max(self.need_whole[s.need_step], done + delay)
@@ -110,7 +108,18 @@ class _Timeline:
             self.link_free = float(done[-1])
             arr = self.need_layer.setdefault(s.need_step, np.full(L, -np.inf))
             np.maximum.at(arr, layers, done + delay)
-        return end
+        return self._merge_due(t + 1, end)  # τ = 0: the results of this step's own sends
+
+    def _merge_due(self, need_step: int, now: float) -> float:
+        """At the end of a step, wait for the whole-sync results the next step needs and merge them
+        (the runtime's hook: results due at a step are applied before its sends, τ = 0 after)."""
+        if need_step not in self.need_whole:
+            return now
+        done = max(now, self.need_whole.pop(need_step))
+        self.exposed += done - now
+        merge = self.merges.pop(need_step, 0) * self.merge_s
+        self.overhead += merge
+        return done + merge
 
 
 def simulate(
@@ -138,7 +147,10 @@ def simulate(
     by_step: dict[int, list[Sync]] = defaultdict(list)
     for s in syncs:
         by_step[s.step].append(s)
-    events = sorted(set(by_step) | {s.need_step for s in syncs if s.need_step <= total})
+    # a step is simulated node by node when it sends, or ends with a merge (whole syncs: step
+    # need − 1), or waits in its forward (layerwise: step need)
+    due = {t for s in syncs for t in (s.need_step - 1, s.need_step)}
+    events = sorted((set(by_step) | due) & set(range(1, total + 1)))
     tl = _Timeline(workload, link, layerwise, pack_s, merge_s)
     T = workload.step_s
     clock, at = 0.0, 1  # time at the start of step `at`

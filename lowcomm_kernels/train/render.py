@@ -2,10 +2,12 @@
 
 A source is a run folder or its ``results.json``, written by ``lowcomm compare`` / ``train`` /
 ``profile`` (kind ``compare``), ``lowcomm compare --study NAME`` (kind ``study``: every study,
-cocodc-paper, loscar-regimes and wire included) or ``lowcomm compare --task logreg`` (kind
-``logreg``). Each renders as the header and tables its command printed, made by the same functions
-(report.format_table, studies.study_table and wire_table, study_cocodc.study_header and table,
-study_loscar.from_results with its summarise, logreg.summarise), under one provenance line:
+cocodc-paper, loscar-regimes and wire included), ``lowcomm compare --task logreg`` (kind
+``logreg``), ``lowcomm simulate --json`` (kind ``simulate``) or ``python -m
+lowcomm_kernels.train.simcheck`` (kind ``simcheck``: the simulator against real runs). Each renders
+as the header and tables its command printed, made by the same functions (report.format_table,
+studies.study_table and wire_table, study_cocodc.study_header and table, study_loscar.from_results
+with its summarise, logreg.summarise, sim.command.markdown, simcheck.table), under one provenance line:
 revision, dirty files, date, load and command. With ``--plot``, also the plots the command drew
 (the same plotting functions). Several compare sources (e.g. one per ``--seed``) also get a table of
 mean ± std over them.
@@ -31,7 +33,7 @@ from pathlib import Path
 from .errors import UsageError
 from .report import RunResult, auto_target, format_table, plot_curves
 
-KINDS = ("compare", "study", "logreg")
+KINDS = ("compare", "study", "logreg", "simulate", "simcheck")
 # the studies whose table is studies.study_table / wire_table of the file's runs
 GENERIC_STUDIES = ("matched", "lambda", "gamma", "overlap", "wire")
 # the studies with tables of their own (their modules' functions, over what their results.json holds)
@@ -55,6 +57,14 @@ class Source:
 
 
 def _kind(data: dict) -> str | None:
+    if isinstance(data, dict) and isinstance(data.get("outcomes"), list):
+        return "simcheck"
+    if (
+        isinstance(data, dict)
+        and isinstance(data.get("rows"), list)
+        and ("preset" in data or "workload" in data)
+    ):
+        return "simulate"
     if not isinstance(data, dict) or not isinstance(data.get("runs"), list):
         return None
     if "study" in data:
@@ -85,8 +95,8 @@ def load(label: str, base: Path | None = None) -> Source:
     if kind is None:
         keys = ", ".join(sorted(data)) if isinstance(data, dict) else type(data).__name__
         raise UsageError(
-            f"{path}: not a results.json of lowcomm compare, train, profile, a study or the logreg "
-            f"task (found: {keys})"
+            f"{path}: not a results.json of lowcomm compare, train, profile, simulate, a study, the "
+            f"logreg task or the simulator's check (found: {keys})"
         )
     if kind == "study" and data["study"] not in GENERIC_STUDIES + OWN_STUDIES:
         raise UsageError(
@@ -251,7 +261,25 @@ def _logreg(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
     return f"**{header}**\n\n{table.rstrip()}", plots
 
 
-RENDERERS = {"compare": _compare, "study": _study, "logreg": _logreg}
+def _simulate(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
+    from ..sim.command import markdown
+
+    return markdown(src.data), []
+
+
+def _simcheck(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
+    from .simcheck import table
+
+    return f"**{src.data['title']}**\n\n{table(src.data['outcomes'])}", []
+
+
+RENDERERS = {
+    "compare": _compare,
+    "study": _study,
+    "logreg": _logreg,
+    "simulate": _simulate,
+    "simcheck": _simcheck,
+}
 
 
 def across_runs(sources: list[Source]) -> str:

@@ -36,6 +36,10 @@ class CommTotals:
             staleness = [r.staleness for r in records if getattr(r, "staleness", None) is not None]
             if staleness:
                 extra["mean_staleness"] = float(sum(staleness) / len(staleness))
+            # the sync work on the critical path, per sync (``lowcomm_kernels.train.simcheck`` feeds it
+            # to the simulator)
+            extra["pack_s_mean"] = float(sum(r.pack_s for r in records) / len(records))
+            extra["merge_s_mean"] = float(sum(r.merge_s for r in records) / len(records))
             frags = [r.fragment for r in records if getattr(r, "fragment", None) is not None]
             if frags:
                 counts: dict[str, int] = {}
