@@ -47,7 +47,13 @@ from .._checks import integer
 from ..profiling import nvtx_range
 from .agreement import agree, broadcast_buffers, broadcast_module_state, module_fields
 from .amp import GradScalerError, ScalerCounter, check_scaler, scaler_on_stack, unannounced_scaler_message
-from .checkpoint import CheckpointError, expect_tensor, read_checkpoint, write_checkpoint
+from .checkpoint import (
+    CheckpointError,
+    check_optimizer_state,
+    expect_tensor,
+    read_checkpoint,
+    write_checkpoint,
+)
 from .compression import DEFAULT_QUANT_BLOCK, QuantizedAllReduce, check_error_feedback, resolve_wire_format
 from .fragments import FlatFragments, FragmentSpec
 from .log import rank_logger
@@ -743,7 +749,8 @@ class Strategy(abc.ABC):
     def load_checkpoint(self, path: str | os.PathLike) -> None:
         """Restore what ``save_checkpoint`` wrote. Refuses, with ``CheckpointError`` and nothing
         changed, a file that fails its checksum, belongs to another method, model or world size,
-        holds a tensor of the wrong dtype or shape, or was written with another inner optimizer."""
+        holds a tensor of the wrong dtype or shape, or was written with another inner optimizer or
+        with optimizer state that does not fit its parameters."""
         refuse_sharded_checkpoint(self.model, "load_checkpoint")
         obj = read_checkpoint(path)
         self._check_shape(obj)
@@ -768,8 +775,8 @@ class Strategy(abc.ABC):
             )
         for k, v in mine.items():
             expect_tensor(f"model[{k!r}]", model_sd[k], tuple(v.shape), v.dtype)
-        if not isinstance(obj.get("optimizer"), dict):
-            raise CheckpointError("checkpoint entry optimizer should be a dict")
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        check_optimizer_state(obj.get("optimizer"), self.inner_optimizer, names)
         with torch.no_grad():
             self.model.load_state_dict(model_sd)  # copies into the flat views, in place
         self.frags.check_views(self.model)

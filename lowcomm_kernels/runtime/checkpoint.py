@@ -11,7 +11,8 @@ The SHA-256 covers every byte of the payload, so a flipped bit anywhere (tensor 
 in the same directory, flushed and fsynced, then ``os.replace``: a crash or a full disk leaves the
 previous checkpoint byte-identical.
 
-``expect_tensor`` is the one place that checks a loaded tensor's type, dtype and shape.
+``expect_tensor`` is the one place that checks a loaded tensor's type, dtype and shape;
+``check_optimizer_state`` checks an inner optimizer's state against its parameters.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 from typing import Any
 
@@ -113,6 +115,88 @@ def expect_tensor(name: str, value: object, shape: tuple[int, ...], dtype: torch
             f"this strategy needs {dtype} of shape {tuple(shape)}"
         )
     return value
+
+
+#: per-parameter state of torch.optim's optimizers that has its parameter's shape (Adam's moments,
+#: SGD's momentum, RMSprop's and Adadelta's averages, Adagrad's sum, Rprop's, ASGD's and Adamax's);
+#: an entry of another optimizer is held to the shape of this optimizer's own entry, where it has one
+PARAM_SHAPED_STATE = frozenset(
+    "exp_avg exp_avg_sq max_exp_avg_sq momentum_buffer square_avg acc_delta grad_avg sum prev "
+    "step_size ax exp_inf".split()
+)
+
+
+def check_optimizer_state(sd: object, opt: torch.optim.Optimizer, names: dict[int, str]) -> None:
+    """Everything ``opt.load_state_dict(sd)`` reads, checked before anything is loaded (a state
+    entry of the wrong shape, or a negative or non-finite step, used to load and break the next
+    step): the parameter groups and their sizes, the parameter of each state entry, every state
+    tensor's shape (floating point: torch casts it to the parameter's dtype) and a finite step >= 0.
+    ``names``: id(parameter) -> its name, for the messages. CheckpointError naming the entry."""
+    if not (
+        isinstance(sd, dict)
+        and isinstance(sd.get("state"), dict)
+        and isinstance(sd.get("param_groups"), list)
+    ):
+        raise CheckpointError(
+            "checkpoint entry optimizer should be an optimizer state_dict (state, param_groups)"
+        )
+    groups, saved = opt.param_groups, sd["param_groups"]
+    if len(saved) != len(groups):
+        raise CheckpointError(
+            f"checkpoint entry optimizer has {len(saved)} parameter groups but this inner optimizer has "
+            f"{len(groups)}"
+        )
+    params: dict[Any, torch.Tensor] = {}
+    for i, (group, s) in enumerate(zip(groups, saved, strict=True)):
+        ids = s.get("params") if isinstance(s, dict) else None
+        if not isinstance(ids, list) or len(ids) != len(group["params"]):
+            held = len(ids) if isinstance(ids, list) else repr(ids)
+            raise CheckpointError(
+                f"checkpoint entry optimizer param_groups[{i}] holds {held} parameters but this inner "
+                f"optimizer's group {i} holds {len(group['params'])}"
+            )
+        params.update(zip(ids, group["params"], strict=True))
+    for pid, state in sd["state"].items():
+        if pid not in params or not isinstance(state, dict):
+            raise CheckpointError(
+                f"checkpoint entry optimizer state[{pid!r}] should be a dict for a parameter listed in "
+                "its param_groups"
+            )
+        p = params[pid]
+        where = f"optimizer state of {names.get(id(p), f'parameter {pid!r}')}"
+        mine = opt.state.get(p, {})
+        for key, v in state.items():
+            if key == "step":
+                n = v.numel() if isinstance(v, torch.Tensor) else 1
+                step = float(v) if n == 1 and isinstance(v, (torch.Tensor, int, float)) else math.nan
+                if isinstance(v, bool) or not math.isfinite(step) or step < 0:
+                    raise CheckpointError(
+                        f"checkpoint entry {where}['step'] should be a finite number >= 0, got {v!r}"
+                    )
+                continue
+            ref = mine.get(key)
+            if isinstance(ref, torch.Tensor) and ref.dim() > 0:
+                want = tuple(ref.shape)
+            elif key in PARAM_SHAPED_STATE:
+                want = tuple(p.shape)
+            else:
+                continue
+            if v is None:  # an optimizer's "no buffer yet" (SGD's momentum_buffer)
+                continue
+            if (
+                not isinstance(v, torch.Tensor)
+                or tuple(v.shape) != want
+                or (p.is_floating_point() and not v.is_floating_point())
+            ):
+                got = (
+                    f"{v.dtype} of shape {tuple(v.shape)}"
+                    if isinstance(v, torch.Tensor)
+                    else type(v).__name__
+                )
+                raise CheckpointError(
+                    f"checkpoint entry {where}[{key!r}] is {got}; the parameter needs a floating point "
+                    f"tensor of shape {want}"
+                )
 
 
 def expect_int(name: str, value: object, lo: int, hi: int | None = None) -> int:
