@@ -695,6 +695,10 @@ class Strategy(abc.ABC):
         changed; ``CheckpointError`` names the first entry that does not fit."""
         self._validate(sd)
         self.drain()
+        self._apply_state(sd)
+
+    def _apply_state(self, sd: dict[str, Any]) -> None:
+        """Restore a validated ``state_dict()`` (no in-flight collective): nothing here refuses."""
         with torch.no_grad():
             self._load_state(sd)
         self.step_count = sd["step"]
@@ -750,7 +754,8 @@ class Strategy(abc.ABC):
         """Restore what ``save_checkpoint`` wrote. Refuses, with ``CheckpointError`` and nothing
         changed, a file that fails its checksum, belongs to another method, model or world size,
         holds a tensor of the wrong dtype or shape, or was written with another inner optimizer or
-        with optimizer state that does not fit its parameters."""
+        with optimizer state that does not fit its parameters: everything is checked first, then
+        the model, the inner optimizer and the strategy are loaded."""
         refuse_sharded_checkpoint(self.model, "load_checkpoint")
         obj = read_checkpoint(path)
         self._check_shape(obj)
@@ -777,11 +782,13 @@ class Strategy(abc.ABC):
             expect_tensor(f"model[{k!r}]", model_sd[k], tuple(v.shape), v.dtype)
         names = {id(p): n for n, p in self.model.named_parameters()}
         check_optimizer_state(obj.get("optimizer"), self.inner_optimizer, names)
+        self.frags.check_views(self.model)  # the model loads into the views: they must still hold
+        self.drain()  # may raise SyncError (a dead peer): still before any change
+        # checked: from here on nothing refuses
         with torch.no_grad():
             self.model.load_state_dict(model_sd)  # copies into the flat views, in place
-        self.frags.check_views(self.model)
         self.inner_optimizer.load_state_dict(obj["optimizer"])
-        self.load_state_dict(obj["strategy"])
+        self._apply_state(obj["strategy"])
 
 
 def _qualname(obj: object) -> str:

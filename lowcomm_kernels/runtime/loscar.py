@@ -307,6 +307,11 @@ class LOSCAR(Strategy):
     def _validate_state(self, sd: dict[str, Any]) -> None:
         for key in ("round", "s", "seed", "k"):
             expect_int(key, sd.get(key), 0)
+        if sd["seed"] != self.seed or sd["k"] != self.k:  # another mask sequence (k: the density)
+            raise CheckpointError(
+                f"checkpoint has seed={sd['seed']}, k={sd['k']} but this LOSCAR has "
+                f"seed={self.seed}, k={self.k} (density={self.density:g})"
+            )
         if sd.get("local_steps") != list(self.local_steps) or sd.get("overlap_steps") != list(
             self.overlap_steps
         ):
@@ -326,11 +331,6 @@ class LOSCAR(Strategy):
             expect_tensor("inflight.control", q.get("control"), (self.FACTS * self.world,), torch.float64)
 
     def _load_state(self, sd: dict[str, Any]) -> None:
-        if int(sd["seed"]) != self.seed or int(sd["k"]) != self.k:
-            raise CheckpointError(
-                f"checkpoint has seed={sd['seed']}, k={sd['k']} but this LOSCAR has "
-                f"seed={self.seed}, k={self.k}"
-            )
         self.round, self.s = int(sd["round"]), int(sd["s"])
         q = sd["inflight"]
         if q is None:

@@ -1,6 +1,6 @@
-"""load_checkpoint checks the inner optimizer's state against the parameters (its groups, each
-entry's shape, a finite step >= 0) before it changes anything: after a refused load the model, the
-inner optimizer and the strategy are bit-identical to before."""
+"""load_checkpoint checks everything before it changes anything: the inner optimizer's state against
+the parameters (shapes, a finite step >= 0), its parameter groups, LOSCAR's seed and density; after a
+refused load the model, the inner optimizer and the strategy are bit-identical to before."""
 
 from __future__ import annotations
 
@@ -86,6 +86,9 @@ CASES = {
     "group_size": (
         "streaming", lambda o: o["optimizer"]["param_groups"][0]["params"].pop(),
         "optimizer param_groups[0] holds 11 parameters but this inner optimizer's group 0 holds 12"),
+    "loscar_other_seed": ("loscar", {"seed": 7}, "checkpoint has seed=7, k="),
+    "loscar_other_density": (
+        "loscar", {"density": 0.25}, "has seed=0, k=85 but this LOSCAR has seed=0, k=169 (density=0.5)"),
 }
 
 
@@ -110,6 +113,23 @@ def test_a_refused_load_changes_nothing(tmp_path, case):
         with pytest.raises(rt.CheckpointError) as err:
             st.load_checkpoint(path)
         assert words in str(err.value), str(err.value)
+        _bit_identical(before, _snapshot(model, opt, st))
+        st.close()
+
+
+def test_a_broken_parameter_view_is_refused_before_the_model_loads(tmp_path):
+    """The model loads into the flat buffer's views: a view broken since wrapping used to be found
+    after the model had been loaded."""
+    with one_rank_world():
+        path = str(tmp_path / "ckpt.pt")
+        model, opt, st = _build("streaming", 5)
+        st.save_checkpoint(path)
+        st.close()
+        model, opt, st = _build("streaming", 7)
+        model.out.bias.data = model.out.bias.data.clone()  # no longer a view of the flat buffer
+        before = _snapshot(model, opt, st)
+        with pytest.raises(RuntimeError, match="out.bias"):
+            st.load_checkpoint(path)
         _bit_identical(before, _snapshot(model, opt, st))
         st.close()
 
