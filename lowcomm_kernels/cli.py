@@ -256,7 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--update-docs",
         action="store_true",
         help="re-render the marked regions (<!-- report: lowcomm report RUN... -->) of the RUN "
-        "arguments taken as markdown files (default: README.md and docs/results.md of the checkout)",
+        "arguments taken as markdown files (default: README.md, docs/results.md and docs/simulator.md "
+        "of the checkout)",
     )
     r.add_argument(
         "--check", action="store_true", help="with --update-docs: only report stale regions (exit 1)"

@@ -18,8 +18,9 @@ Docs stay honest with marked regions::
     ... (replaced by the command's output)
     <!-- /report -->
 
-``lowcomm report --update-docs`` re-renders every region of README.md and docs/results.md (paths in
-a marker are relative to the repository root); ``--check`` only says which regions differ.
+``lowcomm report --update-docs`` re-renders every region of README.md, docs/results.md and
+docs/simulator.md (paths in a marker are relative to the repository root); ``--check`` only says
+which regions differ.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ OWN_STUDIES = ("cocodc-paper", "loscar-regimes")
 MARKER = re.compile(
     r"^<!-- report: (?P<cmd>[^\n]+?) -->\n(?P<body>.*?)^<!-- /report -->$", re.DOTALL | re.MULTILINE
 )
-DOCS = ("README.md", "docs/results.md")  # the files --update-docs rewrites by default
+DOCS = ("README.md", "docs/results.md", "docs/simulator.md")  # the files --update-docs rewrites by default
 
 
 @dataclass

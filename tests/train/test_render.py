@@ -213,9 +213,10 @@ def test_update_docs_rewrites_a_stale_region_and_check_finds_it(compare_run, tmp
 
 
 def test_the_docs_match_what_lowcomm_report_renders_from_the_committed_results():
-    """Every marked region of README.md and docs/results.md is exactly `lowcomm report` over the
-    committed result files; edit the files, never the tables (`lowcomm report --update-docs`)."""
-    docs = [ROOT / "README.md", ROOT / "docs" / "results.md"]
+    """Every marked region of README.md, docs/results.md and docs/simulator.md is exactly `lowcomm
+    report` over the committed result files; edit the files, never the tables (`lowcomm report
+    --update-docs`)."""
+    docs = [ROOT / d for d in render.DOCS]
     regions = sum(render.render_regions(d, ROOT)[1] for d in docs)
     assert regions >= 2, "the results tables are expected to be rendered regions"
     assert render.update_docs(docs, check=True) == [], "run: lowcomm report --update-docs"
