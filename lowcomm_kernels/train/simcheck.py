@@ -159,6 +159,9 @@ class Outcome:
             else math.inf
         )
 
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__, wall_error=self.wall_error, exposed_error=self.exposed_error)
+
 
 def predict(spec: TrainSpec, result: RunResult) -> Outcome:
     """Feed the run's measured step into the simulator and predict its exposed comm and wall-clock."""

@@ -19,7 +19,10 @@ pytestmark = pytest.mark.slow
 def test_the_simulator_predicts_real_runs_within_15_percent():
     checks = [c for c in simcheck.CHECKS if c.label in simcheck.QUICK]
     assert len(checks) == 2
-    for o in simcheck.run(checks):
+    outcomes = simcheck.run(checks)
+    table = simcheck.table([o.as_dict() for o in outcomes])  # what lowcomm report renders
+    assert all(c.label in table for c in checks)
+    for o in outcomes:
         assert o.measured_exposed_s > 0.3  # the comm to predict is well above a step's jitter
         assert abs(o.exposed_error) <= simcheck.TOLERANCE, o.as_dict()
         assert abs(o.wall_error) <= simcheck.TOLERANCE, o.as_dict()
