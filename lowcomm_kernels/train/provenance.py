@@ -82,21 +82,21 @@ def _utc() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def start(argv: list[str] | None = None) -> Start:
-    """A snapshot taken now. ``argv``: the command's arguments after the program name when they are
-    not ``sys.argv`` (``lowcomm_kernels.cli.main(argv)`` called from Python)."""
-    line = list(sys.argv) if argv is None else ["lowcomm", *argv]
+def start(argv: list[str] | None = None, prog: str = "lowcomm") -> Start:
+    """A snapshot taken now. ``argv``: the command's arguments after the program name ``prog`` when
+    they are not ``sys.argv`` (``lowcomm_kernels.cli.main(argv)`` called from Python)."""
+    line = list(sys.argv) if argv is None else [prog, *argv]
     return Start(utc=_utc(), loadavg=_loadavg(), cpu_s=_cpu_s(), argv=line)
 
 
 _SESSION: Start | None = None
 
 
-def begin(argv: list[str] | None = None) -> Start:
+def begin(argv: list[str] | None = None, prog: str = "lowcomm") -> Start:
     """Mark the start of this command (command line, load average, CPU time, wall clock);
     :func:`collect` measures from here. Calling it again restarts the measurement."""
     global _SESSION
-    _SESSION = start(argv)
+    _SESSION = start(argv, prog)
     return _SESSION
 
 
@@ -105,8 +105,11 @@ def _command_line(argv: list[str]) -> str | None:
     if not argv:
         return None
     prog = Path(argv[0]).name
-    head = "lowcomm" if prog in ("lowcomm", "cli.py") else argv[0]
-    return shlex.join([head, *argv[1:]])
+    if prog in ("lowcomm", "cli.py"):
+        return shlex.join(["lowcomm", *argv[1:]])
+    if " " in argv[0]:  # a program given in words, e.g. 'python -m lowcomm_kernels.train.simcheck'
+        return " ".join([argv[0], shlex.join(argv[1:])]).strip()
+    return shlex.join(argv)
 
 
 def package_root() -> Path:

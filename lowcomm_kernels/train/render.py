@@ -105,7 +105,7 @@ def load(label: str, base: Path | None = None) -> Source:
             f"({', '.join(GENERIC_STUDIES + OWN_STUDIES)})"
         )
     try:
-        if kind != "logreg":
+        if kind in ("compare", "study"):
             [RunResult.from_dict(r) for r in data["runs"]]
     except (TypeError, KeyError, AttributeError) as exc:
         raise UsageError(f"{path}: a run in it is malformed ({exc})") from None

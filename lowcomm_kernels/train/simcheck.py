@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="folder for results.json and table.md")
     p.add_argument("--quick", action="store_true", help="only " + ", ".join(QUICK))
     args = p.parse_args(argv)
-    since = provenance.begin(argv if argv is not None else sys.argv[1:])
+    since = provenance.begin(argv if argv is not None else sys.argv[1:], prog=f"python -m {__spec__.name}")
     checks = [c for c in CHECKS if not args.quick or c.label in QUICK]
     t0 = time.perf_counter()
     outcomes = run(checks, progress=True)
