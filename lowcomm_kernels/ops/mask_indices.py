@@ -115,9 +115,14 @@ triton("mask_perm", "mask_indices", "launch_mask_perm")
 _KEY = " (a non-negative int64: the registered op and a 0-d tensor carry it as one)"
 
 
+def check_key(name: str, value: object) -> int:
+    """A seed or round of the mask stream: an int in [0, 2**63) (LOSCAR checks its seed with it at
+    construction)."""
+    return _checks.integer(name, value, lo=0, hi=(1 << 63) - 1, why=_KEY)
+
+
 def _check_ints(seed: object, round: object, n: object, k: object) -> tuple[int, int, int, int]:
-    seed = _checks.integer("seed", seed, lo=0, hi=(1 << 63) - 1, why=_KEY)
-    round = _checks.integer("round", round, lo=0, hi=(1 << 63) - 1, why=_KEY)
+    seed, round = check_key("seed", seed), check_key("round", round)
     n = _checks.integer("n", n, lo=0, hi=(1 << 62))
     k = _checks.integer("k", k, lo=0)
     if k > n:

@@ -543,11 +543,24 @@ native(
 _KEY = " (a non-negative int64: the registered op carries it as one)"
 
 
+MAX_BLOCK = 1 << 40  # the largest block the ops accept
+
+
+def check_block(block: object, name: str = "block") -> int:
+    """A power of two in [2, MAX_BLOCK] (two 4-bit codes per byte need an even block); the
+    strategies check their ``quant_block`` with it at construction (runtime.compression)."""
+    if isinstance(block, bool) or not isinstance(block, int):
+        raise TypeError(f"{name} must be an int, got {type(block).__name__}")
+    if block < 2 or block & (block - 1):
+        raise ValueError(f"{name} must be a power of two >= 2, got {block}")
+    if block > MAX_BLOCK:
+        raise ValueError(f"{name} must be <= 2**40, got {block}")
+    return block
+
+
 def _check_fmt_block(fmt: object, block: object) -> tuple[QuantFormat, int]:
     f = as_format(fmt)
-    block = _checks.integer("block", block, lo=2, hi=1 << 40)
-    if block & (block - 1):
-        raise ValueError(f"block must be a power of two >= 2, got {block}")
+    block = check_block(_checks.integer("block", block))  # a 1-element integer tensor too
     return f, block
 
 

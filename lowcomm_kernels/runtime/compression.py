@@ -49,7 +49,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..ops.quantize import FORMATS, QuantFormat, dequantize, reduce_quantized
+from ..ops.quantize import FORMATS, QuantFormat, check_block, dequantize, reduce_quantized
 from ..ops.quantize import pack_quantized as _pack_quantized
 from ..ops.quantize import quantize as _quantize
 from ..profiling import nvtx_range
@@ -73,12 +73,9 @@ __all__ = [
 
 
 def check_quant_block(quant_block: object, name: str = "quant_block") -> int:
-    """A power of two >= 2 (two 4-bit codes per byte need an even block)."""
-    if isinstance(quant_block, bool) or not isinstance(quant_block, int):
-        raise TypeError(f"{name} must be an int, got {type(quant_block).__name__}")
-    if quant_block < 2 or quant_block & (quant_block - 1):
-        raise ValueError(f"{name} must be a power of two >= 2, got {quant_block}")
-    return quant_block
+    """The ops' rule for a block (``ops.quantize.check_block``), under the strategy's name for it,
+    at construction: a block the ops refuse would otherwise stop every rank at its first sync."""
+    return check_block(quant_block, name)
 
 
 @dataclass(frozen=True)

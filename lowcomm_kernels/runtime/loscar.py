@@ -43,6 +43,7 @@ import torch.distributed as dist
 
 from .. import ops
 from .._checks import integer, scalar
+from ..ops.mask_indices import check_key
 from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .compression import quantize
@@ -100,7 +101,7 @@ class LOSCAR(Strategy):
         if merge not in LOSCAR_MERGES:
             raise ValueError(f"merge must be one of {tuple(LOSCAR_MERGES)}, got {merge!r}")
         self.merge = merge
-        self.seed = integer("seed", seed, lo=0)
+        self.seed = check_key("seed", seed)  # the masks' rule, here rather than at the first round
         if common.get("error_feedback"):
             raise ValueError(
                 "error_feedback=True is not supported by LOSCAR: it sends parameter values on a fresh "

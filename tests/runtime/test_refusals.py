@@ -6,8 +6,11 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
+import lowcomm_kernels.runtime as rt
 from lowcomm_kernels.runtime.launch import spawn_local
+from tests.runtime.rt_common import make_model, make_opt, one_rank_world
 
 REFUSALS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rt_refusals.py")
 
@@ -21,3 +24,24 @@ def test_a_meta_device_model_is_refused_by_name(world):
         assert res[r]["all_meta"].startswith(f"ValueError: model: parameter 'inp.weight' {meta}"), res[r]
         assert res[r]["frozen_meta"].startswith(f"ValueError: model: parameter 'blocks.0.weight' {meta}")
         assert res[r]["all_meta_unchanged"] and res[r]["frozen_meta_unchanged"], res[r]
+
+
+# (strategy, knobs, error) of values the first sync (its ops) used to refuse, on every rank
+FIRST_SYNC = {
+    "loscar_seed_2**64": ("LOSCAR", {"seed": 2**64, "density": 0.5, "local_steps": 2, "overlap_steps": 1},
+                          "ValueError: seed must be in [0, 9223372036854775807] (a non-negative int64"),
+    "quant_block_2**50": ("DiLoCo", {"sync_every": 2, "wire_dtype": "int8", "quant_block": 2**50},
+                          "ValueError: quant_block must be <= 2**40, got 1125899906842624"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FIRST_SYNC))
+def test_ranges_of_the_ops_are_checked_at_construction(case):
+    cls, kw, words = FIRST_SYNC[case]
+    with one_rank_world():
+        model = make_model(torch.float32)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with pytest.raises(ValueError) as err:
+            getattr(rt, cls)(model, make_opt(model), **kw)
+        assert f"{type(err.value).__name__}: {err.value}".startswith(words), str(err.value)
+        assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
