@@ -150,7 +150,7 @@ def simulate(
     # a step is simulated node by node when it sends, or ends with a merge (whole syncs: step
     # need − 1), or waits in its forward (layerwise: step need)
     due = {t for s in syncs for t in (s.need_step - 1, s.need_step)}
-    events = sorted((set(by_step) | due) & set(range(1, total + 1)))
+    events = sorted(t for t in set(by_step) | due if 1 <= t <= total)
     tl = _Timeline(workload, link, layerwise, pack_s, merge_s)
     T = workload.step_s
     clock, at = 0.0, 1  # time at the start of step `at`

@@ -41,6 +41,8 @@ from .link import Link
 from .workload import Workload
 
 KINDS = ("data-parallel", "diloco", "streaming", "cocodc", "loscar")
+#: the longest period simulated (a simulation covers three periods, their sends one by one)
+MAX_SYNC_EVERY = 1_000_000
 
 #: wire formats the simulator knows beyond the runtime's: bits per value, no scales. The Streaming
 #: DiLoCo paper's FP4 is E3M0 (1 sign, 3 exponent, 0 mantissa bits) and gives no scale overhead.
@@ -98,6 +100,10 @@ class Method:
         if self.kind not in KINDS:
             raise ValueError(f"method must be one of {KINDS}, got {self.kind!r}")
         _int("sync_every", self.sync_every, 1)
+        if self.sync_every > MAX_SYNC_EVERY:
+            raise ValueError(
+                f"sync_every must be <= {MAX_SYNC_EVERY:,} (steps per period), got {self.sync_every}"
+            )
         _int("overlap", self.overlap, 0)
         _int("layers_per_fragment", self.layers_per_fragment, 1)
         if self.num_fragments is not None:
@@ -171,39 +177,50 @@ class Method:
             self.gamma, H, workload.step_s, link.collective_s(mean), K, cocodc_max_syncs(H, self.overlap)
         )
 
+    def period_sends(self, workload: Workload, link: Link) -> list[int]:
+        """The steps s = 1..P of one period after which a sync is sent, in order (the schedule
+        repeats every period; the fragment of each send is :meth:`syncs`'s business). Closed forms
+        of the runtime's rules, each checked against the rule itself at the steps it gives."""
+        frags = self.fragments(workload)
+        H, tau = self.sync_every, self.overlap
+        if self.kind == "data-parallel":
+            sends = [1]
+        elif self.kind == "diloco":
+            sends = [H]
+            assert diloco_sends(H, H)
+        elif self.kind == "streaming":  # fragment p after t ≡ offset (mod H): s = offset, or H for 0
+            sends = sorted(off or H for off in streaming_offsets(H, len(frags)))
+        elif self.kind == "cocodc":  # the N slots: s_j = ⌈j·H/N⌉, j = 1..N
+            n = self.cocodc_syncs(workload, link)
+            sends = [-(-j * H // n) for j in range(1, n + 1)]
+            assert all(cocodc_slot(s, n, H) for s in sends)
+        else:  # loscar: after step H − τ of each round (its local steps), merged at the round's end
+            sends = [H - tau]
+        return sends
+
     def syncs(self, workload: Workload, link: Link, steps: int) -> list[Sync]:
         """Every sync sent in steps 1..``steps``, in send order."""
         self.validate(workload)
         frags = self.fragments(workload)
-        H, tau = self.sync_every, self.overlap
+        tau, P = self.overlap, self.period()
+        sends = self.period_sends(workload, link)
+        if self.kind == "streaming":  # which fragment at which step: the staggered offsets, in order
+            offsets = streaming_offsets(self.sync_every, len(frags))
+            order = sorted(range(len(frags)), key=lambda p: offsets[p] or self.sync_every)
         out: list[Sync] = []
-
-        def add(t: int, p: int, whole: bool = False) -> None:
-            out.append(Sync(t, t + tau + 1, frags[p], self.payload(workload, frags[p]), whole))
-
-        if self.kind == "data-parallel":
-            for t in range(1, steps + 1):
-                add(t, 0)
-        elif self.kind == "diloco":
-            for t in range(1, steps + 1):
-                if diloco_sends(t, H):
-                    add(t, 0)
-        elif self.kind == "streaming":
-            offsets = streaming_offsets(H, len(frags))
-            for t in range(1, steps + 1):
-                for p, off in enumerate(offsets):
-                    if t % H == off:
-                        add(t, p)
-        elif self.kind == "cocodc":
-            n, nxt = self.cocodc_syncs(workload, link), 0
-            for t in range(1, steps + 1):
-                if cocodc_slot((t - 1) % H + 1, n, H):
-                    add(t, nxt)
-                    nxt = (nxt + 1) % len(frags)
-        else:  # loscar: send after step H − τ of each round, merge at the round's end
-            for t in range(1, steps + 1):
-                if t % H == (H - tau) % H:
-                    add(t, 0, whole=True)
+        nxt = 0  # CoCoDC: round-robin over the fragments; the others: one fragment per slot
+        for start in range(0, steps, P):
+            for i, s in enumerate(sends):
+                t = start + s
+                if t > steps:
+                    break
+                if self.kind == "streaming":
+                    p = order[i]
+                else:
+                    p, nxt = nxt, (nxt + 1) % len(frags)
+                out.append(
+                    Sync(t, t + tau + 1, frags[p], self.payload(workload, frags[p]), self.kind == "loscar")
+                )
         return out
 
     def with_(self, **changes: object) -> Method:
