@@ -15,6 +15,10 @@ If the control vector says any rank had a non-finite Δ, every rank skips the ou
 unchanged) and resets x_p ← g_p; a rank whose parameters or inner-optimizer state hold non-finite
 values anywhere restarts entirely: x ← g for every fragment, the snapshots of its in-flight syncs
 ← g (so their merges land on g_new), and its inner-optimizer state cleared (see ``Strategy``).
+Finite Δs can still overflow in the sum or the outer step: the control vector also carries
+max|Δ_p|, max|g_p| and max|u_p| (``_step_facts``), and where their bound on the outer step comes
+near the dtype's limit the merge is checked, and a result whose g or u is not finite (or g beyond
+the parameters' dtype) is skipped on every rank with g and u restored (``_apply``).
 All ranks start from rank 0's parameters (broadcast at construction), so g is identical everywhere.
 """
 
@@ -107,6 +111,7 @@ class DenseStrategy(Strategy):
             self.metrics.residual_bytes = self.residual.numel() * self.residual.element_size()
             self.metrics.extra_memory_bytes += self.metrics.residual_bytes
         self.applied_count = 0
+        self._overflow_streak = 0  # consecutive syncs whose outer step overflowed (_overflowed)
         # The wire buffers of applied syncs, for later sends (_take_buffers; CPU only). On the CPU a
         # fresh large buffer is a fresh mapping whose first write faults in every page: a pack of 8M
         # fp32 elements into new buffers took 2.2x as long as into reused ones (bench/send_buffers.py).
@@ -143,8 +148,11 @@ class DenseStrategy(Strategy):
     def _num_extras(self) -> int:
         return 0
 
+    STEP_FACTS = 3  # control slots after the extras: Σ_r max|Δ_r|, Σ_r max|g_p|, Σ_r max|u_p|
+
     def _on_result(self, pd: Pending, delta_avg: torch.Tensor, control: list[float]) -> None:
-        """Called with the averaged result before the merge (CoCoDC updates scores here)."""
+        """Called with the averaged result of a sync that was applied, after its merge (CoCoDC
+        updates scores here; the merge reads none of them)."""
 
     def _schedule_state(self) -> dict[str, Any]:
         return {}
@@ -192,9 +200,15 @@ class DenseStrategy(Strategy):
             nonfinite = nonfinite.to(self.device, torch.float64) + self._hidden_nonfinite(
                 self.frags.params[p]
             )
-            control = self._control(nonfinite, t, *self._control_extras(p, t))
             if self.quantized is None:
                 delta = self.to_model(delta)
+            # what bounds the outer step at apply; last in the control vector
+            peak = scales if self.quantized is not None else delta
+            facts = self._step_facts(peak, g_p, self.frags.slice(self.u, p))
+            extras, dev_extras = self._control_extras(p, t)
+            if dev_extras is not None:
+                facts = torch.cat([dev_extras.reshape(-1).to(torch.float64), facts])
+            control = self._control(nonfinite, t, extras, facts)
         pack_s = time.perf_counter() - t0
         name = f"{self.method} sync of fragment {p} sent at step {t}"
         if self.quantized is not None:  # averaged on arrival into handle.result, in the outer dtype
@@ -214,6 +228,39 @@ class DenseStrategy(Strategy):
         self.pending.append(pd)
         inflight = sum(q.nbytes() for q in self.pending)
         self.metrics.peak_inflight_bytes = max(self.metrics.peak_inflight_bytes, inflight)
+
+    def _step_facts(self, peak: torch.Tensor, g_p: torch.Tensor, u_p: torch.Tensor) -> torch.Tensor:
+        """[max|Δ| this rank sends, max|g_p|, max|u_p|] as fp64 on the model's device, no host read;
+        ``peak`` is Δ, or a quantized Δ's scales (|code value| <= qmax)."""
+        scale = 1.0 if self.quantized is None else self.wire.quant.qmax
+
+        def amax(t: torch.Tensor) -> torch.Tensor:
+            return torch.linalg.vector_norm(t, ord=float("inf")).to(self.device, torch.float64)
+
+        return torch.stack([amax(peak) * scale, amax(g_p), amax(u_p)])
+
+    def _step_fits(self, control: list[float]) -> bool:
+        """Whether this sync's outer step surely stays within range, bounded from the summed facts
+        of ``_step_facts`` (identical on every rank, so every rank decides alike): the wire sum within
+        its dtype, and u_new = μu + Δ̄ and g_new = g − η(Δ̄ + μ·u_new) within half the limit of g's dtype
+        and the parameters' (the halves absorb the rounding of every step). False: check the result."""
+        A, G, U = (v / self.world for v in control[-self.STEP_FACTS :])  # G, U: the same on every rank
+        wire = torch.float32 if self.quantized is not None else self.wire_dtype  # quantized: fp32 sums
+        limit = min(torch.finfo(self.frags.master_dtype).max, torch.finfo(self.frags.dtype).max) / 2
+        mu = self.outer_momentum
+        u_new = mu * U + A if mu else U
+        step = (A + mu * u_new if self.nesterov else u_new) if mu else A
+        return (
+            A * self.world <= torch.finfo(wire).max / 2
+            and u_new <= limit
+            and G + self.outer_lr * step <= limit
+        )
+
+    def _step_failed(self, g_p: torch.Tensor, u_p: torch.Tensor) -> bool:
+        """The merged g_p or u_p is not finite, or g_p does not fit the parameters' dtype (x ← g
+        could not restart from it). A host read, only where ``_step_fits`` could not vouch."""
+        xmax = torch.finfo(self.frags.dtype).max
+        return not (bool(torch.isfinite(u_p).all()) and float(g_p.abs().max()) <= xmax)
 
     def _take_buffers(self, n: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """(a full-size set of wire buffers, its tensors cut to a fragment of n elements): a set an
@@ -277,10 +324,22 @@ class DenseStrategy(Strategy):
                 if self.world > 1 and self.quantized is None:  # a quantized result arrives averaged
                     delta.div_(self.world)  # gloo has no AVG; SUM then scale the received buffer
                 delta, x_work = self.to_outer(delta), self.to_outer(x_p)
-                self._on_result(pd, delta, self._extras(control))
+                # near the dtype's limit, keep g and u to restore if the outer step overflows
+                kept = None if self._step_fits(control) else (g_p.clone(), u_p.clone())
                 self._merge(pd, g_p, u_p, delta, x_work)
-                if x_work is not x_p:
-                    x_p.copy_(self.to_model(x_work))
+                if kept is not None and self._step_failed(g_p, u_p):
+                    skipped = True
+                    g_p.copy_(kept[0])
+                    u_p.copy_(kept[1])
+                    x_p.copy_(self.to_model(g_p))
+                    if self.residual is not None:  # as at any skip: no error of a dropped Δ carried on
+                        self.frags.slice(self.residual, p).zero_()
+                    self._overflowed(what)
+                else:
+                    self._on_result(pd, delta, self._extras(control))
+                    self._overflow_streak = 0
+                    if x_work is not x_p:
+                        x_p.copy_(self.to_model(x_work))
         self.applied_count += 1
         if pd.buffers:  # the collective finished (_wait) and the merge has read them: free for a send
             self._spare.append(pd.buffers)
@@ -302,6 +361,24 @@ class DenseStrategy(Strategy):
             nesterov=self.nesterov,
             **self.merge_kw,
         )
+
+    def _overflowed(self, what: str) -> None:
+        """Every rank: the outer step of a finite result overflowed and was undone. Skipped like a
+        non-finite sync; on_nonfinite='raise', or max_nonfinite_syncs of them in a row, stop."""
+        self._overflow_streak += 1
+        msg = (
+            f"{what}: every rank sent finite values but the outer step overflowed (g or u not finite, "
+            "or g beyond the parameters' dtype); every rank skips this sync with g and u kept, and the "
+            "fragment restarts from the last good global"
+        )
+        if self.on_nonfinite == "raise" or self._overflow_streak >= self.max_nonfinite_syncs:
+            raise FloatingPointError(
+                msg
+                if self.on_nonfinite == "raise"
+                else f"{msg}; {self._overflow_streak} syncs in a row "
+                "(max_nonfinite_syncs), stopping every rank (check outer_lr and the inner learning rate)"
+            )
+        self.log.warning(msg)
 
     def _restart_poisoned(self) -> None:
         """This rank holds non-finite values: restart it entirely from the last good global."""
@@ -345,7 +422,7 @@ class DenseStrategy(Strategy):
             raise CheckpointError(
                 f"checkpoint entry pending should be a list of at most {self.frags.num_fragments} syncs"
             )
-        width = self.FACTS * self.world + self._num_extras()
+        width = self.FACTS * self.world + self._num_extras() + self.STEP_FACTS
         for i, q in enumerate(pending):
             if not isinstance(q, dict):
                 raise CheckpointError(f"checkpoint entry pending[{i}] should be a dict")
