@@ -118,7 +118,7 @@ class CoCoDC(DenseStrategy):
         super().__init__(
             model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau,
             outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
-            beta=1.0, lam=lam, lam_mode=lam_mode, **common,
+            merge={"beta": 1.0, "lam": lam, "lam_mode": lam_mode}, **common,
         )  # fmt: skip
         self.K = K
         self.N = K if self.auto else int(syncs_per_period)

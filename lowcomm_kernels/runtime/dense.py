@@ -66,6 +66,15 @@ class Pending:
         return n + (self.x_sent.numel() * self.x_sent.element_size() if self.x_sent is not None else 0)
 
 
+#: outer_merge_'s knobs of the merge into x, and the argument that sets each
+MERGE_KNOBS = {
+    "alpha": "StreamingDiLoCo's fragment_update_alpha",
+    "beta": "CoCoDC (fixed at 1)",
+    "lam": "CoCoDC's lam",
+    "lam_mode": "CoCoDC's lam_mode",
+}
+
+
 class DenseStrategy(Strategy):
     """Shared engine; subclasses choose when to send which fragment (``_sends_at``) and the merge."""
 
@@ -82,12 +91,17 @@ class DenseStrategy(Strategy):
         outer_lr: float,
         outer_momentum: float,
         nesterov: bool = True,
-        alpha: float = 0.0,
-        beta: float = 0.0,
-        lam: float = 0.0,
-        lam_mode: str = "absolute",
+        merge: dict[str, Any] | None = None,
         **common: Any,
     ) -> None:
+        # the merge's knobs are each subclass's own (its named arguments fill ``merge``): one given
+        # through **common would silently change another method's merge
+        for knob, owner in MERGE_KNOBS.items():
+            if knob in common:
+                raise TypeError(
+                    f"{type(self).__name__} takes no {knob}: that merge knob is set by {owner} only, "
+                    f"and here it would silently change {type(self).__name__}'s merge"
+                )
         super().__init__(model, inner_optimizer, num_fragments=num_fragments, **common)
         self.tau = integer("fragment_sync_delay", fragment_sync_delay, lo=0)
         self.outer_lr = scalar("outer_lr", outer_lr, lo=0.0)
@@ -95,7 +109,8 @@ class DenseStrategy(Strategy):
         if not isinstance(nesterov, bool):
             raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
         self.nesterov = nesterov
-        self.merge_kw: dict[str, Any] = {"alpha": alpha, "beta": beta, "lam": lam, "lam_mode": lam_mode}
+        self.merge_kw: dict[str, Any] = {"alpha": 0.0, "beta": 0.0, "lam": 0.0, "lam_mode": "absolute"}
+        self.merge_kw.update(merge or {})
 
     def _init_buffers(self) -> None:
         """Call at the end of a subclass constructor, after all configuration checks passed."""
@@ -540,7 +555,8 @@ class StreamingDiLoCo(DenseStrategy):
         alpha = scalar("fragment_update_alpha", fragment_update_alpha, lo=0.0, hi=1.0)
         super().__init__(
             model, inner_optimizer, num_fragments=K, fragment_sync_delay=tau,
-            outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, alpha=alpha, **common,
+            outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov, merge={"alpha": alpha},
+            **common,
         )  # fmt: skip
         self.offsets_in_period = streaming_offsets(self.H, K)
         self._init_buffers()

@@ -45,3 +45,27 @@ def test_ranges_of_the_ops_are_checked_at_construction(case):
             getattr(rt, cls)(model, make_opt(model), **kw)
         assert f"{type(err.value).__name__}: {err.value}".startswith(words), str(err.value)
         assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+MERGE_KNOBS = [  # (strategy, knobs besides its schedule, the knob named)
+    ("DiLoCo", {"alpha": 0.5}, "alpha"),  # it used to turn DiLoCo's x <- g_new into a mix silently
+    ("DiLoCo", {"lam": 0.5, "lam_mode": "normalized"}, "lam"),
+    ("DiLoCo", {"beta": 1.0}, "beta"),
+    ("StreamingDiLoCo", {"lam": 0.5}, "lam"),
+    ("StreamingDiLoCo", {"alpha": 0.5}, "alpha"),  # its own is fragment_update_alpha
+    ("CoCoDC", {"alpha": 0.5, "syncs_per_period": 2}, "alpha"),
+]
+SCHEDULES = {
+    "DiLoCo": {"sync_every": 4},
+    "StreamingDiLoCo": {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1},
+    "CoCoDC": {"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 1},
+}
+
+
+@pytest.mark.parametrize(("cls", "kw", "knob"), MERGE_KNOBS)
+def test_another_methods_merge_knob_is_refused_by_name(cls, kw, knob):
+    with one_rank_world():
+        model = make_model(torch.float32)
+        with pytest.raises(TypeError, match=f"^{cls} takes no {knob}: that merge knob is set by "):
+            getattr(rt, cls)(model, make_opt(model), **SCHEDULES[cls], **kw)
+        getattr(rt, cls)(model, make_opt(model), **SCHEDULES[cls]).close()  # nothing was left wrapped
