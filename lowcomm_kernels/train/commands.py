@@ -243,7 +243,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         verb = "out of date" if args.check else "updated"
         for doc in stale:
             print(f"{verb}: {doc}")
-        regions = sum(len(render.MARKER.findall(d.read_text())) for d in docs)
+        regions = sum(len(render.MARKER.findall(render.read_doc(d))) for d in docs)
         if not stale:
             names = ", ".join(str(d) for d in docs)
             print(
@@ -257,14 +257,19 @@ def cmd_report(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else None
     if out is not None and out.is_dir():
         raise UsageError(f"--out {out} is a folder; give a markdown file name")
-    text, plots = render.render(args.paths, plot_dir=out.parent if args.plot and out else None)
     if out is None:
+        text, _ = render.render(args.paths)
         print(text, end="")
         return 0
-    if args.plot:  # the images, linked relative to the markdown file
-        text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+    try:  # every source is checked before the plots and the file are written (render)
+        text, plots = render.render(args.paths, plot_dir=out.parent if args.plot else None)
+        if args.plot:  # the images, linked relative to the markdown file
+            text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+    except OSError as exc:  # a read-only place, a path through a file, a full disk
+        where = f": {exc.filename}" if exc.filename else ""
+        raise UsageError(f"--out {out}: cannot write there ({exc.strerror or exc}{where})") from None
     print(f"wrote {out}" + (f" and {len(plots)} plots beside it" if plots else ""))
     return 0
 

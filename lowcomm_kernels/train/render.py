@@ -87,7 +87,7 @@ def load(label: str, base: Path | None = None) -> Source:
     if not path.is_file():
         raise UsageError(f"{path}: no such results file (give a run folder or its results.json)")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise UsageError(f"{path}: not a valid results.json ({exc})") from None
     except OSError as exc:
@@ -104,11 +104,14 @@ def load(label: str, base: Path | None = None) -> Source:
             f"{path}: study {data['study']!r} is none that lowcomm report knows "
             f"({', '.join(GENERIC_STUDIES + OWN_STUDIES)})"
         )
-    try:
-        if kind in ("compare", "study"):
-            [RunResult.from_dict(r) for r in data["runs"]]
-    except (TypeError, KeyError, AttributeError) as exc:
-        raise UsageError(f"{path}: a run in it is malformed ({exc})") from None
+    if kind in ("compare", "study"):
+        if not data["runs"]:
+            raise UsageError(f"{path}: holds no runs, so there is no table to render")
+        for i, run in enumerate(data["runs"]):
+            try:
+                RunResult.from_dict(run)
+            except (TypeError, KeyError, AttributeError, ValueError) as exc:
+                raise UsageError(f"{path}: a run in it is malformed: runs[{i}]: {exc}") from None
     return Source(label, path, kind, data)
 
 
@@ -342,10 +345,20 @@ def _marker_args(cmd: str, where: str) -> list[str]:
     return words[2:]
 
 
+def read_doc(doc: Path) -> str:
+    """The markdown file ``doc``; UsageError naming it when it cannot be read or is not UTF-8."""
+    try:
+        return doc.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{doc}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise UsageError(f"{doc}: cannot be read ({exc.strerror or exc})") from None
+
+
 def render_regions(doc: Path, root: Path) -> tuple[str, int]:
     """``doc``'s text with every marked region re-rendered (paths relative to ``root``), and the
     number of regions."""
-    text = doc.read_text()
+    text = read_doc(doc)
     count = 0
 
     def sub(m: re.Match) -> str:
@@ -373,10 +386,14 @@ def update_docs(docs: list[Path], check: bool = False) -> list[Path]:
         if not doc.is_file():
             raise UsageError(f"--update-docs: {doc} not found")
     new = {doc: render_regions(doc, repo_root(doc))[0] for doc in docs}
-    stale = [doc for doc in docs if new[doc] != doc.read_text()]
+    stale = [doc for doc in docs if new[doc] != read_doc(doc)]
     if not check:
-        for doc in stale:
-            doc.write_text(new[doc])
+        for i, doc in enumerate(stale):
+            try:
+                doc.write_text(new[doc], encoding="utf-8")
+            except OSError as exc:
+                done = f"; updated before it: {', '.join(map(str, stale[:i]))}" if i else ""
+                raise UsageError(f"--update-docs: cannot write {doc} ({exc.strerror or exc}){done}") from None
     return stale
 
 

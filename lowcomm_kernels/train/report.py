@@ -6,8 +6,10 @@ points, so the JSON holds all a reader needs to recompute it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import reprlib
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -114,8 +116,48 @@ class RunResult:
             d["val_loss_basis"] = AVERAGED_MODEL
             for p in points:
                 p.setdefault("val_loss_avg_model", p.get("val_loss"))
+        _check_types(cls, d)
+        for i, p in enumerate(points):
+            _check_types(EvalPoint, p, f"points[{i}].")
+        final = d.get("final_eval")
+        if final is not None and not (
+            _IS["int"](final.get("eval_bytes_scored")) and _IS["float"](final.get("val_loss"))
+        ):
+            raise TypeError(
+                f"final_eval should hold eval_bytes_scored (int) and val_loss, got {_short(final)}"
+            )
         d["points"] = [EvalPoint(**p) for p in points]
         return cls(**d)
+
+
+def _number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+#: what each annotation of EvalPoint's and RunResult's fields admits in a results.json read back
+_IS = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": _number,
+    "dict": lambda v: isinstance(v, dict),
+    "list[EvalPoint]": lambda v: isinstance(v, list),  # each point is checked on its own
+    "list[float]": lambda v: isinstance(v, list) and all(_number(x) for x in v),
+    "float | None": lambda v: v is None or _number(v),
+    "bool | None": lambda v: v is None or isinstance(v, bool),
+    "dict | None": lambda v: v is None or isinstance(v, dict),
+}
+
+
+def _short(v: object) -> str:
+    return reprlib.repr(v)
+
+
+def _check_types(cls: type, d: dict, where: str = "") -> None:
+    """TypeError naming the first field of ``cls`` in ``d`` whose value is not of its annotated type:
+    a malformed results.json is refused by name, never rendered into a table."""
+    for f in dataclasses.fields(cls):
+        if f.name in d and not _IS[str(f.type)](d[f.name]):
+            raise TypeError(f"{where}{f.name} should be {f.type}, got {_short(d[f.name])}")
 
 
 def auto_target(results: list[RunResult]) -> float:
