@@ -2,8 +2,10 @@
 
 Formats (``FORMATS``): ``int8`` (qmax 127), ``int4`` (qmax 7), ``fp8_e4m3`` (torch.float8_e4m3fn,
 qmax 448), ``fp8_e5m2`` (torch.float8_e5m2, qmax 57344), ``fp4_e2m1`` (grid {0, .5, 1, 1.5, 2, 3, 4,
-6} with a sign, qmax 6). A flat buffer v of n elements is cut into blocks of ``block`` consecutive
-elements (a power of two >= 2; the last block may be short). Every backend computes, bit for bit:
+6} with a sign, qmax 6), ``fp4_e3m0`` (1 sign, 3 exponent bits of bias 3, no mantissa: grid {0, .25,
+.5, 1, 2, 4, 8, 16} with a sign, qmax 16; the Streaming DiLoCo paper's FP4). A flat buffer v of n
+elements is cut into blocks of ``block`` consecutive elements (a power of two >= 2; the last block
+may be short). Every backend computes, bit for bit:
 
     w      = v rounded to fp32 (RNE; exact for fp32 / bf16 / fp16 v, one rounding for fp64 v)
     s_b    = max_{i in b} |w_i| / qmax                       (fp32 division, correctly rounded)
@@ -13,7 +15,9 @@ elements (a power of two >= 2; the last block may be short). Every backend compu
     code_i = sign(q_i) · round(m_i) onto the format's grid: with spacing h = 1 (int), or
              h = 2^(max(floor(log2 m_i), emin) − M) (float: M mantissa bits, emin the smallest
              normal exponent), round(m) = rint(m / h) · h, round half to even; m / h and the
-             product are exact in fp32.
+             product are exact in fp32. (M = 0, fp4_e3m0: h = 2^max(floor(log2 m), emin), m / h
+             in [1, 2) rounds to 1 or 2, so a tie 1.5 · 2^k goes up to 2^(k+1), and m < 2^emin to 0
+             or 2^emin with the tie 2^(emin−1) going to 0: "even" is that of rint(m / h).)
     code_i = 0 for every element of a block whose s_b is not a positive finite number (an all-zero
              block, a block so tiny that max|w| / qmax underflows to 0, or a non-finite block).
 
@@ -26,7 +30,8 @@ away from the clamp at qmax.
 
 Codes: int formats store the two's complement of the integer code (8 or 4 bits); float formats the
 sign, biased exponent and mantissa bits (fp8: exactly torch's float8 bits, −0 included; fp4 e2m1:
-the OCP MX encoding, sign in bit 3). 4-bit codes are packed two per byte, element 2j in the low
+the OCP MX encoding, sign in bit 3; fp4 e3m0: sign in bit 3, the exponent field in bits 0-2, field 0
+the value ±0, every code finite). 4-bit codes are packed two per byte, element 2j in the low
 nibble of byte j, 2j+1 in the high nibble (a zero nibble pads an odd n). Dequantisation is
 ``value(code_i) · s_b`` in fp32 (NaN for the whole of a non-finite block), then ``out_dtype``.
 
@@ -91,6 +96,7 @@ FORMATS: dict[str, QuantFormat] = {
         QuantFormat("fp8_e4m3", 8, "float", 448.0, exp_bits=4, man_bits=3),
         QuantFormat("fp8_e5m2", 8, "float", 57344.0, exp_bits=5, man_bits=2),
         QuantFormat("fp4_e2m1", 4, "float", 6.0, exp_bits=2, man_bits=1),
+        QuantFormat("fp4_e3m0", 4, "float", 16.0, exp_bits=3, man_bits=0),  # last: abi.h LC_Q_* codes
     )
 }
 
@@ -898,7 +904,8 @@ def quantize(
 
     Args:
         v: fp32 / fp64 / bf16 / fp16, any shape, contiguous, n elements. Read only.
-        fmt: a name in ``FORMATS`` ('int8', 'int4', 'fp8_e4m3', 'fp8_e5m2', 'fp4_e2m1').
+        fmt: a name in ``FORMATS`` ('int8', 'int4', 'fp8_e4m3', 'fp8_e5m2', 'fp4_e2m1',
+            'fp4_e3m0').
         block: elements per scale, a power of two >= 2 (4-bit formats: two codes per byte).
         seed: None rounds to nearest even; an int in [0, 2^63) rounds stochastically with the
             counter-based stream of (seed, round) (the same bits on every backend).

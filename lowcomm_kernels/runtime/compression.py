@@ -2,7 +2,7 @@
 
 ``wire_dtype`` names one of ``schedule.WIRE_FORMATS``: "fp32" / "bf16" send the pseudo-gradient as
 a dense tensor (``Transport.all_reduce``, summed in the wire dtype); "int8", "int4", "fp8_e4m3",
-"fp8_e5m2", "fp4_e2m1" send codes plus one fp32 scale per ``quant_block`` elements
+"fp8_e5m2", "fp4_e2m1", "fp4_e3m0" send codes plus one fp32 scale per ``quant_block`` elements
 (``ops.quantize``) through :class:`QuantizedAllReduce`, which never sums in low precision:
 
     phase 1  reduce-scatter as an all_to_all: the flat payload is cut into M contiguous chunks of

@@ -413,6 +413,7 @@ QFORMATS = {
     "fp8_e4m3": (8, True, 3, -6, 448.0),
     "fp8_e5m2": (8, True, 2, -14, 57344.0),
     "fp4_e2m1": (4, True, 1, 0, 6.0),
+    "fp4_e3m0": (4, True, 0, -2, 16.0),
 }
 QBLOCKS = (2, 128, 4096)  # the smallest block, the runtime's default, one tile's worth
 SR_KEY = -0x3C6EF372FE94F82B  # a signed 64-bit stochastic-rounding key (a key of 0: no rounding stream)

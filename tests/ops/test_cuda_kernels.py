@@ -298,7 +298,7 @@ def test_reduce_quantized_is_the_refs_bits(fmt, n, m, rng):
     assert torch.equal(_bits(os_), _bits(rs))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_e4m3", "fp4_e2m1"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_e4m3", "fp4_e2m1", "fp4_e3m0"])
 @pytest.mark.parametrize("n", [1, 7, 4099, 1_000_003])
 @pytest.mark.parametrize("xdt", [None, torch.bfloat16], ids=["x-master", "x-bf16"])
 @F64_F32

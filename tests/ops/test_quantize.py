@@ -167,7 +167,7 @@ def test_backend_matches_ref(backend, fmt, n, rng):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_e4m3", "fp4_e2m1"])
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8_e4m3", "fp4_e2m1", "fp4_e3m0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
 def test_pack_matches_ref(backend, fmt, dtype, rng):
     """pack_quantized (residual and snapshot) bit-identical to the reference, 2 rounds in a row."""
@@ -311,7 +311,7 @@ def test_reduce(backend, fmt, m, rng):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("fmt", ["int8", "fp4_e2m1"])
+@pytest.mark.parametrize("fmt", ["int8", "fp4_e2m1", "fp4_e3m0"])
 @pytest.mark.parametrize("lam_mode", ["absolute", "normalized"])
 @pytest.mark.parametrize("dtype,nesterov", [(torch.float32, True), (torch.float64, False)])
 def test_outer_merge_quantized(backend, fmt, lam_mode, dtype, nesterov, rng):
@@ -363,6 +363,7 @@ def test_wire_sizes():
         "fp8_e4m3": 448,
         "fp8_e5m2": 57344,
         "fp4_e2m1": 6,
+        "fp4_e3m0": 16,
     }
 
 

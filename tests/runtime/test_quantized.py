@@ -30,7 +30,8 @@ CASES = [
     {"name": "int4_odd", "fmt": "int4", "block": 16, "n": 333, "seed": 2},
     {"name": "fp8_e4m3_tiny", "fmt": "fp8_e4m3", "block": 128, "n": 100, "seed": 3},
     {"name": "fp8_e5m2", "fmt": "fp8_e5m2", "block": 32, "n": 777, "seed": 4},
-    {"name": "fp4_e2m1_wan", "fmt": "fp4_e2m1", "block": 64, "n": 4096, "seed": 5, "latency": 0.3},
+    {"name": "fp4_e3m0_odd", "fmt": "fp4_e3m0", "block": 32, "n": 555, "seed": 6},
+    {"name": "fp4_e2m1_wan", "fmt": "fp4_e2m1", "block": 64, "n": 4096, "seed": 5, "latency": 0.3},  # last
 ]
 
 

@@ -45,6 +45,7 @@
 #define LC_Q_FP8_E4M3 2
 #define LC_Q_FP8_E5M2 3
 #define LC_Q_FP4_E2M1 4
+#define LC_Q_FP4_E3M0 5
 
 // delta = g - x in wire_dtype (the compute dtype, or bf16); snapshot (may be NULL, compute dtype) = x;
 // *nonfinite = number of non-finite values written to delta. Reads g, x; writes delta, snapshot.

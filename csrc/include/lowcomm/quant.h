@@ -29,6 +29,7 @@ LC_HD bool qfmt_of(int code, QFmt& f) {
     case LC_Q_FP8_E4M3: f = QFmt{8, 1, 448.0f, 3, 4, -6}; return true;
     case LC_Q_FP8_E5M2: f = QFmt{8, 1, 57344.0f, 2, 5, -14}; return true;
     case LC_Q_FP4_E2M1: f = QFmt{4, 1, 6.0f, 1, 2, 0}; return true;
+    case LC_Q_FP4_E3M0: f = QFmt{4, 1, 16.0f, 0, 3, -2}; return true;  // M = 0: no subnormals but 0
     default: return false;
   }
 }
