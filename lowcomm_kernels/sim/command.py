@@ -38,7 +38,7 @@ from .workload import Workload
 PRESETS = ("streaming-diloco-paper",)
 #: what --methods takes: the kinds, and streaming with overlap as its own name
 METHOD_NAMES = ("data-parallel", "diloco", "streaming", "streaming-overlap", "cocodc", "loscar")
-DEFAULT_WIRES = ("fp32", "bf16", "int8", "int4", "fp4_e2m1", "fp4_e3m0")
+DEFAULT_WIRES = ("fp32", "bf16", "int8", "int4", "fp4_e2m1", "fp4_e3m0_noscale")
 PLOT_GBPS = tuple(float(x) for x in np.logspace(-2, 3.5, 56))
 
 

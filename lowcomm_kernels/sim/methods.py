@@ -45,8 +45,9 @@ KINDS = ("data-parallel", "diloco", "streaming", "cocodc", "loscar")
 MAX_SYNC_EVERY = 1_000_000
 
 #: wire formats the simulator knows beyond the runtime's: bits per value, no scales. The Streaming
-#: DiLoCo paper's FP4 is E3M0 (1 sign, 3 exponent, 0 mantissa bits) and gives no scale overhead.
-SIM_ONLY_FORMATS = {"fp4_e3m0": 4}
+#: DiLoCo paper's FP4 is E3M0 (1 sign, 3 exponent, 0 mantissa bits) and gives no scale overhead:
+#: "fp4_e3m0_noscale" counts it so; "fp4_e3m0" is the runtime's format, its block scales counted.
+SIM_ONLY_FORMATS = {"fp4_e3m0_noscale": 4}
 WIRES = (*WIRE_FORMATS, *SIM_ONLY_FORMATS)
 
 

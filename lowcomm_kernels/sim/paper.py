@@ -5,7 +5,8 @@ The setting, as the paper states it: models of 1B / 10B / 100B parameters with 2
 and pure-compute step times of 0.1 / 0.8 / 4.9 s; H = 100 for DiLoCo and every streaming variant;
 fragments of 3 layers (8 / 16 / 36 fragments) in the strided pattern, its default; the overlapped
 variants with τ = 1 (the paper's example and its main experiments); the FP4 variant in E3M0
-(4 bits per value). The simulator models only the link between datacentres, with no latency term.
+(4 bits per value and no scales: the wire "fp4_e3m0_noscale"). The simulator models only the link
+between datacentres, with no latency term.
 
 What the paper does not state and we chose (docs/simulator.md gives the evidence for each): two
 replicas (its LLM experiments'); gradients and outer gradients travel in bf16 (16 bits per value);
@@ -35,7 +36,7 @@ METHODS = {
     ),
     "streaming-overlap-fp4": (
         "Streaming DiLoCo w/ overlapped FP4 com.",
-        Method("streaming", sync_every=100, overlap=1, wire="fp4_e3m0"),
+        Method("streaming", sync_every=100, overlap=1, wire="fp4_e3m0_noscale"),
     ),
 }
 

@@ -39,6 +39,20 @@ def test_blocking_diloco_exposes_one_ring_all_reduce_per_sync(M, latency_model, 
     assert r.wall_s == pytest.approx(40 * 0.1 + 4 * per_sync, rel=1e-12)
 
 
+def test_fp4_e3m0_is_the_runtimes_format_and_the_papers_fp4_has_no_scales():
+    """'fp4_e3m0' is the runtime's wire format: 4-bit codes plus one fp32 scale per quant_block values;
+    'fp4_e3m0_noscale' is the paper's FP4, 4 bits per value and nothing else. No name is listed twice."""
+    from lowcomm_kernels.ops import FORMATS
+    from lowcomm_kernels.sim import WIRES
+
+    assert len(WIRES) == len(set(WIRES)) and {"fp4_e3m0", "fp4_e3m0_noscale"} <= set(WIRES)
+    for n, block in ((1, 128), (1001, 128), (10**9, 128), (777, 32)):
+        assert wire_bytes("fp4_e3m0", n, block) == (n + 1) // 2 + 4 * -(-n // block)
+        assert wire_bytes("fp4_e3m0", n, block) == FORMATS["fp4_e3m0"].wire_bytes(n, block)
+        assert wire_bytes("fp4_e3m0_noscale", n, block) == n / 2
+    assert paper.METHODS["streaming-overlap-fp4"][1].wire == "fp4_e3m0_noscale"
+
+
 def test_layerwise_diloco_overlaps_the_backward_when_the_link_is_saturated():
     """The paper's granularity: the layers' collectives queue on the link from the moment the last
     layer's gradient is ready (2 nodes into the backward); the next forward needs layer 1's, the last
@@ -67,7 +81,8 @@ ALL = [
     Method("diloco", wire="fp32"),
     Method("streaming", wire="bf16"),
     Method("streaming", overlap=1, wire="int4"),
-    Method("streaming", overlap=3, wire="fp4_e3m0"),
+    Method("streaming", overlap=3, wire="fp4_e3m0_noscale"),
+    Method("streaming", overlap=1, wire="fp4_e3m0"),
     Method("cocodc", overlap=2, wire="int8"),
     Method("cocodc", overlap=2, wire="fp32", syncs_per_period=20),
     Method("loscar", overlap=2, density=0.01, wire="fp32"),
@@ -248,7 +263,7 @@ def test_cli_answers_for_every_method_and_format(tmp_path, capsys):
     rows = payload["rows"]
     kinds = {r["kind"] for r in rows}
     assert kinds == {"data-parallel", "diloco", "streaming", "cocodc", "loscar"}
-    assert {r["wire"] for r in rows} == {"fp32", "bf16", "int8", "int4", "fp4_e2m1", "fp4_e3m0"}
+    assert {r["wire"] for r in rows} == {"fp32", "bf16", "int8", "int4", "fp4_e2m1", "fp4_e3m0_noscale"}
     for r in rows:
         assert set(r["at"]) == {"1", "10"} and set(r["needs"]) == {"0.5", "0.8", "0.9", "0.95", "0.99"}
         assert all(0 <= a["goodput"] <= a["cu"] <= 1 for a in r["at"].values())
