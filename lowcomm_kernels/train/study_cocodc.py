@@ -21,7 +21,8 @@ beside per-fragment normalization; the reference code's l1_local score.
 
 Output: per configuration, final validation loss and steps to ``TARGET_LOSS`` (mean +- std over
 seeds), the N chosen per period, and the paired differences (same seed) against CoCoDC adaptive with
-Student's t (df = pairs - 1) and its two-sided p-value (scipy; '-' without it). Steps to target
+their 95 % interval, Student's t (df = pairs - 1), its two-sided p-value and the p-value adjusted by
+Holm over each column's family of 14 comparisons (``train.stats``; scipy, '-' without it). Steps to target
 pairs only the seeds where both runs reached it. Steps to target are known to the evaluation
 interval (100 steps), so paired differences of steps are often equal on every seed: then the
 spread is 0, t is infinite and no p-value is given (the cell shows the mean and a spread of 0).
@@ -74,10 +75,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import statistics
 import time
-from dataclasses import dataclass
 
+from . import stats
 from .report import RunResult, auto_target
 from .spec import TrainSpec
 
@@ -148,54 +148,6 @@ def paper_step_time(spec: TrainSpec) -> float:
     return t_s / SYNC_RATIO
 
 
-@dataclass(frozen=True)
-class Paired:
-    """Paired differences d_s = this − reference over the seeds s both have: mean, sample std,
-    t = mean / (std / sqrt(n)) with df = n − 1, and the two-sided p-value (None without scipy, and
-    when every pair differs by the same non-zero amount: then t is ±inf and no p is given)."""
-
-    n: int
-    mean: float
-    std: float
-    t: float
-    df: int
-    p: float | None
-
-    def cell(self, fmt: str = "{:+.4f}") -> str:
-        if self.n == 0:
-            return "n/a"
-        if self.n == 1:
-            return f"{fmt.format(self.mean)} (1 pair)"
-        p = "-" if self.p is None else f"{self.p:.3g}"
-        spread = fmt.format(self.std).lstrip("+")
-        return f"{fmt.format(self.mean)} ± {spread} (t={self.t:.2f}, df={self.df}, p={p})"
-
-
-def paired_t(values: list[float], reference: list[float]) -> Paired:
-    """Paired t statistics of ``values`` − ``reference`` (same index = same seed; None entries drop
-    their pair)."""
-    d = [a - b for a, b in zip(values, reference, strict=True) if a is not None and b is not None]
-    n = len(d)
-    if n == 0:
-        return Paired(0, math.nan, math.nan, math.nan, 0, None)
-    mean = statistics.fmean(d)
-    if n == 1:
-        return Paired(1, mean, math.nan, math.nan, 0, None)
-    std = statistics.stdev(d)
-    if std == 0.0:  # every pair differs by the same amount: no spread to test against
-        if mean == 0.0:
-            return Paired(n, mean, std, 0.0, n - 1, 1.0)
-        return Paired(n, mean, std, math.copysign(math.inf, mean), n - 1, None)
-    t = mean / (std / math.sqrt(n))
-    try:
-        from scipy import stats
-    except ImportError:
-        p = None
-    else:
-        p = float(2.0 * stats.t.sf(abs(t), n - 1))
-    return Paired(n, mean, std, t, n - 1, p)
-
-
 def _by_seed(results: list[RunResult], label: str, seeds: list[int]) -> list[RunResult | None]:
     runs = {r.config.get("seed"): r for r in results if r.name == label}
     return [runs.get(s) for s in seeds]
@@ -217,7 +169,8 @@ def table(labels: list[str], results: list[RunResult], target: float, seeds: lis
     ]  # fmt: skip
     lines = [
         f"target validation loss {target:.4f} (the workers' own models, mean); paired differences: "
-        "same seed, t with df = pairs − 1, two-sided p",
+        "same seed, mean [95 % interval] (t with df = pairs − 1, two-sided p, Holm-adjusted p over "
+        f"the {len(labels) - 1} comparisons of the column)",
         "",
         "| " + " | ".join(head) + " |",
         "|" + "---|" * len(head),
@@ -226,6 +179,16 @@ def table(labels: list[str], results: list[RunResult], target: float, seeds: lis
     ref_final = [r.final_loss if r else None for r in ref]
     ref_steps = [_steps(r, target) for r in ref]
     stats_out: dict = {}
+    # two families declared before the runs, each every configuration against the reference, Holm
+    # over the whole family: final loss, and steps to target
+    others = [label for label in labels if label != REFERENCE]
+    runs_of = {label: _by_seed(results, label, seeds) for label in others}
+    final_family = stats.holm_family(
+        {k: stats.paired([r.final_loss if r else None for r in v], ref_final) for k, v in runs_of.items()}
+    )
+    steps_family = stats.holm_family(
+        {k: stats.paired([_steps(r, target) for r in v], ref_steps) for k, v in runs_of.items()}
+    )
     for label in labels:
         runs = _by_seed(results, label, seeds)
         done = [r for r in runs if r is not None]
@@ -235,7 +198,7 @@ def table(labels: list[str], results: list[RunResult], target: float, seeds: lis
         if label == REFERENCE:
             d_final = d_steps = "(reference)"
         else:
-            pf, ps = paired_t(final, ref_final), paired_t(steps, ref_steps)
+            pf, ps = final_family[label], steps_family[label]
             stats_out[label] = {
                 "final_loss": dataclasses.asdict(pf),
                 "steps_to_target": dataclasses.asdict(ps),

@@ -93,6 +93,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from . import stats
 from .mlp import MLPConfig, modeled_time
 from .report import RunResult
 from .spec import TrainSpec
@@ -244,21 +245,6 @@ def retime(run: RunResult, row: TrainSpec, cfg: MLPConfig) -> list[float]:
     return [modeled_time(row, cfg, p.step, s, p.bytes_sent) for p, s in zip(run.points, syncs, strict=True)]
 
 
-def paired_t(diffs: list[float]) -> tuple[float, float, float, float]:
-    """(mean, sample std, t, two-sided p) of paired differences; t and p are nan below 2 pairs or
-    with zero spread."""
-    n = len(diffs)
-    if n < 2:
-        return (diffs[0] if diffs else math.nan), math.nan, math.nan, math.nan
-    m, s = statistics.fmean(diffs), statistics.stdev(diffs)
-    if s == 0:
-        return m, s, math.nan, math.nan
-    t = m / (s / math.sqrt(n))
-    from scipy import stats  # scikit-learn's own dependency
-
-    return m, s, t, float(2 * stats.t.sf(abs(t), n - 1))
-
-
 def _ms(values: Sequence[float | None], fmt: str = "{:.3f}") -> str:
     vals = [v for v in values if v is not None and math.isfinite(v)]
     if not vals:
@@ -293,11 +279,14 @@ def summarise(
     records = []
     paired = [
         "",
-        "Paired by seed: LOSCAR − method, final own-model test loss (negative: LOSCAR lower)",
+        "Paired by seed: LOSCAR − method, final own-model test loss (negative: LOSCAR lower); one family "
+        "of every row below, declared before the runs, Holm-adjusted",
         "",
-        "| regime | vs | mean diff | std | t | p (two-sided) |",
-        "|" + "---|" * 6,
+        "| regime | vs | pairs | mean diff [95 % interval] | std | t | p (two-sided) | Holm p | "
+        "sign-test p | smallest detectable |",
+        "|" + "---|" * 10,
     ]
+    family: dict[tuple[str, str], stats.Paired] = {}
     for rg in REGIMES:
         own_final: dict[str, dict[int, float]] = {}  # method -> seed -> final own-model loss
         for _, m, row in [x for x in rows(base, outer_lr, cfg) if x[0] == rg]:
@@ -339,9 +328,24 @@ def summarise(
             both = [s for s in seeds if s in a and s in b]  # pairs by seed, never by position
             if not both:
                 continue
-            mean, sd, t, p = paired_t([a[s] - b[s] for s in both])
-            paired.append(f"| {rg.label} | {LABELS[m]} | {mean:+.4f} | {sd:.4f} | {t:.2f} | {p:.3g} |")
+            family[(rg.label, LABELS[m])] = stats.paired_diffs([a[s] - b[s] for s in both])
+    adjusted = stats.holm_family({f"{r}|{m}": v for (r, m), v in family.items()})
+    for (regime, label), _ in family.items():
+        d = adjusted[f"{regime}|{label}"]
+        paired.append(
+            f"| {regime} | {label} | {d.n} | {_num(d.mean, '{:+.4f}')} {_interval(d)} | {_num(d.std)} | "
+            f"{_num(d.t, '{:.2f}')} | {_num(d.p, '{:.3g}')} | {_num(d.p_holm, '{:.3g}')} | "
+            f"{_num(d.sign_p, '{:.3g}')} | {_num(d.detectable)} |"
+        )
     return "\n".join(table + paired), records
+
+
+def _num(v: float | None, fmt: str = "{:.4f}") -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v)
+
+
+def _interval(d: stats.Paired) -> str:
+    return "" if d.ci_low is None else f"[{d.ci_low:+.4f}, {d.ci_high:+.4f}]"
 
 
 def plot(

@@ -175,14 +175,6 @@ def test_study_configuration_list():
     assert not set(sl.TUNE_SEEDS) & set(range(5))
 
 
-def test_paired_t_matches_the_textbook_formula():
-    mean, sd, t, p = sl.paired_t([0.1, 0.3, 0.2])
-    assert mean == pytest.approx(0.2) and sd == pytest.approx(0.1)
-    assert t == pytest.approx(0.2 / (0.1 / 3**0.5))
-    assert p == pytest.approx(1 - t / (t * t + 2) ** 0.5)  # Student's t with 2 degrees of freedom
-    assert sl.paired_t([0.5, 0.5])[2] != sl.paired_t([0.5, 0.5])[2]  # no spread: t is nan
-
-
 def test_study_refuses_the_logreg_task(capsys, tmp_path):
     assert main(["compare", "--study", "loscar-regimes", "--task", "logreg", "--out", str(tmp_path)]) == 2
     assert "digits MLP" in capsys.readouterr().err

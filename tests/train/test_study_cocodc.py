@@ -18,7 +18,6 @@ from lowcomm_kernels.train.study_cocodc import (
     REFERENCE,
     TARGET_LOSS,
     configs,
-    paired_t,
     paper_step_time,
     table,
 )
@@ -83,23 +82,6 @@ def test_the_emulated_step_time_gives_the_papers_n():
     t_c = paper_step_time(FULL)
     assert math.floor(0.4 * 100 * t_c / t_s) == 8
     assert 4.5 < t_s / t_c < 5.0  # a sync lasts just under tau = 5 steps
-
-
-def test_paired_t_on_known_numbers():
-    p = paired_t([1.0, 2.0, 3.0, 4.0, None], [0.0, 0.0, 0.0, 0.0, 7.0])  # the None pair is dropped
-    assert (p.n, p.df) == (4, 3)
-    assert p.mean == pytest.approx(2.5)
-    assert p.std == pytest.approx(math.sqrt(5 / 3))
-    assert p.t == pytest.approx(2.5 / (math.sqrt(5 / 3) / 2))  # 3.8730
-    assert p.p == pytest.approx(0.030466, abs=2e-6)  # two-sided, Student's t with 3 df
-    stats = pytest.importorskip("scipy.stats")
-    ref = stats.ttest_rel([3.1, 2.9, 3.4, 3.0], [3.0, 3.0, 3.2, 2.8])
-    q = paired_t([3.1, 2.9, 3.4, 3.0], [3.0, 3.0, 3.2, 2.8])
-    assert q.t == pytest.approx(ref.statistic) and q.p == pytest.approx(ref.pvalue)
-    same = paired_t([1.0, 2.0], [1.0, 2.0])
-    assert same.t == 0.0 and same.p == pytest.approx(1.0)
-    assert paired_t([1.0], [0.0]).n == 1 and math.isnan(paired_t([1.0], [0.0]).t)
-    assert paired_t([None], [1.0]).n == 0
 
 
 def _run(label: str, seed: int, losses: list[float]) -> RunResult:
