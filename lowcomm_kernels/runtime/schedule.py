@@ -111,8 +111,11 @@ def cocodc_auto_syncs(
     gamma: float, sync_every: int, step_s: float, sync_s: float, num_fragments: int, max_syncs: int
 ) -> int:
     """CoCoDC's adaptive N = clamp(⌊γ·H·T_c/T_s⌋, K, ⌊H/τ⌋) from an inner step's time T_c =
-    ``step_s`` and a fragment sync's time on the link T_s = ``sync_s`` (both > 0)."""
-    return max(num_fragments, min(math.floor(gamma * sync_every * step_s / sync_s), max_syncs))
+    ``step_s`` and a fragment sync's time on the link T_s = ``sync_s`` (T_s = 0, or a ratio past
+    any float: the cap ⌊H/τ⌋)."""
+    ratio = gamma * sync_every * step_s / sync_s if sync_s > 0 else math.inf
+    n = max_syncs if not ratio < max_syncs else math.floor(ratio)
+    return max(num_fragments, n)
 
 
 def check_cocodc_schedule(

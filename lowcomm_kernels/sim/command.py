@@ -32,7 +32,7 @@ from .engine import simulate
 from .goodput import DETECT_S, HEAL_BYTES_PER_PARAM, Failures, goodput
 from .link import LATENCY_MODELS, Link
 from .methods import WIRES, Method
-from .search import CU_LEVELS, bandwidth_table, grid_index, grid_reading
+from .search import CU_LEVELS, HI_GBPS, LO_GBPS, bandwidth_table, grid_index, grid_reading
 from .workload import Workload
 
 PRESETS = ("streaming-diloco-paper",)
@@ -44,6 +44,35 @@ PLOT_GBPS = tuple(float(x) for x in np.logspace(-2, 3.5, 56))
 
 class SimUsageError(ValueError):
     """Bad command-line input for ``lowcomm simulate``."""
+
+
+#: what --preset leaves the user to choose (everything else is the paper's)
+PRESET_FREE = ("preset", "json", "out", "plot")
+_DEFAULTS: dict[str, Any] = {}  # each flag's default, filled by add_parser
+
+
+def _given(args: argparse.Namespace, dest: str) -> bool:
+    """The flag was set to something other than its default (argparse keeps no record of which
+    flags were typed; a flag typed with its default value is harmless either way)."""
+    return dest in _DEFAULTS and getattr(args, dest, None) != _DEFAULTS[dest]
+
+
+#: the Method/Link/Workload argument names in their errors -> the flags a user typed
+_FLAGS = {
+    "sync_every": "--sync-every",
+    "overlap": "--overlap",
+    "num_fragments": "--fragments",
+    "layers_per_fragment": "--layers-per-fragment",
+    "quant_block": "--quant-block",
+    "density": "--density",
+    "gamma": "--gamma",
+    "layers": "--layers",
+    "params": "--params",
+}
+
+
+def _flags(message: str) -> str:
+    return re.sub(r"\b(" + "|".join(_FLAGS) + r")\b", lambda m: _FLAGS[m[1]], message)
 
 
 def _duration(text: str) -> float:
@@ -70,6 +99,23 @@ def _positive(text: str) -> float:
     return v
 
 
+def _nonneg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return v
+
+
+def _gbps(text: str) -> float:
+    v = _positive(text)
+    if not LO_GBPS <= v <= HI_GBPS:
+        raise argparse.ArgumentTypeError(f"must lie in [{LO_GBPS:g}, {HI_GBPS:g}] Gbit/s, got {text!r}")
+    return v
+
+
 def _size(text: str) -> float:
     """'10B', '350M', '1.5e9' -> parameters."""
     m = re.fullmatch(r"\s*([0-9.eE+-]+)\s*([kKmMbBtT]?)\s*", text)
@@ -84,7 +130,7 @@ def _list(kind: Any) -> Any:
         items = [x.strip() for x in text.split(",") if x.strip()]
         if not items:
             raise argparse.ArgumentTypeError("expected a comma-separated list")
-        return [kind(x) for x in items]
+        return list(dict.fromkeys(kind(x) for x in items))  # a repeated entry once
 
     return parse
 
@@ -97,8 +143,10 @@ def _fraction(text: str) -> float:
 
 
 def _level(text: str) -> float:
-    v = _positive(text)
-    v = v / 100 if v > 1 else v
+    """'90%' or '90' (>= 1: per cent) or '0.9' (< 1: a fraction)."""
+    t = text.strip()
+    v = _positive(t[:-1]) / 100 if t.endswith("%") else _positive(t)
+    v = v / 100 if v >= 1 and not t.endswith("%") else v
     if not 0 < v < 1:
         raise argparse.ArgumentTypeError(f"a utilisation level lies in (0, 100) %, got {text!r}")
     return v
@@ -141,12 +189,17 @@ def add_parser(sub: Any) -> None:
     k = s.add_argument_group("link")
     k.add_argument(
         "--bandwidth",
-        type=_list(_positive),
+        type=_list(_gbps),
         default=[1.0],
         metavar="GBPS[,GBPS...]",
-        help="Gbit/s per replica at which to report utilisation (default 1)",
+        help=f"Gbit/s per replica at which to report utilisation, in [{LO_GBPS:g}, {HI_GBPS:g}] (default 1)",
     )
-    k.add_argument("--latency", type=_duration, default=0.0, help="one-way latency, e.g. 80ms (default 0)")
+    k.add_argument(
+        "--latency",
+        type=_duration,
+        default=0.0,
+        help="one-way latency: 80ms, 0.08s, or a bare number of milliseconds (default 0)",
+    )
     k.add_argument(
         "--latency-model",
         choices=LATENCY_MODELS,
@@ -215,19 +268,20 @@ def add_parser(sub: Any) -> None:
         type=_list(_level),
         default=list(CU_LEVELS),
         metavar="LEVEL[,LEVEL...]",
-        help="utilisation levels for the bandwidth columns, in %% or fractions (default 50,80,90,95,99)",
+        help="utilisation levels for the bandwidth columns: 90%% or 90 (numbers >= 1 are per cent) or "
+        "0.9 (default 50,80,90,95,99)",
     )
     f = s.add_argument_group("failures (goodput; with --mtbf-h)")
     f.add_argument("--mtbf-h", type=_positive, help="mean time between failures of one replica, hours")
     f.add_argument(
         "--restart-s",
-        type=_positive,
+        type=_nonneg,
         default=600.0,
         help="seconds until a failed replica (or job) is back (default 600)",
     )
     f.add_argument(
         "--detect-s",
-        type=_positive,
+        type=_nonneg,
         default=DETECT_S,
         help=f"survivors' stall per failure (default {DETECT_S}, measured by bench/ft_recovery.py)",
     )
@@ -235,7 +289,7 @@ def add_parser(sub: Any) -> None:
         "--checkpoint-s",
         type=_positive,
         default=60.0,
-        help="data-parallel checkpoint write seconds (default 60)",
+        help="data-parallel checkpoint write seconds, > 0 (Young/Daly's interval grows with it; default 60)",
     )
     f.add_argument(
         "--checkpoint-every-s", type=_positive, help="data-parallel checkpoint interval (default: Young/Daly)"
@@ -252,6 +306,7 @@ def add_parser(sub: Any) -> None:
     o.add_argument(
         "--plot", help="draw utilisation against bandwidth (log axis) into this PNG; needs matplotlib"
     )
+    _DEFAULTS.update({a.dest: a.default for a in s._actions if a.dest != "help"})
 
 
 @dataclass(frozen=True)
@@ -260,9 +315,15 @@ class Row:
     method: Method
 
 
+def _pct(level: float) -> str:
+    return f"{level * 100:.10g}%"
+
+
 def _fmt_gbps(v: float | None) -> str:
     if v is None:
         return "unreachable"
+    if v <= LO_GBPS:
+        return f"≤ {LO_GBPS:g}"  # the search's bracket: any bandwidth it tries reaches the level
     return f"{v:.3g}" if v < 100 else f"{v:.0f}"
 
 
@@ -283,36 +344,50 @@ def _methods(args: argparse.Namespace) -> list[Row]:
         gamma=args.gamma,
     )
     rows: list[Row] = []
-    tau = args.overlap
     for name in args.methods:
-        for wire in args.wire:
-            if name == "data-parallel":
-                rows.append(Row(f"data-parallel {wire}", Method("data-parallel", wire=wire)))
-            elif name == "diloco":
-                rows.append(Row(f"diloco {wire}", Method("diloco", wire=wire, **common)))
-            elif name == "streaming":
-                rows.append(Row(f"streaming {wire}", Method("streaming", wire=wire, **common)))
-            elif name == "streaming-overlap":
-                rows.append(
-                    Row(f"streaming τ={tau} {wire}", Method("streaming", overlap=tau, wire=wire, **common))
+        try:
+            rows += _method_rows(name, args, common)
+        except ValueError as e:
+            raise SimUsageError(f"--methods {name}: {_flags(str(e))}") from None
+    return rows
+
+
+def _method_rows(name: str, args: argparse.Namespace, common: dict[str, Any]) -> list[Row]:
+    """The rows of one --methods entry, one per wire format (and per density for LOSCAR)."""
+    tau = args.overlap
+    rows: list[Row] = []
+    for wire in args.wire:
+        if name == "data-parallel":
+            rows.append(Row(f"data-parallel {wire}", Method("data-parallel", wire=wire)))
+        elif name == "diloco":
+            rows.append(Row(f"diloco {wire}", Method("diloco", wire=wire, **common)))
+        elif name == "streaming":
+            rows.append(Row(f"streaming {wire}", Method("streaming", wire=wire, **common)))
+        elif name == "streaming-overlap":
+            rows.append(
+                Row(f"streaming τ={tau} {wire}", Method("streaming", overlap=tau, wire=wire, **common))
+            )
+        elif name == "cocodc":
+            rows.append(Row(f"cocodc τ={tau} {wire}", Method("cocodc", overlap=tau, wire=wire, **common)))
+        else:
+            rows += [
+                Row(
+                    f"loscar p={p:g} Q={tau} {wire}",
+                    Method("loscar", overlap=tau, density=p, wire=wire, **common),
                 )
-            elif name == "cocodc":
-                rows.append(Row(f"cocodc τ={tau} {wire}", Method("cocodc", overlap=tau, wire=wire, **common)))
-            else:
-                for p in args.density:
-                    rows.append(
-                        Row(
-                            f"loscar p={p:g} Q={tau} {wire}",
-                            Method("loscar", overlap=tau, density=p, wire=wire, **common),
-                        )
-                    )
+                for p in args.density
+            ]
     return rows
 
 
 def _workload(args: argparse.Namespace) -> Workload:
     if args.model is not None:
-        if args.params is not None or args.layers is not None:
-            raise SimUsageError("--model names a preset model: give either --model or --params/--layers")
+        given = [f for f in ("params", "layers", "tokens_per_step", "peak_tflops", "mfu") if _given(args, f)]
+        if given:
+            raise SimUsageError(
+                f"--model fixes the size, layers and step time (change the step with --step-s): "
+                f"drop --{given[0].replace('_', '-')}"
+            )
         w = paper.workload(args.model)
         return w if args.step_s is None else Workload.uniform(w.name, w.params, w.layers, args.step_s)
     if args.params is None or args.layers is None:
@@ -325,7 +400,7 @@ def _workload(args: argparse.Namespace) -> Workload:
         if None in flops:
             raise SimUsageError("give --step-s, or all of --tokens-per-step, --peak-tflops and --mfu")
         step = Workload.step_from_flops(args.params, args.tokens_per_step, args.peak_tflops * 1e12, args.mfu)
-    elif any(x is not None for x in flops):
+    elif any(x is not None for x in flops):  # (one given with --step-s)
         raise SimUsageError("give either --step-s or --tokens-per-step/--peak-tflops/--mfu, not both")
     else:
         step = args.step_s
@@ -340,6 +415,8 @@ def _plot(curves: dict[str, dict[str, list[float]]], path: str, title: str) -> N
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if Path(path).suffix.lower() != ".png":
+        raise SimUsageError(f"--plot writes a PNG: give a file name ending in .png, got {path!r}")
     fig, axes = plt.subplots(1, len(curves), figsize=(5.2 * len(curves), 4.2), squeeze=False, sharey=True)
     for ax, (panel, lines) in zip(axes[0], curves.items(), strict=True):
         for i, (label, cu) in enumerate(lines.items()):
@@ -353,9 +430,13 @@ def _plot(curves: dict[str, dict[str, list[float]]], path: str, title: str) -> N
     axes[0][-1].legend(fontsize=7, loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    except OSError as e:
+        raise SimUsageError(f"--plot: cannot write {path}: {e.strerror or e}") from None
+    finally:
+        plt.close(fig)
 
 
 def _write(path: str | None, text: str) -> None:
@@ -389,7 +470,7 @@ def run_preset(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _levels_header(levels: list[float]) -> list[str]:
-    return ["| model | method | " + " | ".join(f"{c * 100:g}%" for c in levels) + " |",
+    return ["| model | method | " + " | ".join(_pct(c) for c in levels) + " |",
             "|---|---|" + "---|" * len(levels)]  # fmt: skip
 
 
@@ -433,14 +514,16 @@ def run_custom(args: argparse.Namespace) -> dict[str, Any]:
                             args.checkpoint_every_s, args.heal_bytes_per_param)  # fmt: skip
     out: list[dict[str, Any]] = []
     lines: dict[str, list[float]] = {}
-    for row in rows:
+    for i, row in enumerate(rows, 1):
+        if len(rows) > 1:  # progress: a row takes ~0.1-100 s (CoCoDC's search scans, long periods)
+            print(f"[{i}/{len(rows)}] {row.label}", file=sys.stderr, flush=True)
         try:
             row.method.validate(w)
         except ValueError as e:
             raise SimUsageError(f"{row.label}: {e}") from None
         table = bandwidth_table(w, row.method, link, args.cu)
         item: dict[str, Any] = dict(method=row.label, kind=row.method.kind, wire=row.method.wire,
-                                    at={}, needs={f"{c:g}": table[c] for c in args.cu})  # fmt: skip
+                                    at={}, needs={f"{c:.10g}": table[c] for c in args.cu})  # fmt: skip
         for g in args.bandwidth:
             r = simulate(w, row.method, link.with_gbps(g))
             at = dict(cu=r.utilisation, exposed_s_per_step=r.exposed_s / r.steps,
@@ -484,7 +567,7 @@ def custom_markdown(payload: dict[str, Any]) -> str:
     gbps, levels = list(rows[0]["at"]), list(rows[0]["needs"])
     goods = payload.get("failures") is not None
     head = ["method"] + [f"CU @ {g} Gbit/s" for g in gbps] + [f"exposed s/step @ {gbps[0]}"]
-    head += [f"Gbit/s for {float(c) * 100:g}%" for c in levels]
+    head += [f"Gbit/s for {_pct(float(c))}" for c in levels]
     head += [f"goodput @ {g}" for g in gbps] if goods else []
     md = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
@@ -503,17 +586,19 @@ def markdown(payload: dict[str, Any]) -> str:
 def run(args: argparse.Namespace, provenance: Callable[[], dict[str, Any]] | None = None) -> int:
     """The command: print the tables; write --out (markdown), --json (rows, and ``provenance()``,
     where the code and machine came from) and --plot."""
-    fixed = [
-        f for f in ("model", "params", "layers", "step_s", "tokens_per_step") if getattr(args, f) is not None
-    ]
-    if args.preset and fixed:
-        raise SimUsageError(f"--preset fixes the models: drop --{fixed[0].replace('_', '-')}")
+    if args.preset:
+        fixed = [f for f in vars(args) if f not in PRESET_FREE and _given(args, f)]
+        if fixed:
+            raise SimUsageError(
+                f"--preset fixes the models, link, methods and levels of the paper's table: "
+                f"drop --{fixed[0].replace('_', '-')}"
+            )
     try:
         payload = run_preset(args) if args.preset else run_custom(args)
     except SimUsageError:
         raise
     except ValueError as e:  # a knob the simulator refused (fragments > layers, ...)
-        raise SimUsageError(str(e)) from None
+        raise SimUsageError(_flags(str(e))) from None
     md = markdown(payload)
     print(md)
     _write(args.out, md + "\n")

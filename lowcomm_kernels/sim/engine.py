@@ -51,8 +51,9 @@ class SimResult:
 
     @property
     def utilisation(self) -> float:
-        """Compute utilisation: compute / (compute + exposed communication + sync overhead)."""
-        return self.compute_s / self.wall_s
+        """Compute utilisation: compute / (compute + exposed communication + sync overhead); at most
+        1 (a wall a rounding error shorter than the compute is the compute)."""
+        return min(1.0, self.compute_s / self.wall_s)
 
 
 class _Timeline:
@@ -134,10 +135,11 @@ def simulate(
     merge_s: float = 0.0,
 ) -> SimResult:
     """Simulate ``warmup`` steps, then measure over ``steps`` more (defaults: one period of warm-up
-    and two measured, a period being H steps, or 4 for data-parallel). ``warmup=0`` with a given
+    and two measured, a period being the steps after which the schedule repeats: H, K / gcd(N, K)
+    times H for CoCoDC, 4 steps for data-parallel). ``warmup=0`` with a given
     ``steps`` simulates a run from its start, e.g. to predict one of this package's runs;
     ``pack_s`` / ``merge_s``: seconds of sync work on the compute timeline per send / per merge."""
-    P = method.period()
+    P = method.schedule_period(workload, link)
     if warmup is None:
         warmup = 2 if P == 1 else P
     if steps is None:

@@ -13,8 +13,9 @@ cannot drift apart.
   p + 2K, …), fragment p sent after steps t ≡ ⌊p·H/K⌋ (mod H), needed τ steps later.
 - ``cocodc``: the same fragments, N sends per H steps in evenly spaced slots, N = clamp(⌊γ·H·T_c /
   T_s⌋, K, ⌊H/τ⌋) from the step time T_c and the simulated time T_s of one fragment's sync on an
-  idle link (or ``syncs_per_period`` fixed); the fragment at each slot in round-robin order (with
-  fragments of equal size, which one is sent changes no timing).
+  idle link (or ``syncs_per_period`` fixed); the fragment at each slot in round-robin order (the
+  score's choice is not modelled). When K does not divide N the fragment order repeats only every
+  K / gcd(N, K) periods, which is the schedule's period (``schedule_period``).
 - ``loscar``: rounds of H steps, a shared random mask of k = ⌈p·d⌉ coordinates of the whole model
   sent after step H − τ of each round and merged at its end (no indices travel: the mask comes from
   a shared seed). The runtime gathers the k values after the optimizer step, so LOSCAR's sync is one
@@ -23,6 +24,7 @@ cannot drift apart.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -43,6 +45,8 @@ from .workload import Workload
 KINDS = ("data-parallel", "diloco", "streaming", "cocodc", "loscar")
 #: the longest period simulated (a simulation covers three periods, their sends one by one)
 MAX_SYNC_EVERY = 1_000_000
+#: the most syncs one simulation may send (CoCoDC's N reaches H/τ on a fast link)
+MAX_SYNCS = 100_000
 
 #: wire formats the simulator knows beyond the runtime's: bits per value, no scales. The Streaming
 #: DiLoCo paper's FP4 is E3M0 (1 sign, 3 exponent, 0 mantissa bits) and gives no scale overhead:
@@ -51,6 +55,7 @@ SIM_ONLY_FORMATS = {"fp4_e3m0_noscale": 4}
 WIRES = (*WIRE_FORMATS, *SIM_ONLY_FORMATS)
 
 
+@functools.lru_cache(maxsize=4096)  # the same few layer sizes, asked for at every sync
 def wire_bytes(wire: str, values: int, quant_block: int = DEFAULT_QUANT_BLOCK) -> float:
     """Bytes one replica's payload of ``values`` values takes in ``wire`` (scales included)."""
     if wire in SIM_ONLY_FORMATS:
@@ -159,6 +164,14 @@ class Method:
     def period(self) -> int:
         return 1 if self.kind == "data-parallel" else self.sync_every
 
+    def schedule_period(self, workload: Workload, link: Link) -> int:
+        """Steps after which the whole schedule (send steps and the fragment of each) repeats: a
+        period, or for CoCoDC's round-robin K / gcd(N, K) periods."""
+        if self.kind != "cocodc":
+            return self.period()
+        K = len(self.fragments(workload))
+        return self.sync_every * (K // math.gcd(self.cocodc_syncs(workload, link), K))
+
     def payload(self, workload: Workload, layers: tuple[int, ...]) -> tuple[float, ...]:
         share = self.density if self.kind == "loscar" else 1.0
         return tuple(
@@ -205,6 +218,12 @@ class Method:
         frags = self.fragments(workload)
         tau, P = self.overlap, self.period()
         sends = self.period_sends(workload, link)
+        count = len(sends) * -(-steps // P)
+        if count > MAX_SYNCS:
+            raise ValueError(
+                f"{self.name}: {len(sends):,} syncs per period of {P:,} steps make {count:,} to simulate, "
+                f"more than {MAX_SYNCS:,}: use a shorter sync_every or a longer overlap"
+            )
         if self.kind == "streaming":  # which fragment at which step: the staggered offsets, in order
             offsets = streaming_offsets(self.sync_every, len(frags))
             order = sorted(range(len(frags)), key=lambda p: offsets[p] or self.sync_every)

@@ -1,10 +1,16 @@
 """The two questions: the compute utilisation at a bandwidth, and the bandwidth a utilisation needs.
 
-Utilisation never falls when the bandwidth grows (a faster link finishes every collective no later,
-and the FIFO link and the waits are monotone in the finish times), so the bandwidth for a target is
-found by bisection on log(bandwidth). ``PAPER_GRID`` is the grid the Streaming DiLoCo paper's table
-reads from (50 points, logarithmically spaced from 0.1 to 1000 Gbit/s: every value it prints lies on
-it); ``grid_reading`` gives what that table would print for our threshold.
+For a fixed schedule, utilisation never falls when the bandwidth grows (a faster link finishes every
+collective no later, and the FIFO link and the waits are monotone in the finish times), so the
+bandwidth for a target is found by bisection on log(bandwidth). CoCoDC's adaptive N is the
+exception: a faster link raises N (more syncs per period), which can lower the utilisation, so its
+curve can rise, fall back below a level and rise again. For it the search first scans a grid of
+``SCAN_PER_DECADE`` points per decade and bisects between the first grid point that reaches the
+level and the one before it (a dip narrower than one grid step can be missed).
+
+``PAPER_GRID`` is the grid the Streaming DiLoCo paper's table reads from (50 points, logarithmically
+spaced from 0.1 to 1000 Gbit/s: every value it prints lies on it); ``grid_reading`` gives what that
+table would print for our threshold.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ CU_LEVELS = (0.5, 0.8, 0.9, 0.95, 0.99)
 PAPER_GRID = tuple(float(x) for x in np.logspace(-1, 3, 50))
 #: the search's bracket, Gbit/s: 1 kbit/s to 1 Pbit/s
 LO_GBPS, HI_GBPS = 1e-6, 1e6
+SCAN_PER_DECADE = 8
 
 
 def utilisation(workload: Workload, method: Method, link: Link, **kw: object) -> float:
@@ -33,16 +40,27 @@ def bandwidth_for(
     target: float,
     cu_at: Callable[[float], float],
     rel_tol: float = 1e-4,
+    monotone: bool = True,
 ) -> float | None:
-    """The smallest bandwidth (Gbit/s) at which ``cu_at(gbps) >= target``, to ``rel_tol``; None when
-    even ``HI_GBPS`` does not reach it (latency or fixed costs alone exceed the budget)."""
+    """The smallest bandwidth (Gbit/s) at which ``cu_at(gbps) >= target``, to ``rel_tol``;
+    ``LO_GBPS`` when the bracket's low end reaches it already; None when no bandwidth up to
+    ``HI_GBPS`` does (latency or fixed costs alone exceed the budget). ``monotone=False``: scan
+    first (module docstring)."""
     if not 0 < target < 1:
         raise ValueError(f"a target utilisation must lie in (0, 1), got {target}")
-    if cu_at(HI_GBPS) < target:
-        return None
     lo, hi = math.log(LO_GBPS), math.log(HI_GBPS)
     if cu_at(LO_GBPS) >= target:
         return LO_GBPS
+    if monotone:
+        if cu_at(HI_GBPS) < target:
+            return None
+    else:
+        n = round((hi - lo) / math.log(10) * SCAN_PER_DECADE)
+        grid = [lo + (hi - lo) * i / n for i in range(n + 1)]
+        first = next((i for i, x in enumerate(grid) if cu_at(math.exp(x)) >= target), None)
+        if first is None:
+            return None
+        lo, hi = grid[first - 1], grid[first]
     while hi - lo > rel_tol:
         mid = 0.5 * (lo + hi)
         if cu_at(math.exp(mid)) >= target:
@@ -83,4 +101,5 @@ def bandwidth_table(
             cache[gbps] = utilisation(workload, method, link.with_gbps(gbps), **kw)
         return cache[gbps]
 
-    return {level: bandwidth_for(level, cu_at) for level in levels}
+    monotone = not (method.kind == "cocodc" and method.syncs_per_period == "auto")
+    return {level: bandwidth_for(level, cu_at, monotone=monotone) for level in levels}

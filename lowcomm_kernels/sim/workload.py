@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 #: the Kaplan et al. rule: one training token costs 6 FLOPs per parameter (forward 2, backward 4)
 FLOPS_PER_PARAM_TOKEN = 6.0
+#: the most layers a workload may have (the largest dense models have a few hundred; each layer is
+#: one collective per sync in the layerwise simulation)
+MAX_LAYERS = 10_000
 
 
 def _positive(name: str, value: object) -> float:
@@ -39,6 +42,8 @@ class Workload:
     def __post_init__(self) -> None:
         if not self.layer_params:
             raise ValueError("a workload needs at least one layer")
+        if len(self.layer_params) > MAX_LAYERS:
+            raise ValueError(f"layers must be <= {MAX_LAYERS:,}, got {len(self.layer_params):,}")
         for n in self.layer_params:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"layer parameters must be integers >= 1, got {n!r}")
@@ -48,8 +53,8 @@ class Workload:
     def uniform(cls, name: str, params: float, layers: int, step_s: float) -> Workload:
         """``params`` spread evenly over ``layers`` layers (the paper's assumption)."""
         params = _positive("params", params)
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 1:
-            raise ValueError(f"layers must be an integer >= 1, got {layers!r}")
+        if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= MAX_LAYERS:
+            raise ValueError(f"layers must be an integer in [1, {MAX_LAYERS:,}], got {layers!r}")
         if params < layers:
             raise ValueError(f"params={params:g} must be at least layers={layers}")
         base, extra = divmod(int(round(params)), layers)

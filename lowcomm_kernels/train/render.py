@@ -104,6 +104,9 @@ def load(label: str, base: Path | None = None) -> Source:
             f"{path}: study {data['study']!r} is none that lowcomm report knows "
             f"({', '.join(GENERIC_STUDIES + OWN_STUDIES)})"
         )
+    empty = {"simulate": "rows", "simcheck": "outcomes"}.get(kind)
+    if empty and not data[empty]:
+        raise UsageError(f"{path}: holds no {empty}, so there is no table to render")
     if kind in ("compare", "study"):
         if not data["runs"]:
             raise UsageError(f"{path}: holds no runs, so there is no table to render")
@@ -318,7 +321,7 @@ def render(
     for src in sources:  # every table first: a bad file stops the command before any plot is drawn
         try:
             body, _ = RENDERERS[src.kind](src, None)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a field missing or of a wrong type
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:  # a malformed field
             raise UsageError(
                 f"{src.path}: a {src.kind} results file with a malformed field ({exc!r})"
             ) from None

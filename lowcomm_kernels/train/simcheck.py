@@ -15,8 +15,11 @@ as ``lowcomm train`` measures it).
     python -m lowcomm_kernels.train.simcheck --out docs/data/sim-vs-runtime
 
 What the prediction cannot see: the jitter of individual steps (it uses their mean) and the time
-gloo itself takes on loopback beside the emulated link's sleeps. The test
-(tests/sim/test_runtime_check.py) holds both predictions to within 15 %.
+gloo itself takes on loopback beside the emulated link's sleeps. Only the exposed communication is
+an independent prediction: the step fed in is the measured wall-clock less the measured exposed time
+and sync work, so the predicted wall-clock differs from the measured one by exactly the exposed
+error (reported for scale). The test (tests/sim/test_runtime_check.py) holds the exposed
+communication to within 15 %.
 """
 
 from __future__ import annotations
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
     (out / "table.md").write_text(md + "\n")
     print(md)
-    bad = [o.label for o in outcomes if abs(o.wall_error) > TOLERANCE or abs(o.exposed_error) > TOLERANCE]
+    bad = [o.label for o in outcomes if abs(o.exposed_error) > TOLERANCE]
     print(f"\nwrote {out / 'results.json'}; outside {TOLERANCE:.0%}: {', '.join(bad) or 'none'}")
     return 1 if bad else 0
 

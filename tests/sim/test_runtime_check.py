@@ -2,7 +2,9 @@
 
 Two configurations of ``lowcomm_kernels.train.simcheck`` (blocking DiLoCo and Streaming DiLoCo with
 τ = 1, 2 workers, the tiny LM, 100 Mbit/s and 300 ms): the simulator, fed with each run's measured
-step and sync work, must predict the exposed communication and the wall-clock within 15 %. The full
+step and sync work, must predict the exposed communication within 15 % (the wall-clock is not an
+independent check: the step fed in is the measured wall less the exposed time, so its error is the
+exposed error, diluted; the test pins that identity instead). The full
 set of eight configurations is ``python -m lowcomm_kernels.train.simcheck --out DIR``, whose
 committed result is rendered in docs/results.md.
 """
@@ -16,6 +18,7 @@ from lowcomm_kernels.train import simcheck
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.serial  # measured exposed time within 15 %: in a parallel run, alone (conftest.py)
 def test_the_simulator_predicts_real_runs_within_15_percent():
     checks = [c for c in simcheck.CHECKS if c.label in simcheck.QUICK]
     assert len(checks) == 2
@@ -25,7 +28,9 @@ def test_the_simulator_predicts_real_runs_within_15_percent():
     for o in outcomes:
         assert o.measured_exposed_s > 0.3  # the comm to predict is well above a step's jitter
         assert abs(o.exposed_error) <= simcheck.TOLERANCE, o.as_dict()
-        assert abs(o.wall_error) <= simcheck.TOLERANCE, o.as_dict()
+        # the wall-clock differs by the exposed error alone (sync work and steps are fed in)
+        diff = o.predicted_wall_s - o.measured_wall_s
+        assert diff == pytest.approx(o.predicted_exposed_s - o.measured_exposed_s, abs=1e-6), o.as_dict()
         assert o.syncs >= 3
 
 

@@ -6,6 +6,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -76,14 +77,13 @@ def test_data_parallel_at_high_bandwidth_exposes_only_the_last_layer():
     assert r.exposed_s / r.steps == pytest.approx(last, rel=1e-9)
 
 
-ALL = [
+ALL = [  # fixed schedules (CoCoDC's adaptive N is not monotone: the test after this one)
     Method("data-parallel", wire="bf16"),
     Method("diloco", wire="fp32"),
     Method("streaming", wire="bf16"),
     Method("streaming", overlap=1, wire="int4"),
     Method("streaming", overlap=3, wire="fp4_e3m0_noscale"),
     Method("streaming", overlap=1, wire="fp4_e3m0"),
-    Method("cocodc", overlap=2, wire="int8"),
     Method("cocodc", overlap=2, wire="fp32", syncs_per_period=20),
     Method("loscar", overlap=2, density=0.01, wire="fp32"),
 ]
@@ -98,6 +98,28 @@ def test_utilisation_is_monotone_in_bandwidth_and_tends_to_one(method, layerwise
     assert all(b >= a - 1e-12 for a, b in zip(cu, cu[1:], strict=False)), cu
     assert 0 < cu[0] < cu[-1]
     assert cu[-1] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_cocodc_adaptive_n_can_lower_utilisation_and_the_search_finds_the_first_crossing():
+    """CoCoDC's N grows with the bandwidth (more syncs per period), so its utilisation can fall as the
+    link gets faster: on the paper's 1B model at 50 ms it dips just above 5.5 Gbit/s. The bandwidth
+    reported for a level inside the dip is the first that reaches it, not a later crossing."""
+    w, m = paper.workload("1B"), Method("cocodc", overlap=1, wire="bf16")
+    link = Link(1.0, latency_s=0.05)
+    grid = np.logspace(0, 1.2, 120)
+    cu = np.array([simulate(w, m, link.with_gbps(g)).utilisation for g in grid])
+    falls = np.flatnonzero(np.diff(cu) < -1e-3)
+    assert falls.size, "expected a dip in CoCoDC's utilisation"
+    i = falls[0]
+    target = 0.5 * (cu[i] + cu[i + 1])  # reached at grid[i], lost at grid[i + 1]
+    got = bandwidth_table(w, m, link, [target])[target]
+    assert got is not None and got <= grid[i] * 1.001
+    assert simulate(w, m, link.with_gbps(got)).utilisation >= target
+    assert all(c < target for c in cu[grid < got * 0.999])
+    # a level the curve passes, loses and passes again: the scan reports the first crossing
+    up = falls[0] + 1 + np.flatnonzero(cu[falls[0] + 1 :] >= target)
+    assert up.size and grid[up[0]] > grid[i + 1]
+    # (a plain bisection reports some crossing; which one depends on where its midpoints fall)
 
 
 def test_latency_alone_bounds_blocking_methods_but_not_overlapped_ones():
@@ -238,10 +260,23 @@ def test_detect_time_is_the_measured_one():
         (["--model", "10B", "--latency", "soon"], "--latency"),
         (["--params", "10B"], "--layers"),
         (["--params", "10B", "--layers", "48"], "--step-s"),
-        (["--model", "10B", "--params", "3B"], "either --model"),
+        (["--model", "10B", "--params", "3B"], "drop --params"),
+        (["--model", "10B", "--mfu", "0.5"], "drop --mfu"),  # --model fixes the step: not silently ignored
+        (["--preset", "streaming-diloco-paper", "--latency", "10ms"], "drop --latency"),
+        (["--preset", "streaming-diloco-paper", "--methods", "diloco"], "drop --methods"),
+        (["--preset", "streaming-diloco-paper", "--mtbf-h", "5"], "drop --mtbf-h"),
+        (["--model", "10B", "--bandwidth", "1e300"], "--bandwidth must lie in"),
+        (["--model", "10B", "--bandwidth", "1e-310"], "--bandwidth must lie in"),
+        (["--params", "1B", "--layers", "100000", "--step-s", "1"], "--layers"),
+        (["--model", "1B", "--methods", "loscar", "--sync-every", "1", "--wire", "bf16"], "--overlap=1"),
+        (["--model", "1B", "--methods", "diloco", "--wire", "int8", "--quant-block", "3"], "--quant-block"),
+        (["--model", "1B", "--methods", "cocodc", "--wire", "bf16", "--sync-every", "1000000"], "shorter"),
+        (["--model", "1B", "--methods", "diloco", "--wire", "bf16", "--plot", "u.svg"], "ending in .png"),
+        (["--model", "1B", "--methods", "diloco", "--wire", "bf16", "--plot", "/proc/u.png"], "cannot write"),
         (["--model", "10B", "--replicas", "1"], "--replicas"),
         (["--model", "10B", "--mfu", "2"], "--mfu"),
         (["--model", "10B", "--cu", "100"], "--cu"),
+        (["--model", "10B", "--cu", "100%"], "--cu"),
         (["--model", "10B", "--mtbf-h", "0"], "--mtbf-h"),
         (["--preset", "streaming-diloco-paper", "--model", "1B"], "--preset fixes the models"),
     ],
@@ -271,6 +306,40 @@ def test_cli_answers_for_every_method_and_format(tmp_path, capsys):
     assert "latency 80 ms" in text
     assert payload["provenance"]["git"]["revision"]
     assert simulate_command.markdown(payload) in text  # lowcomm report renders the same table
+
+
+def test_cli_levels_bandwidth_ends_and_repeated_entries(capsys):
+    """--cu reads '90%', '90' and '0.9' alike (numbers >= 1 are per cent) and labels a level with the
+    digits it was given; a level every bandwidth reaches says so; a repeated entry is one row."""
+    argv = ["simulate", "--model", "1B", "--methods", "diloco,diloco", "--wire", "bf16,bf16",
+            "--cu", "90%,0.9,1e-9,99.99999", "--mtbf-h", "100",
+            "--detect-s", "0", "--restart-s", "0"]  # fmt: skip
+    assert cli.main(argv) == 0
+    text = capsys.readouterr().out
+    assert text.count("| diloco bf16 |") == 1
+    assert "Gbit/s for 90% | Gbit/s for 1e-07% | Gbit/s for 99.99999% |" in text
+    assert "≤ 1e-06" in text
+
+
+def test_cocodc_window_is_the_schedules_period():
+    """With K fragments and N syncs per period the round-robin repeats after K / gcd(N, K) periods:
+    that is what a simulation warms up over and measures (here N = 5, K = 4: 4 periods)."""
+    w = Workload.uniform("x", 1_000_000, 12, 1.0)
+    m = Method("cocodc", sync_every=20, overlap=1, num_fragments=4, syncs_per_period=5)
+    link = Link(1.0)
+    assert m.schedule_period(w, link) == 80
+    r = simulate(w, m, link)
+    assert r.steps == 160 and r.syncs == 2 * 4 * 5
+    assert Method("cocodc", sync_every=20, num_fragments=4, syncs_per_period=8).schedule_period(w, link) == 20
+
+
+def test_cocodc_n_saturates_instead_of_overflowing():
+    """N = clamp(⌊γ·H·T_c/T_s⌋, K, ⌊H/τ⌋): a ratio past any float or an instant sync gives the cap."""
+    from lowcomm_kernels.runtime.schedule import cocodc_auto_syncs
+
+    assert cocodc_auto_syncs(1e308, 100, 1e10, 1e-300, 4, 50) == 50
+    assert cocodc_auto_syncs(0.4, 100, 1.0, 0.0, 4, 50) == 50
+    assert cocodc_auto_syncs(0.4, 100, 1.0, 1e9, 4, 50) == 4
 
 
 def test_cli_preset_writes_the_75_rows(tmp_path, capsys):

@@ -29,10 +29,31 @@ def compare_run(tmp_path_factory) -> tuple[Path, str]:
 
 @pytest.fixture(scope="module")
 def study_run(tmp_path_factory) -> Path:
+    """A tiny end-to-end study run (2 ranks); the study's own checks and the report's read it."""
     out = tmp_path_factory.mktemp("report") / "study"
+    # Streaming at 2K syncs per H halves H: tau = 1 < (8 // 2) // K = 2; CoCoDC's N = 2K = 4 <= H / tau = 8
     argv = ["compare", "--study", "matched", "--seeds", "2", *TINY, "--sync-every", "8", "--out", str(out)]
     assert main(argv) == 0
     return out
+
+
+@pytest.mark.slow
+def test_tiny_matched_study_writes_table_and_plot(study_run):
+    out = study_run
+    table = (out / "matched.md").read_text()
+    assert "Command: `lowcomm compare --study matched --seeds 2`" in table
+    assert "Streaming DiLoCo, 2 syncs/H" in table and "CoCoDC adaptive, 4 syncs/H" in table
+    assert "CoCoDC round-robin, 4 syncs/H" in table
+    assert " ± " in table
+    assert (out / "matched.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads((out / "results.json").read_text())
+    seeds = {(r["name"], r["config"]["seed"]) for r in doc["runs"]}
+    assert len(seeds) == len(doc["runs"])  # each configuration ran with 2 distinct seeds
+    rr = [r for r in doc["runs"] if "round-robin" in r["name"]]
+    assert len(rr) == 2
+    for r in rr:  # cyclic order: applied syncs spread evenly over the K = 2 fragments
+        counts = r["extra"]["syncs_per_fragment"]
+        assert set(counts) == {"0", "1"} and abs(counts["0"] - counts["1"]) <= 1
 
 
 @pytest.mark.slow
@@ -158,6 +179,18 @@ def test_missing_corrupt_and_unknown_inputs_are_named(tmp_path: Path, capsys):
     unknown_study.write_text(json.dumps({"study": "nonesuch", "target_val_loss": 1.0, "runs": []}))
     rc, err = _rc_err(["report", str(unknown_study)], capsys)
     assert rc == 2 and str(unknown_study) in err and "'nonesuch' is none that lowcomm report knows" in err
+    no_rows = tmp_path / "sim.json"
+    no_rows.write_text(json.dumps({"preset": "streaming-diloco-paper", "rows": []}))
+    rc, err = _rc_err(["report", str(no_rows)], capsys)
+    assert rc == 2 and str(no_rows) in err and "holds no rows" in err
+    bad_rows = tmp_path / "sim_bad.json"
+    bad_rows.write_text(json.dumps({"workload": {}, "rows": [{"at": {}}]}))
+    rc, err = _rc_err(["report", str(bad_rows)], capsys)
+    assert rc == 2 and str(bad_rows) in err and "malformed" in err
+    no_outcomes = tmp_path / "check.json"
+    no_outcomes.write_text(json.dumps({"title": "t", "outcomes": []}))
+    rc, err = _rc_err(["report", str(no_outcomes)], capsys)
+    assert rc == 2 and "holds no outcomes" in err
     assert not md.exists()  # nothing written when any source is bad
     rc, err = _rc_err(["report"], capsys)
     assert rc == 2 and "at least one run" in err

@@ -1,14 +1,8 @@
-"""The open-question studies: their configurations, and one tiny end-to-end study run."""
+"""The open-question studies: their configurations (the tiny end-to-end study run is in
+test_render.py, whose report tests read the same run)."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import pytest
-from test_cli import TINY
-
-from lowcomm_kernels.cli import main
 from lowcomm_kernels.train.spec import TrainSpec
 from lowcomm_kernels.train.studies import STUDIES
 
@@ -40,28 +34,6 @@ def test_lambda_gamma_overlap_grids():
     ov = STUDIES["overlap"](BASE)
     assert {s.fragment_sync_delay for _, s in ov} == {1, 5, 10}
     assert {s.method for _, s in ov} == {"streaming", "cocodc"}
-
-
-@pytest.mark.slow
-def test_tiny_matched_study_writes_table_and_plot(tmp_path: Path):
-    out = tmp_path / "study"
-    # Streaming at 2K syncs per H halves H: tau = 1 < (8 // 2) // K = 2; CoCoDC's N = 2K = 4 <= H / tau = 8
-    args = [*TINY, "--sync-every", "8"]
-    assert main(["compare", "--study", "matched", "--seeds", "2", *args, "--out", str(out)]) == 0
-    table = (out / "matched.md").read_text()
-    assert "Command: `lowcomm compare --study matched --seeds 2`" in table
-    assert "Streaming DiLoCo, 2 syncs/H" in table and "CoCoDC adaptive, 4 syncs/H" in table
-    assert "CoCoDC round-robin, 4 syncs/H" in table
-    assert " ± " in table
-    assert (out / "matched.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    doc = json.loads((out / "results.json").read_text())
-    seeds = {(r["name"], r["config"]["seed"]) for r in doc["runs"]}
-    assert len(seeds) == len(doc["runs"])  # each configuration ran with 2 distinct seeds
-    rr = [r for r in doc["runs"] if "round-robin" in r["name"]]
-    assert len(rr) == 2
-    for r in rr:  # cyclic order: applied syncs spread evenly over the K = 2 fragments
-        counts = r["extra"]["syncs_per_fragment"]
-        assert set(counts) == {"0", "1"} and abs(counts["0"] - counts["1"]) <= 1
 
 
 def test_study_tables_name_what_the_final_loss_measures():
