@@ -129,7 +129,7 @@ fi
 
 # ---- 3. pytest -m gpu -------------------------------------------------------------------------
 slot 90
-run pytest "$python" -m pytest -m gpu -q -p no:cacheprovider tests --junitxml="$results/pytest_gpu.xml"
+run pytest "$python" -m pytest -m gpu -q -p no:cacheprovider -p no:xdist tests --junitxml="$results/pytest_gpu.xml"
 
 # ---- 4. runtime -------------------------------------------------------------------------------
 slot 90

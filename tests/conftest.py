@@ -23,18 +23,42 @@ failure report (rerun with ``--seed N``). Property tests use hypothesis' own der
 
 ``TRITON_INTERPRET`` is removed from the environment here, so the op tests run the backends a user
 gets on a CPU; ``tests/ops/test_triton_interpret.py`` sets it for itself.
+
+**Parallel runs.** ``pytest`` over ``tests/`` runs on one pytest-xdist worker per CPU (at most 8)
+unless ``-n`` is given (``-n 0``: one process, in file order); the suite is CPU-bound (mostly
+process start-up and gloo ranks), so this roughly halves it on 2 cores. Here:
+
+* a module that defines a module- or class-scoped fixture (one process group for the whole file,
+  say) runs on one worker, so the fixture is built once (``--dist loadgroup`` and a scheduler of
+  our own, ``pytest_xdist_make_scheduler``);
+* modules with ``slow`` tests are handed out first, so no worker is left with a long test at the end;
+* a test marked ``serial`` (wall-clock assertions) runs while no other test runs: every test holds
+  a shared lock on a file of this run, a ``serial`` one an exclusive lock.
+
+Tests marked ``study`` (long end-to-end study, benchmark-script and soak runs) are deselected by
+``addopts`` in pyproject.toml; ``pytest -m study`` runs them (a step of its own in ``.ci/run``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
 import re
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import pytest
-import torch
+
+# Before torch loads OpenMP: in a parallel run (see below) the other worker's processes keep the
+# cores busy, and OpenMP threads that spin while they wait for work burn the time those need (the
+# quantize op tests took 2.6x the CPU time beside a busy core). Passive threads sleep instead; the
+# thread count, and so every threaded code path the tests reach, stays the same.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # Before lowcomm_kernels is imported anywhere: Triton decides interpretation when kernels are
 # decorated, and _dispatch would offer the 'triton' backend on CPU tensors with it set.
@@ -231,6 +255,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _slow_modules_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -250,3 +275,108 @@ def _no_triton_interpret(request: pytest.FixtureRequest):
     yield
     if saved is not None:
         os.environ["TRITON_INTERPRET"] = saved
+
+
+# ---- parallel runs (pytest-xdist): see the module docstring -------------------------------------
+
+MAX_WORKERS = 8  # each worker imports torch (~1 GB); the tests' own process groups load the cores
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own (also tryfirst) turns -n into workers
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """One xdist worker per CPU when the run did not choose (-n, --tx, --dist, --pdb)."""
+    opt = config.option
+    if hasattr(config, "workerinput") or not config.pluginmanager.hasplugin("xdist"):
+        return  # an xdist worker, or xdist not installed (-p no:xdist): one process
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # a pytest started by a test (a script's own pytest stage): one process
+    if opt.numprocesses is None and not opt.tx and opt.dist == "no" and not (opt.usepdb or opt.collectonly):
+        env = os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS")
+        opt.numprocesses = int(env) if env else min(_cpus(), MAX_WORKERS)
+        if opt.numprocesses:
+            opt.dist = "loadgroup"
+            opt.loadscopereorder = False  # hand out in collection order: slow modules first (below)
+
+
+_SHARED_FIXTURE = re.compile(r"@pytest\.fixture\([^)]*scope\s*=\s*[\"'](?:module|class|package|session)[\"']")
+
+
+@functools.cache
+def _has_shared_fixture(path: str) -> bool:
+    """The test file defines a fixture wider than a function (read from its source: the controller
+    of a parallel run sees node ids only)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return _SHARED_FIXTURE.search(f.read()) is not None
+    except OSError:
+        return False
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """--dist loadgroup, and a module that defines a shared fixture goes to one worker whole (its
+    process group, say, is then built once). (xdist's own grouping appends the group to each node
+    id in the workers, which pytest 9.2's structured node ids silently drop; here the controller
+    reads the scope off the plain node id.)"""
+    if config.option.dist != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class ModuleFixtureScheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            if scope != nodeid:  # an xdist_group mark (on a pytest that keeps the renamed id)
+                return scope
+            path = nodeid.split("::", 1)[0]
+            return path if _has_shared_fixture(str(config.rootpath / path)) else nodeid
+
+    return ModuleFixtureScheduling(config, log)
+
+
+def _slow_modules_first(items: list[pytest.Item]) -> None:
+    """Modules with a slow test first (whole modules, so that a module fixture is built once), the
+    rest as collected: in a parallel run, a long test handed out last would run alone at the end."""
+    slow = {item.getparent(pytest.Module) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.getparent(pytest.Module) not in slow)
+
+
+def _lock_path(config: pytest.Config) -> str | None:
+    """A file of this run, beside the workers' temporary folders (None outside an xdist worker)."""
+    basetemp = getattr(config.option, "basetemp", None)
+    if not hasattr(config, "workerinput") or not basetemp:
+        return None
+    return os.path.join(os.path.dirname(os.path.abspath(basetemp)), "serial.lock")
+
+
+@contextlib.contextmanager
+def _run_lock(config: pytest.Config, exclusive: bool) -> Iterator[None]:
+    """A readers-writer lock over the run's workers: shared for a test, exclusive for a serial one.
+    A serial test that waits holds the turnstile, so no other test starts before it."""
+    path = _lock_path(config)
+    if path is None:
+        yield
+        return
+    import fcntl  # (POSIX; only xdist workers get here)
+
+    with open(path + ".turn", "a") as turn, open(path, "a") as lock:
+        fcntl.flock(turn, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        fcntl.flock(turn, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Set-up (module fixtures included), call and teardown under the run's lock."""
+    with _run_lock(item.config, exclusive=item.get_closest_marker("serial") is not None):
+        yield

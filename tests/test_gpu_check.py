@@ -3,7 +3,9 @@
 The GPU check runs only where a GPU is lent; this runs the same script, stage for stage, on the CPU
 (Triton through its interpreter, the cpu backend, gloo on CPU tensors, a tiny bench) and checks the
 report it writes: every stage present, each passed or was skipped for the documented reason, every
-check in the correctness, runtime and bench reports passed. About 40 s on 2 cores, hence slow.
+check in the correctness, runtime and bench reports passed. About 40 s on an idle 2-core machine
+(70 s beside a parallel test run), hence marked ``study``: CI runs it in its own step
+(``pytest -m study``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow, pytest.mark.study]
 STAGES = ("build", "correctness", "pytest", "runtime", "bench")
 
 

@@ -37,21 +37,20 @@ ranks grouped wrongly (e.g. the whole world as ``process_group``) stop at constr
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch without distributed
-    DTensor = None  # type: ignore[assignment,misc]
-
 _FSDP = "_lowcomm_fsdp_param"  # attribute on an FSDP2 sharded Parameter: its FSDPParam
 
 
 def is_sharded(t: object) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
+    # DTensor's module is not imported here: it costs each process ~0.6 s of CPU at start-up (every
+    # rank imports this), and a DTensor cannot exist before something else has imported it
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

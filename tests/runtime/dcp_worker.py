@@ -64,3 +64,8 @@ def run(rank: int, world: int, sc: dict) -> dict:
     out["losses"] = losses
     st.close()
     return out
+
+
+def run_all(rank: int, world: int, scs: list[dict]) -> list[dict]:
+    """``run`` for each scenario in turn, on one group (the tests' rank processes start once)."""
+    return [run(rank, world, sc) for sc in scs]

@@ -379,6 +379,8 @@ def _parse_only(text: str | None) -> tuple[list[int], list[int]] | None:
 
 
 @pytest.mark.slow
+@pytest.mark.study  # a soak: CI runs it in its own step (pytest -m study)
+@pytest.mark.serial  # its kill verdicts allow a loaded machine, not a second test beside it
 def test_chaos_soak(tmp_path):
     seconds = float(os.environ.get("LOWCOMM_CHAOS_SECONDS", DEFAULT_SECONDS))
     seed = int(os.environ.get("LOWCOMM_CHAOS_SEED", DEFAULT_SEED))

@@ -93,20 +93,48 @@ RESIZE = {
 }
 
 
+# LOSCAR with per-rank local_steps, saved by 2 ranks (refused on another number of ranks, below)
+PER_RANK_STEPS = {"density": 0.4, "local_steps": [2, 3], "overlap_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def saved_and_resumed(tmp_path_factory) -> dict:
+    """Every RESIZE class saved by one group of 2 ranks (and the per-rank LOSCAR save), then the
+    RESIZE classes resumed by one group of 3: two process group starts for all, one after the other
+    (each class in its own checkpoint folder). class -> (its folder, the 2 ranks' results, the 3
+    ranks'); "per_rank" -> the per-rank LOSCAR save's folder."""
+    root = tmp_path_factory.mktemp("dcp_resize")
+    names = sorted(RESIZE)
+    base = {cls: {"cls": cls, "kw": RESIZE[cls][0], "path": str(root / cls)} for cls in names}
+    saves = [{**base[cls], "steps": RESIZE[cls][1], "save": True, "one": 1} for cls in names]
+    per_rank = {
+        "cls": "loscar",
+        "kw": PER_RANK_STEPS,
+        "path": str(root / "per_rank"),
+        "rounds": 3,
+        "save": True,
+    }
+    saved = spawn_local(f"{WORKER}:run_all", 2, ([*saves, per_rank],), timeout_s=480)
+    loads = [{**base[cls], "load": True, "one": 1, "after": 12} for cls in names]
+    up = spawn_local(f"{WORKER}:run_all", 3, (loads,), timeout_s=480)
+    out = {cls: (base[cls]["path"], [r[i] for r in saved], [r[i] for r in up]) for i, cls in enumerate(names)}
+    out["per_rank"] = per_rank["path"]
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cls", sorted(RESIZE))
-def test_dcp_resumes_with_another_number_of_ranks(group, tmp_path, cls):
+def test_dcp_resumes_with_another_number_of_ranks(group, saved_and_resumed, cls):
     """Saved by 2 ranks, resumed by 3 (spawned) and by 1 (this process): the resumed global state is
     the saved one, a result pending at the save is applied with the same average, and training goes on
     with every rank holding the same global state."""
     kw, at = RESIZE[cls]
-    base = {"cls": cls, "kw": kw, "path": str(tmp_path)}
-    saved = spawn_local(f"{WORKER}:run", 2, ({**base, "steps": at, "save": True, "one": 1},), timeout_s=240)
+    path, saved, up = saved_and_resumed[cls]
+    base = {"cls": cls, "kw": kw, "path": path}
     ref = saved[0]["saved"]
     assert ref["step"] == at
     if cls != "loscar":
         assert ref["pending"], "the save should hold a result in flight"
-    up = spawn_local(f"{WORKER}:run", 3, ({**base, "load": True, "one": 1, "after": 12},), timeout_s=240)
     down = [dcp_worker.run(0, 1, {**base, "load": True, "one": 1, "after": 12})]
     for res in (up, down):
         for r in res:
@@ -133,13 +161,9 @@ def test_dcp_resumes_with_another_number_of_ranks(group, tmp_path, cls):
 
 
 @pytest.mark.slow
-def test_dcp_refuses_per_rank_loscar_steps_on_another_number_of_ranks(group, tmp_path):
+def test_dcp_refuses_per_rank_loscar_steps_on_another_number_of_ranks(group, saved_and_resumed):
     """LOSCAR with per-rank local_steps cannot resume on another number of ranks: the error names
     local_steps."""
-    kw = {"density": 0.4, "local_steps": [2, 3], "overlap_steps": 1}
-    sc = {"cls": "loscar", "kw": kw, "path": str(tmp_path), "rounds": 3, "save": True}
-    spawn_local(f"{WORKER}:run", 2, (sc,), timeout_s=240)
+    kw, path = PER_RANK_STEPS, saved_and_resumed["per_rank"]
     with pytest.raises(CheckpointError, match="local_steps"):
-        dcp_worker.run(
-            0, 1, {"cls": "loscar", "kw": {**kw, "local_steps": 2}, "path": str(tmp_path), "load": True}
-        )
+        dcp_worker.run(0, 1, {"cls": "loscar", "kw": {**kw, "local_steps": 2}, "path": path, "load": True})

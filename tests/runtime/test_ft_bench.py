@@ -22,6 +22,7 @@ SCRIPT = ROOT / "bench" / "ft_recovery.py"
 
 
 @pytest.mark.slow
+@pytest.mark.study  # the whole benchmark script: CI runs it in its own step (pytest -m study)
 def test_quick_run_writes_results_and_figure(tmp_path):
     out, fig = tmp_path / "ft.json", tmp_path / "ft.png"
     proc = subprocess.run(

@@ -36,6 +36,8 @@ ALLOWED = {  # (module, function) -> why a host read is fine there
     ("dense", "_state"): "checkpoint",
     ("dense", "_load_state"): "checkpoint restore",
     ("dense", "_guard_values"): "consistency guard",
+    ("dense", "_step_failed"): "only when the host-side bound of _step_fits cannot vouch that the "
+    "outer step stays finite (values near the dtype's limit): then every rank must read it to skip alike",
     ("loscar", "_state"): "checkpoint",
     ("loscar", "_load_state"): "checkpoint restore",
     ("agreement", "_gather_bytes"): "construction",

@@ -13,6 +13,9 @@ import pytest
 
 from lowcomm_kernels.runtime.launch import spawn_local
 
+# wall-clock assertions: in a parallel run, alone (conftest.py)
+pytestmark = pytest.mark.serial
+
 WORKERS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rt_workers.py")
 L, T_C = 0.15, 0.05  # latency 150 ms; 50 ms per inner step; τ = 7 -> τ·T_c = 350 ms ≥ L
 

@@ -60,6 +60,7 @@ def test_quantized_allreduce_equals_the_reference_on_every_rank(M):
             assert got["thread_stopped"]
 
 
+@pytest.mark.serial  # times the exposed wait: in a parallel run, alone (conftest.py)
 def test_quantized_sync_overlaps_like_the_dense_one():
     """With an emulated 0.3 s latency, poll() right after the send is False and wait() blocks for the
     rest of the latency (the exposed time), as Transport.all_reduce's handles do."""

@@ -64,6 +64,7 @@ def test_mlp_trains_and_p0_sends_nothing_on_two_workers():
 
 
 @pytest.mark.slow
+@pytest.mark.study  # the whole study, 40 runs twice: CI runs it in its own step (pytest -m study)
 def test_loscar_regimes_quick_study_writes_its_tables(tmp_path: Path):
     out = tmp_path / "study"
     argv = ["compare", "--study", "loscar-regimes", "--quick", "--no-progress", "--out", str(out)]
