@@ -20,6 +20,7 @@ import os
 import sys
 
 import torch
+import torch.distributed as dist
 
 SEQ = 64
 
@@ -141,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                 json.dump(
                     {"args": vars(a), "before": before, "after": after, "log": trainer.state.log_history}, f
                 )
+    # the Trainer made the process group and never destroys it: a gloo group left to interpreter
+    # shutdown can abort the process ("terminate called without an active exception") after all went well
+    dist.destroy_process_group()
     return 0
 
 

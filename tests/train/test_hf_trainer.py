@@ -108,6 +108,9 @@ def worker(argv: list[str]) -> None:
     }
     with open(os.path.join(a.out, f"{a.tag}-rank{rank}.json"), "w") as f:
         json.dump(report, f)
+    # the Trainer never destroys the group it made; one left to interpreter shutdown can abort the
+    # process after a good run (SIGABRT, "terminate called without an active exception")
+    dist.destroy_process_group()
 
 
 # ----- the tests -----------------------------------------------------------------------------------
