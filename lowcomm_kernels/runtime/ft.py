@@ -93,7 +93,10 @@ parameters) in a replica of several ranks, where each rank holds another shard, 
 state cannot stand for the others' and each shard would heal from a different healthy replica.
 
 Not supported with ``manager=`` (refused with an error naming the argument): ``process_group``,
-``wan``, quantized wire formats, ``guard_every`` (they need a fixed group).
+``wan``, quantized wire formats, ``guard_every`` (they need a fixed group); and a Manager built with
+``init_sync=False`` or ``use_async_quorum=True``: the fresh start's heal is where replicas agree on
+the configuration and take one starting state, and a returning replica must be healed before the
+collectives of its first round.
 """
 
 from __future__ import annotations
@@ -136,6 +139,13 @@ def check_ft_args(manager: Any, num_replicas: Any, process_group: Any, wan: Any)
         raise ValueError("process_group: pass either process_group= or manager=, not both")
     if wan is not None:
         raise ValueError("wan: the emulated WAN is not supported with manager=")
+    if not getattr(manager, "_init_sync", True):
+        raise ValueError(
+            "manager: build it with Manager(init_sync=True) (torchft's default); at a fresh start the "
+            "replicas heal from the primary, which is where they agree on the configuration and model "
+            "and take one starting state. With init_sync=False replicas given different knobs or seeds "
+            "would train on with different state, and a different wire format would break the collectives"
+        )
     if getattr(manager, "_use_async_quorum", False):
         raise ValueError(
             "manager: build it with Manager(use_async_quorum=False); a returning replica must be healed "

@@ -93,7 +93,7 @@ def lone_managers():
     lh = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1000)
     made, stores = [], []
 
-    def make():
+    def make(**kw):
         store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
         stores.append(store)  # the Manager's store must outlive it
         made.append(
@@ -110,6 +110,7 @@ def lone_managers():
                 lighthouse_addr=lh.address(),
                 use_async_quorum=False,
                 timeout=timedelta(seconds=10),
+                **kw,
             )  # fmt: skip
         )
         return made[-1]
@@ -123,6 +124,24 @@ def lone_managers():
 @pytest.fixture
 def lone_manager(lone_managers):
     return lone_managers()
+
+
+def test_a_manager_without_init_sync_is_refused_by_name(lone_managers):
+    """Without init_sync nothing is healed at a fresh start, and the heal is where replicas agree on
+    the configuration and take one starting state: refused at construction, naming it."""
+    from lowcomm_kernels.runtime import LOSCAR, DiLoCo
+
+    for build in (
+        lambda m, o, ft: DiLoCo(m, o, sync_every=2, **ft),
+        lambda m, o, ft: LOSCAR(m, o, density=0.5, local_steps=2, overlap_steps=1, **ft),
+    ):
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(ValueError, match=r"init_sync=True"):
+            build(model, opt, dict(manager=lone_managers(init_sync=False), num_replicas=2))
+    model = nn.Linear(4, 1)  # the default still builds
+    DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2,
+           manager=lone_managers(), num_replicas=2).close()  # fmt: skip
 
 
 def test_loscar_poisoned_replica_stops(lone_manager):
