@@ -11,6 +11,17 @@ parameter and buffer) and the group compares them:
 2. only if the digests differ, all-gather the descriptions themselves and raise
    ``ConfigMismatchError`` on EVERY rank, naming the first field that differs and each rank's value.
 
+Collectives pair up by the order in which each rank issues them, not by which model they belong to:
+two strategies over models of the same structure, built in another order on another rank, pass the
+comparison above and then average model A on one rank with model B on the other. So every rank also
+counts the strategies it joined over the group before (an agreed field), and ``check_pairing``
+all-gathers a fingerprint of each one's initial trainable values (a sample of the flat buffer, taken
+before rank 0's values are broadcast): when two ranks start this strategy from different values, each
+from the values the other gave an earlier strategy, the strategies were built in another order, and
+every rank raises ``ConfigMismatchError``. Ranks that start from different random values
+(different seeds) leave nothing to compare; building strategies in the same order on every rank is
+then the user's part (documented).
+
 Then ``broadcast_module_state`` makes every rank start from group-rank 0's values of the trainable
 parameters (the flat buffer) and of the frozen parameters and buffers, as DDP does.
 """
@@ -19,7 +30,9 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import itertools
 import pickle
+import weakref
 from typing import Any
 
 import torch
@@ -85,6 +98,53 @@ def agree(transport: Transport, fields: dict[str, Any], what: str) -> None:
         f"the first difference is {diff}. Every rank must wrap the same model "
         "with the same method, schedule and wire format."
     )
+
+
+# per process group: a fingerprint of the initial values of each strategy this process joined over it,
+# in the order it joined them (a weak key: a destroyed group takes its list with it)
+_joined: weakref.WeakKeyDictionary[Any, list[int]] = weakref.WeakKeyDictionary()
+_SAMPLE = 4096  # about this many elements of the flat buffer make its fingerprint
+
+
+def joined_before(transport: Transport) -> int:
+    """How many strategies this process joined over the transport's group before (agreed: ranks that
+    built a different number of them cannot pair their collectives)."""
+    return len(_joined.get(transport.group, ()))
+
+
+def value_fingerprint(flat: torch.Tensor) -> int:
+    """63-bit hash of an evenly strided sample of ``flat``: cheap for any model size, and random
+    initial values of two models never share a sample."""
+    sample = flat.detach()[:: max(1, flat.numel() // _SAMPLE)].contiguous().cpu()
+    data = sample.view(torch.uint8).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
+
+
+def check_pairing(transport: Transport, flat: torch.Tensor, what: str) -> None:
+    """After ``agree`` and before the broadcast: raise ``ConfigMismatchError`` on every rank when the
+    strategies this process joined over the group were built in another order on another rank (see
+    the module docstring); otherwise record this one."""
+    if transport.world == 1:
+        return
+    history = _joined.setdefault(transport.group, [])
+    k = len(history)  # agreed in the fields: the same on every rank
+    mine = torch.tensor([*history, value_fingerprint(flat)], dtype=torch.int64, device=transport.device)
+    name = f"agreement on the order of the {what} strategies"
+    table = [[int(v) for v in t.tolist()] for t in transport.blocking_all_gather(mine, name=name)]
+    now = [row[k] for row in table]
+    for r, s in itertools.combinations(range(len(table)), 2):
+        # a swap: each rank's values now are the other's of an earlier strategy (one direction alone
+        # is also a run that reseeds each rank differently from strategy to strategy)
+        if now[r] != now[s] and now[r] in table[s][:k] and now[s] in table[r][:k]:
+            i, j = table[s].index(now[r]), table[r].index(now[s])
+            raise ConfigMismatchError(
+                f"ranks built their strategies over this process group in different orders: rank {r}'s "
+                f"strategy #{k} (counting from 0; this {what}) starts from the values of rank {s}'s "
+                f"strategy #{i}, and rank {s}'s from those of rank {r}'s strategy #{j}. Collectives pair "
+                "up in the order they are issued, so one model would be averaged with another; build "
+                "the strategies in the same order on every rank"
+            )
+    history.append(now[transport.rank])
 
 
 def module_fields(model: nn.Module, names: list[list[str]]) -> dict[str, Any]:

@@ -17,7 +17,8 @@ Subclasses implement ``_advance(t)``, ``_drain()``, ``_state()`` / ``_load_state
 keep a run from failing silently:
 
 - **Joining**: at construction every rank checks that it runs the same configuration and model as
-  the others (``agreement``), then takes rank 0's parameters, frozen parameters and buffers.
+  the others, and that it built its strategies over the group in the same order (``agreement``),
+  then takes rank 0's parameters, frozen parameters and buffers.
 - **Control vector**: every sync all-reduces, beside its payload, a tiny fp64 vector with one slot
   per rank for that rank's non-finite count and one for "my parameters no longer view the
   strategy's buffer", so every rank learns the same facts at the same sync and acts alike.
@@ -45,7 +46,14 @@ from torch import nn
 
 from .._checks import integer
 from ..profiling import nvtx_range
-from .agreement import agree, broadcast_buffers, broadcast_module_state, module_fields
+from .agreement import (
+    agree,
+    broadcast_buffers,
+    broadcast_module_state,
+    check_pairing,
+    joined_before,
+    module_fields,
+)
 from .amp import GradScalerError, ScalerCounter, check_scaler, scaler_on_stack, unannounced_scaler_message
 from .checkpoint import (
     CheckpointError,
@@ -228,7 +236,9 @@ class Strategy(abc.ABC):
             return register(self, fields)
         # a link on which the largest sync outlasts timeout_s would time out at every sync
         self.transport.check_wan(self.wire.payload_bytes(self._largest_sync()))
+        fields["strategies this process built over this process group before"] = joined_before(self.transport)
         agree(self.transport, fields, self.method)
+        check_pairing(self.transport, self.frags.flat, self.method)
         trainable = {id(p) for grp in self.frags.params for p in grp}
         broadcast_module_state(self.transport, self.frags.flat, self.model, trainable)
         if self.wire.quant is not None:  # collective: a process group of its own (runtime.compression)

@@ -338,3 +338,44 @@ def resume_at_different_steps(rank: int, world: int, tmp: str) -> dict:
     except Exception as e:
         return {"error": _err(e)}
     return {"error": None}
+
+
+def build_orders(rank: int, world: int) -> dict:
+    """Two strategies over models of the same structure, built in the same or in another order on
+    each rank; each case reports every construction's outcome, then one more strategy trains."""
+    from tests.runtime.rt_common import TinyNet, inner_step
+
+    def models(seed: int, copies: bool = False) -> list[nn.Module]:
+        torch.manual_seed(seed)
+        a = TinyNet().double()
+        b = TinyNet().double()
+        if copies:
+            b.load_state_dict(a.state_dict())
+        return [a, b]
+
+    def build(ms: list[nn.Module], order: list[int]) -> list[str]:
+        out = []
+        for i in order:
+            try:
+                rt.DiLoCo(ms[i], torch.optim.SGD(ms[i].parameters(), lr=0.1), sync_every=2)
+                out.append("OK")
+            except Exception as e:
+                out.append(_err(e))
+        return out
+
+    swapped = [0, 1] if rank == 0 else [1, 0]
+    res = {
+        "crossed": build(models(0), swapped),
+        "same_order": build(models(0), [0, 1]),
+        "seeded_by_rank": build(models(rank), [0, 1]),  # nothing to compare: accepted
+        "copies_crossed": build(models(0, copies=True), swapped),  # identical values: harmless here
+    }
+    model = models(0)[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    st = rt.DiLoCo(model, opt, sync_every=2)
+    for t in range(1, 5):
+        inner_step(model, opt, rank, t)
+        st.step()
+    st.finish()
+    res["after"] = (st.metrics.num_syncs, tensor_hash(st.g))
+    return res

@@ -233,3 +233,14 @@ def test_nonfinite_optimizer_state_or_buffers_are_a_skip_and_heal(runs, name, wh
         assert res["error"] is None, res["error"]
         assert res["num_skipped"] == 1, res["records"]
         assert res[what] and res["finite"]
+
+
+def test_strategies_built_in_another_order_on_another_rank_are_refused():
+    res = spawn_local(f"{FAULTS}:build_orders", M, (), timeout_s=180)
+    for r in res:
+        assert r["crossed"][0] == "OK", r  # nothing to tell yet: the first one pairs with either
+        assert r["crossed"][1].startswith("ConfigMismatchError"), r
+        assert "different orders" in r["crossed"][1], r
+        for case in ("same_order", "seeded_by_rank", "copies_crossed"):
+            assert r[case] == ["OK", "OK"], (case, r)
+    assert res[0]["after"] == res[1]["after"] and res[0]["after"][0] == 2
