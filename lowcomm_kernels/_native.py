@@ -67,6 +67,10 @@ SIGNATURES: dict[str, list] = {
     "lc_outer_merge_quantized": [I, I, P, P, P, P, N, P, P, N, D, D, I, D, D, D, P],
     # dtype, fmt, x, idx, k, codes, scales, block, sent, beta
     "lc_sparse_scatter_merge_quantized": [I, I, P, P, N, P, P, N, P, D],
+    # dtype, delta, e, n, k, chunk, bits, beta, payload, nonfinite*
+    "lc_topk_encode": [I, P, P, N, N, N, I, D, P, P],
+    # dtype, payload, n, k, chunk, bits, out
+    "lc_topk_decode_add": [I, P, N, N, N, I, P],
 }
 #: entry points without arguments that return a C string (not kernels; the CUDA library's are
 #: lc_cuda_<name>): the library's identity, and the calling thread's last failure message.

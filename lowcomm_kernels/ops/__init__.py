@@ -36,6 +36,7 @@ from .quantize import (
     reduce_quantized_ref,
 )
 from .sparse import sparse_gather, sparse_gather_ref, sparse_scatter_merge_, sparse_scatter_merge_ref
+from .topk import TopKFormat, topk_decode_add_, topk_decode_add_ref, topk_encode, topk_encode_ref
 
 __all__ = [
     "fragment_norms",
@@ -63,4 +64,9 @@ __all__ = [
     "sparse_gather_ref",
     "sparse_scatter_merge_",
     "sparse_scatter_merge_ref",
+    "TopKFormat",
+    "topk_decode_add_",
+    "topk_decode_add_ref",
+    "topk_encode",
+    "topk_encode_ref",
 ]

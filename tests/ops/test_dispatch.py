@@ -89,7 +89,7 @@ def test_every_kernel_has_a_launcher_on_every_backend():
     fused_merges = {"outer_merge_quantized", "sparse_scatter_merge_quantized"}
     assert kernels == {"pack", "outer_merge", "taylor_norms", "mask_perm", "sparse_gather",
                        "sparse_scatter_merge", "fragment_norms", "pack_quantized", "dequantize",
-                       "reduce_quantized"} | fused_merges
+                       "reduce_quantized", "topk_encode", "topk_decode_add"} | fused_merges
     # The merges with a quantized average have no Triton kernel: on 'triton' ops/quantize.py
     # dequantizes (a Triton launch) and runs the dense Triton merge, never launching these two.
     missing = {(k, "triton") for k in fused_merges}

@@ -125,6 +125,18 @@ LOWCOMM_EXPORT int lc_sparse_scatter_merge_quantized(int dtype, int fmt, void* x
                                                      const void* codes, const void* scales, int64_t block,
                                                      const void* sent, double beta);
 
+// Top-k sparse wire format with error feedback (lowcomm_kernels/ops/topk.py is the spec): per chunk
+// of `chunk` values (2 .. 2^30) the k (1 .. chunk) largest |e| after e = e*beta + delta, `bits`
+// (1, 2, 4) per value and one fp32 scale; e (dtype f32 / f64, as delta) loses what was sent.
+// Writes payload (the format's bytes) and *nonfinite.
+LOWCOMM_EXPORT int lc_topk_encode(int dtype, const void* delta, void* e, int64_t n, int64_t k, int64_t chunk,
+                                  int bits, double beta, void* payload, int64_t* nonfinite);
+
+// out (n values of dtype f32 / f64) += the payload's values at their positions; a payload index
+// past its chunk is LC_EARG before anything is written.
+LOWCOMM_EXPORT int lc_topk_decode_add(int dtype, const void* payload, int64_t n, int64_t k, int64_t chunk, int bits,
+                                      void* out);
+
 // Library identity string.
 LOWCOMM_EXPORT const char* lc_version(void);
 
@@ -174,6 +186,11 @@ LOWCOMM_EXPORT int lc_cuda_sparse_scatter_merge_quantized(int dtype, int fmt, vo
                                                           int64_t k, const void* codes, const void* scales,
                                                           int64_t block, const void* sent, double beta,
                                                           void* stream);
+// Declared for the ABI's symmetry; not built yet (cuda_has() is False, so dispatch never picks them).
+LOWCOMM_EXPORT int lc_cuda_topk_encode(int dtype, const void* delta, void* e, int64_t n, int64_t k, int64_t chunk,
+                                       int bits, double beta, void* payload, int64_t* nonfinite, void* stream);
+LOWCOMM_EXPORT int lc_cuda_topk_decode_add(int dtype, const void* payload, int64_t n, int64_t k, int64_t chunk,
+                                           int bits, void* out, void* stream);
 LOWCOMM_EXPORT const char* lc_cuda_version(void);
 LOWCOMM_EXPORT const char* lc_cuda_last_error(void);
 
