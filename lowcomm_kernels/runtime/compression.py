@@ -53,6 +53,7 @@ from ..ops.quantize import FORMATS, QuantFormat, check_block, dequantize, reduce
 from ..ops.quantize import pack_quantized as _pack_quantized
 from ..ops.quantize import quantize as _quantize
 from ..profiling import nvtx_range
+from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .schedule import WIRE_FORMATS
 from .transport import Handle, SyncError, Transport, wait_until
 
@@ -65,10 +66,13 @@ __all__ = [
     "WireFormat",
     "check_error_feedback",
     "check_quant_block",
+    "check_result",
     "check_wire_choice",
     "pack_quantized",
     "quantize",
     "resolve_wire_format",
+    "result_form",
+    "to_average_",
 ]
 
 
@@ -179,6 +183,54 @@ def pack_quantized(
         g, x, wire.quant.name, wire.block, residual=residual, snapshot_out=snap_out,
         codes_out=reuse.get("codes"), scales_out=reuse.get("scales"),
     )  # fmt: skip
+
+
+# ----- a sync's result: what it holds, in memory and in checkpoints ----------------------------------
+def result_form(wire: WireFormat, world: int) -> tuple[str, int]:
+    """(wire_format, summed_over) of a sync's result as it arrives: the format it was sent in, and how
+    many ranks' payloads it holds summed. A dense result is the all-reduce's sum over the ``world``
+    ranks (gloo has no AVG); a quantized one arrives averaged (1). The average a merge applies is
+    result / summed_over (``to_average_``). A sync in flight keeps both, and a checkpoint stores both
+    beside the result, so a resume under another wire format or another number of ranks applies it
+    exactly as the run that sent it would have."""
+    return wire.name, 1 if wire.quant is not None else world
+
+
+def to_average_(result: torch.Tensor, summed_over: int) -> torch.Tensor:
+    """The average of a result of ``result_form``'s ``summed_over`` ranks, in place."""
+    return result.div_(summed_over) if summed_over > 1 else result
+
+
+def result_dtype(wire_format: str, master_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of a result sent in ``wire_format`` (a ``WireFormat.name``) by a strategy whose outer
+    state is ``master_dtype``; None when no wire format of such a strategy has that name."""
+    target = WIRE_FORMATS.get(wire_format)
+    if isinstance(target, str):  # quantized: averaged into the outer state's dtype
+        return master_dtype
+    if target is None:  # a dense format named after its dtype (e.g. "float64")
+        target = getattr(torch, wire_format, None)
+    return target if target in (master_dtype, torch.bfloat16) else None
+
+
+def check_result(entry: str, q: dict[str, Any], key: str, size: int, master_dtype: torch.dtype) -> None:
+    """The in-flight result ``q[key]`` of checkpoint entry ``entry`` and its form (``result_form``):
+    CheckpointError naming what does not fit. A checkpoint without the form cannot say whether its
+    result is a sum or an average, so it is refused rather than applied at the wrong scale."""
+    fmt = q.get("wire_format")
+    if not isinstance(fmt, str):
+        raise CheckpointError(
+            f"checkpoint entry {entry}.wire_format is missing: the checkpoint does not record the wire "
+            "format its in-flight result was sent in, nor whether that result is a sum or an average "
+            "(written by an older build); resume it with the build and the wire format that wrote it, "
+            "and checkpoint there when no sync is in flight"
+        )
+    dtype = result_dtype(fmt, master_dtype)
+    if dtype is None:
+        raise CheckpointError(
+            f"checkpoint entry {entry}.wire_format is {fmt!r}, not a wire format of this strategy's model"
+        )
+    expect_int(f"{entry}.summed_over", q.get("summed_over"), 1)
+    expect_tensor(f"{entry}.{key}", q.get(key), (size,), dtype)
 
 
 # ----- the quantized all-reduce ------------------------------------------------------------------

@@ -16,9 +16,10 @@ once and any number of ranks can read them back). ``load_state_dict`` goes throu
 
 Another number of ranks. A checkpoint written by R ranks (or under ``manager=`` with
 ``num_replicas=R``) resumes with R' ≠ R, up or down: the outer state (g, u, the schedule, the
-pending results) is replicated, so it is the same for any R'. What depends on R is adapted on load:
-a pending result's sum over R ranks is rescaled to R' (so the strategy's division by R' gives the
-same average), and so are the summed extras of its control vector (CoCoDC's timings and scores);
+pending results) is replicated, so it is the same for any R'. A pending result records what it holds
+(a sum over R ranks, or a quantized wire's average) and is applied as the R ranks would have applied
+it, bit for bit. What depends on R is adapted on load: the summed extras of its control vector
+(CoCoDC's timings and scores, the bounds of the outer step) are rescaled to R';
 its per-rank facts (non-finite counts, broken views, schedule points) become R' slots carrying the
 same decision: a result that the R ranks would have skipped is skipped by the R' ranks too. LOSCAR
 resumes with another number of ranks only with the same ``local_steps`` / ``overlap_steps`` on every
@@ -111,7 +112,7 @@ def _resize(full: dict[str, Any], strategy: Any) -> list[int]:
     skip: list[int] = []
     facts = strategy.FACTS
     for i, q in enumerate(pending if isinstance(pending, list) else []):
-        control, delta = q.get("control") if isinstance(q, dict) else None, q.get("delta")
+        control = q.get("control") if isinstance(q, dict) else None
         if not isinstance(control, torch.Tensor) or control.numel() < facts * old:
             raise CheckpointError(f"checkpoint entry pending[{i}].control should hold {facts * old} facts")
         points = control[2 * old : 3 * old]
@@ -126,7 +127,7 @@ def _resize(full: dict[str, Any], strategy: Any) -> list[int]:
         if bool((control[: 2 * old] > 0).any()):  # non-finite values or broken views: a skipped sync
             skip.append(i)
         q["control"] = out
-        if isinstance(delta, torch.Tensor):
-            q["delta"] = (delta.double() * (new / old)).to(delta.dtype)
+        # the result itself is left as it is: it records how many ranks it sums (summed_over), so
+        # the merge takes the same average that the saved ranks would have (compression.result_form)
     shape["world_size"] = new
     return skip

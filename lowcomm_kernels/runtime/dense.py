@@ -35,7 +35,7 @@ from .. import ops
 from .._checks import integer, scalar
 from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
-from .compression import pack_quantized
+from .compression import check_result, pack_quantized, result_form, to_average_
 from .schedule import check_streaming_schedule, diloco_sends, fragment_schedule, streaming_offsets
 from .transport import Handle
 
@@ -47,7 +47,7 @@ class Pending:
     fragment: int
     send_step: int
     apply_step: int
-    delta: torch.Tensor  # wire dtype, summed in place by the all-reduce
+    delta: torch.Tensor  # wire dtype: summed in place by a dense all-reduce, averaged by a quantized one
     x_sent: torch.Tensor | None  # snapshot of x_p at send (outer device); None when the merge needs none
     control: torch.Tensor  # fp64 [per-rank facts (Strategy._control), strategy extras...], summed in place
     handle: Handle | None  # None once restored from a checkpoint (already complete)
@@ -57,6 +57,9 @@ class Pending:
     in_flight_s: float = 0.0
     wire_bytes: int = 0
     control_host: list[float] | None = None  # restored from a checkpoint: the reduced control
+    # what delta holds (compression.result_form): its wire format, and how many ranks' Δ it sums
+    wire_format: str = ""
+    summed_over: int = 1
     # the full-size wire buffers this sync's tensors are cut from, kept for a later send once it
     # is applied (DenseStrategy._take_buffers); empty when its tensors were allocated for it alone
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -236,9 +239,10 @@ class DenseStrategy(Strategy):
             handle = self.transport.all_reduce(
                 [delta, control], name=name, host=control, payload_bytes=delta.numel() * delta.element_size()
             )
+        fmt, summed_over = result_form(self.wire, self.world)
         pd = Pending(
             p, t, t + self.tau, delta, snap, control, handle, reason, pack_s, wire_bytes=handle.wire_bytes,
-            buffers=buffers,
+            wire_format=fmt, summed_over=summed_over, buffers=buffers,
         )  # fmt: skip
         self.pending.append(pd)
         inflight = sum(q.nbytes() for q in self.pending)
@@ -335,9 +339,8 @@ class DenseStrategy(Strategy):
                 if self._poisoned():
                     self._restart_poisoned()
             else:
-                delta = pd.delta
-                if self.world > 1 and self.quantized is None:  # a quantized result arrives averaged
-                    delta.div_(self.world)  # gloo has no AVG; SUM then scale the received buffer
+                # as the run that sent it would (a result restored under another wire or world too)
+                delta = to_average_(pd.delta, pd.summed_over)
                 delta, x_work = self.to_outer(delta), self.to_outer(x_p)
                 # near the dtype's limit, keep g and u to restore if the outer step overflows
                 kept = None if self._step_fits(control) else (g_p.clone(), u_p.clone())
@@ -417,6 +420,8 @@ class DenseStrategy(Strategy):
                     "send_step": pd.send_step,
                     "apply_step": pd.apply_step,
                     "delta": pd.delta.detach().cpu().clone(),
+                    "wire_format": pd.wire_format,
+                    "summed_over": pd.summed_over,
                     "control": pd.control.detach().cpu().clone(),
                     "x_sent": None if pd.x_sent is None else pd.x_sent.detach().cpu().clone(),
                     "reason": pd.reason,
@@ -445,7 +450,7 @@ class DenseStrategy(Strategy):
             size = self.frags.sizes()[f]
             send = expect_int(f"pending[{i}].send_step", q.get("send_step"), 0)
             expect_int(f"pending[{i}].apply_step", q.get("apply_step"), send)
-            expect_tensor(f"pending[{i}].delta", q.get("delta"), (size,), self.wire_dtype)
+            check_result(f"pending[{i}]", q, "delta", size, dt)  # in the wire format it was sent in
             expect_tensor(f"pending[{i}].control", q.get("control"), (width,), torch.float64)
             if q.get("x_sent") is not None or self.needs_snapshot:
                 expect_tensor(f"pending[{i}].x_sent", q.get("x_sent"), (size,), dt)
@@ -472,6 +477,8 @@ class DenseStrategy(Strategy):
                     None,
                     str(q["reason"]),
                     control_host=q["control"].tolist(),
+                    wire_format=q["wire_format"],
+                    summed_over=int(q["summed_over"]),
                 )
             )
         self._load_schedule_state(sd["schedule"])

@@ -46,7 +46,7 @@ from .._checks import integer, scalar
 from ..ops.mask_indices import check_key
 from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
-from .compression import quantize
+from .compression import check_result, quantize, result_form, to_average_
 from .schedule import LOSCAR_MERGES
 from .transport import Handle, SyncError
 
@@ -57,7 +57,7 @@ class _SparsePending:
     send_step: int
     idx: torch.Tensor  # (k,) int64, sorted
     sent: torch.Tensor  # (k,) y = x[S] at send
-    wire: torch.Tensor  # (k,) wire dtype, summed in place
+    wire: torch.Tensor  # (k,) wire dtype: summed in place by a dense all-reduce, averaged by a quantized one
     control: torch.Tensor  # fp64 per-rank facts (Strategy._control): non-finite counts of x, views
     handle: Handle | None
     pack_s: float = 0.0
@@ -65,6 +65,9 @@ class _SparsePending:
     in_flight_s: float = 0.0
     wire_bytes: int = 0
     control_host: list[float] | None = None  # restored from a checkpoint: the reduced control
+    # what wire holds (compression.result_form): its wire format, and how many ranks' y it sums
+    wire_format: str = ""
+    summed_over: int = 1
 
 
 def _per_rank(name: str, value: int | Sequence[int], world: int, rank: int, lo: int) -> tuple[int, list[int]]:
@@ -171,9 +174,11 @@ class LOSCAR(Strategy):
             handle = self.transport.all_reduce(
                 [wire, control], name=name, host=control, payload_bytes=wire.numel() * wire.element_size()
             )
+        fmt, summed_over = result_form(self.wire, self.world)
         self.inflight = _SparsePending(
-            self.round, t, idx, sent, wire, control, handle, pack_s, wire_bytes=handle.wire_bytes
-        )
+            self.round, t, idx, sent, wire, control, handle, pack_s, wire_bytes=handle.wire_bytes,
+            wire_format=fmt, summed_over=summed_over,
+        )  # fmt: skip
         nbytes = sum(b.numel() * b.element_size() for b in (idx, sent, wire, control))
         self.metrics.peak_inflight_bytes = max(self.metrics.peak_inflight_bytes, nbytes)
 
@@ -214,12 +219,10 @@ class LOSCAR(Strategy):
             # a round that did not commit: every replica keeps its own x (x[S] not averaged this round)
         else:
             with nvtx("merge"):
-                if self.world > 1 and self.quantized is None:  # a quantized result arrives averaged
-                    pd.wire.div_(self.world)
                 ops.sparse_scatter_merge_(
                     self.frags.flat,
                     pd.idx,
-                    pd.wire,
+                    to_average_(pd.wire, pd.summed_over),  # as the run that sent it would
                     pd.sent,
                     beta=LOSCAR_MERGES[self.merge],
                     check_values=False,  # idx came from mask_indices: no host read of it
@@ -292,6 +295,8 @@ class LOSCAR(Strategy):
                 "send_step": pd.send_step,
                 "sent": pd.sent.detach().cpu().clone(),
                 "wire": pd.wire.detach().cpu().clone(),
+                "wire_format": pd.wire_format,
+                "summed_over": pd.summed_over,
                 "control": pd.control.detach().cpu().clone(),
             }
         )
@@ -328,7 +333,7 @@ class LOSCAR(Strategy):
             expect_int("inflight.round", q.get("round"), 0)
             expect_int("inflight.send_step", q.get("send_step"), 0)
             expect_tensor("inflight.sent", q.get("sent"), (self.k,), self.frags.master_dtype)
-            expect_tensor("inflight.wire", q.get("wire"), (self.k,), self.wire_dtype)
+            check_result("inflight", q, "wire", self.k, self.frags.master_dtype)  # as it was sent
             expect_tensor("inflight.control", q.get("control"), (self.FACTS * self.world,), torch.float64)
 
     def _load_state(self, sd: dict[str, Any]) -> None:
@@ -348,6 +353,8 @@ class LOSCAR(Strategy):
                 q["control"].to(dev),
                 None,
                 control_host=q["control"].tolist(),
+                wire_format=q["wire_format"],
+                summed_over=int(q["summed_over"]),
             )
 
     # ----- healing under torchft (runtime.ft) ---------------------------------------------------
