@@ -36,6 +36,8 @@ from .._checks import integer, scalar
 from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .compression import check_result, pack_quantized, result_form, to_average_
+from .eager import OuterOverlap, check_outer_delay, resolve_outer_delay
+from .eager import validate_state as validate_overlap_state
 from .schedule import check_streaming_schedule, diloco_sends, fragment_schedule, streaming_offsets
 from .transport import Handle
 
@@ -95,8 +97,16 @@ class DenseStrategy(Strategy):
         outer_momentum: float,
         nesterov: bool = True,
         merge: dict[str, Any] | None = None,
+        eager: bool = False,
+        outer_delay: str = "none",
         **common: Any,
     ) -> None:
+        # an outer step overlapped with the next round (runtime.eager), where the method takes it
+        self.outer_delay = resolve_outer_delay(eager, outer_delay)
+        check_outer_delay(
+            self.outer_delay, type(self).__name__, fragment_sync_delay=fragment_sync_delay,
+            ft=common.get("manager") is not None,
+        )  # fmt: skip
         # the merge's knobs are each subclass's own (its named arguments fill ``merge``): one given
         # through **common would silently change another method's merge
         for knob, owner in MERGE_KNOBS.items():
@@ -128,6 +138,7 @@ class DenseStrategy(Strategy):
         if self.residual is not None:
             self.metrics.residual_bytes = self.residual.numel() * self.residual.element_size()
             self.metrics.extra_memory_bytes += self.metrics.residual_bytes
+        self.overlap = None if self.outer_delay == "none" else OuterOverlap(self, self.outer_delay, self.H)
         self.applied_count = 0
         self._overflow_streak = 0  # consecutive syncs whose outer step overflowed (_overflowed)
         # The wire buffers of applied syncs, for later sends (_take_buffers; CPU only). On the CPU a
@@ -150,6 +161,7 @@ class DenseStrategy(Strategy):
             "outer_lr": self.outer_lr,
             "outer_momentum": self.outer_momentum,
             "nesterov": self.nesterov,
+            "outer_delay": self.outer_delay,
             **self.merge_kw,
             **self._schedule_fields(),
         }
@@ -228,6 +240,8 @@ class DenseStrategy(Strategy):
                 facts = torch.cat([dev_extras.reshape(-1).to(torch.float64), facts])
             control = self._control(nonfinite, t, extras, facts)
         pack_s = time.perf_counter() - t0
+        if self.overlap is not None:  # this worker's Δ as sent, before the all-reduce sums into it
+            share = self.overlap.sent_share(p, delta if self.quantized is None else (codes, scales))
         name = f"{self.method} sync of fragment {p} sent at step {t}"
         if self.quantized is not None:  # averaged on arrival into handle.result, in the outer dtype
             handle = self.quantized.start(
@@ -247,6 +261,8 @@ class DenseStrategy(Strategy):
         self.pending.append(pd)
         inflight = sum(q.nbytes() for q in self.pending)
         self.metrics.peak_inflight_bytes = max(self.metrics.peak_inflight_bytes, inflight)
+        if self.overlap is not None:  # the outer step of this send, collected a round later
+            self.overlap.after_send(pd, share)
 
     def _step_facts(self, peak: torch.Tensor, g_p: torch.Tensor, u_p: torch.Tensor) -> torch.Tensor:
         """[max|Δ| this rank sends, max|g_p|, max|u_p|] as fp64 on the model's device, no host read;
@@ -322,6 +338,8 @@ class DenseStrategy(Strategy):
             self._apply(self.pending.pop(0), self.step_count)
 
     def _apply(self, pd: Pending, t: int) -> None:
+        if self.overlap is not None:  # its outer step was taken at send: keep the average for the next
+            return self.overlap.collect(pd, t)
         self._wait(pd)
         p = pd.fragment
         # the skip decision must be known on the host: read from the pinned mirror, no sync
@@ -430,6 +448,7 @@ class DenseStrategy(Strategy):
             ],
             "schedule": self._schedule_state(),
             "residual": None if self.residual is None else self.residual.detach().cpu().clone(),
+            "outer_delay": None if self.overlap is None else self.overlap.state(),
         }
 
     def _validate_state(self, sd: dict[str, Any]) -> None:
@@ -458,6 +477,7 @@ class DenseStrategy(Strategy):
             raise CheckpointError("checkpoint entry schedule should be a dict")
         if self.residual is not None:  # error feedback: this worker's residual, the outer state's dtype
             expect_tensor("residual", sd.get("residual"), (n,), self.residual.dtype)
+        validate_overlap_state(self, sd)
 
     def _load_state(self, sd: dict[str, Any]) -> None:
         self.g.copy_(sd["g"])
@@ -484,10 +504,13 @@ class DenseStrategy(Strategy):
         self._load_schedule_state(sd["schedule"])
         if self.residual is not None:
             self.residual.copy_(sd["residual"])
+        if self.overlap is not None:
+            self.overlap.load(sd["outer_delay"])
 
     def _guard_values(self) -> list[tuple[str, int]]:
+        what, shared = ("g", self.g) if self.overlap is None else self.overlap.guarded()
         vals = [
-            (f"fragment {p} of g", tensor_hash(self.frags.slice(self.g, p)))
+            (f"fragment {p} of {what}", tensor_hash(self.frags.slice(shared, p)))
             for p in range(self.frags.num_fragments)
         ]
         sched = repr(
@@ -508,7 +531,9 @@ class DiLoCo(DenseStrategy):
 
     One fragment (all parameters), τ = 0. Keywords shared by every strategy: process_group, wan,
     wire_dtype, on_nonfinite ('skip' | 'raise'), max_nonfinite_syncs, timeout_s,
-    outer_device ('model' | 'cpu'), metrics_callback, guard_every (see ``Strategy``)."""
+    outer_device ('model' | 'cpu'), metrics_callback, guard_every (see ``Strategy``).
+    ``eager=True`` / ``outer_delay='eager' | 'delayed'``: send without waiting and take the outer step
+    with the paper's eager Δ̃ or the last average alone (``runtime.eager``)."""
 
     method = "diloco"
 
@@ -548,7 +573,7 @@ class StreamingDiLoCo(DenseStrategy):
     inner steps t ≡ ⌊p·H/K⌋ (mod H), t ≥ 1, and applied τ = ``fragment_sync_delay`` steps later with
     x ← α·x_now + (1−α)·g_new (α = ``fragment_update_alpha``; 0 = overwrite, torchft's default).
     Requires τ < ⌊H/K⌋ (the per-fragment period), as torchft does, so a fragment's result is applied
-    before the next fragment is sent."""
+    before the next fragment is sent. ``eager`` / ``outer_delay`` as DiLoCo's, per fragment (τ = 0)."""
 
     method = "streaming_diloco"
 
