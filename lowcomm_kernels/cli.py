@@ -21,6 +21,7 @@ from .train.spec import (
     LAM_MODES,
     MERGES,
     METHODS,
+    OUTER_DELAYS,
     PARAM_DTYPES,
     RANGES,
     SCORES,
@@ -184,6 +185,20 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         default=None,
         help="quantized wire: carry each worker's quantization error into its next sync",
+    )
+    o.add_argument(
+        "--outer-delay",
+        choices=OUTER_DELAYS,
+        help="DiLoCo / Streaming DiLoCo: 'eager' sends at the round's end without waiting and steps with "
+        "this worker's fresh outer gradient in place of its stale share of the last average; 'delayed' "
+        "steps with the last average alone (the naive baseline); 'none' (default) blocks as the method does",
+    )
+    o.add_argument(
+        "--eager",
+        dest="outer_delay",
+        action="store_const",
+        const="eager",
+        help="short for --outer-delay eager",
     )
     o.add_argument(
         "--param-dtype",

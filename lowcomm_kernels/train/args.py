@@ -24,7 +24,8 @@ _SPEC_FIELDS = (
     "sync_every outer_lr outer_momentum num_fragments fragment_sync_delay fragment_update_alpha lam "
     "lam_mode gamma "
     "syncs_per_period quant_block error_feedback cocodc_timing step_time_ms taylor_control "
-    "score density local_steps overlap_steps merge wire_dtype param_dtype worker_speeds speed_model split"
+    "score density local_steps overlap_steps merge wire_dtype param_dtype worker_speeds speed_model split "
+    "outer_delay"
 ).split()
 
 

@@ -105,6 +105,11 @@ def _faults(args: argparse.Namespace, command: str) -> bool:
         raise UsageError(
             "--faults works with the language-model runs of compare, not --study or --task logreg"
         )
+    if getattr(args, "outer_delay", None) not in (None, "none"):  # the runtime refuses it with torchft
+        raise UsageError(
+            f"--outer-delay {args.outer_delay} (--eager) is not supported with --faults: a torchft replica "
+            "that joins would need the stale shares of the average that no replica holds"
+        )
     return True
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..runtime import compression, schedule
+from ..runtime import compression, eager, schedule
 from ..runtime.transport import DEFAULT_TIMEOUT_S, WAN
 from .corpus import DEFAULT_EVAL_BYTES
 from .errors import SpecError
@@ -36,6 +36,9 @@ SCORES = tuple(schedule.SCORES)
 TIMINGS = tuple(schedule.TIMINGS)  # how CoCoDC's adaptive N gets its step and sync times
 TAYLOR_CONTROLS = tuple(schedule.TAYLOR_CONTROLS)  # CoCoDC's controls of the Taylor term
 WIRE_DTYPE_NAMES = tuple(schedule.WIRE_FORMATS)
+OUTER_DELAYS = tuple(eager.OUTER_DELAYS)  # the outer step overlapped with the next round, or not
+#: the methods that take an outer_delay other than 'none', and their runtime classes
+OUTER_DELAY_METHODS = {"diloco": "DiLoCo", "streaming": "StreamingDiLoCo"}
 #: the model's parameter dtype (bf16 / fp16: the strategies keep a float32 outer master)
 PARAM_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: how worker_speeds slow a worker: 'sleep' stretches each of its steps (every worker runs the same
@@ -146,6 +149,8 @@ class TrainSpec:
     num_fragments: int = 4  # K
     fragment_sync_delay: int = DEFAULT["fragment_sync_delay"]  # tau
     fragment_update_alpha: float = 0.0  # alpha (Streaming DiLoCo mix)
+    # DiLoCo / Streaming DiLoCo: 'eager' or 'delayed' overlap a whole outer round (runtime.eager)
+    outer_delay: str = "none"
     lam: float = 0.5
     lam_mode: str = "normalized"
     gamma: float = 0.4
@@ -320,6 +325,7 @@ class TrainSpec:
                 schedule.check_cocodc_schedule(H, K, tau, self.syncs_per_period, name=_marked)
         except ValueError as exc:
             raise SpecError(str(exc)) from None
+        self._check_outer_delay()
         if self.worker_speeds is not None:
             need(
                 len(self.worker_speeds) == self.workers and all(s > 0 for s in self.worker_speeds),
@@ -340,6 +346,28 @@ class TrainSpec:
                     f"<{name}> must be a multiple of a LOSCAR round (N + Q = {R} steps) with "
                     f"<speed_model> 'steps', got {getattr(self, name)}",
                 )
+
+    def _check_outer_delay(self) -> None:
+        """The runtime's rule (runtime.eager.check_outer_delay) for the methods that take an
+        overlapped outer step; the others refuse any mode but 'none' by name."""
+        if self.outer_delay not in OUTER_DELAYS:
+            raise SpecError(f"<outer_delay> must be one of {OUTER_DELAYS}, got {self.outer_delay!r}")
+        if self.outer_delay == "none":
+            return
+        if self.method not in OUTER_DELAY_METHODS:
+            raise SpecError(
+                f"<outer_delay> {self.outer_delay!r} is not supported by {METHOD_LABELS[self.method]}: "
+                f"only {' and '.join(METHOD_LABELS[m] for m in OUTER_DELAY_METHODS)} overlap a whole "
+                "outer round"
+            )
+        tau = self.fragment_sync_delay if self.method == "streaming" else 0
+        try:
+            eager.check_outer_delay(
+                self.outer_delay, OUTER_DELAY_METHODS[self.method], fragment_sync_delay=tau, ft=False,
+                name=_marked,
+            )  # fmt: skip
+        except ValueError as exc:
+            raise SpecError(str(exc)) from None
 
     def _check_link(self, wire: compression.WireFormat) -> None:
         """The runtime refuses a link on which one sync outlasts its timeout (Transport.check_wan);

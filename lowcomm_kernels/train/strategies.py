@@ -78,6 +78,8 @@ def build_strategy(
         del common["process_group"], common["wan"]
         common.update(manager=manager, num_replicas=spec.workers)
     outer: dict[str, Any] = {"outer_lr": spec.outer_lr, "outer_momentum": spec.outer_momentum}
+    if spec.method in ("diloco", "streaming"):  # the methods that take it (TrainSpec refuses the rest)
+        outer["outer_delay"] = spec.outer_delay
     if spec.method == "diloco":
         return rt.DiLoCo(model, optimizer, sync_every=spec.sync_every, **outer, **common)
     stream: dict[str, Any] = {

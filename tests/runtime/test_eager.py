@@ -259,3 +259,42 @@ def test_torchft_refused_by_name():
         check_outer_delay("eager", "DiLoCo", fragment_sync_delay=0, ft=True)
     check_outer_delay("none", "DiLoCo", fragment_sync_delay=0, ft=True)  # nothing to refuse
 
+
+# ----- the CLI's run specification --------------------------------------------------------------
+def test_spec_takes_it_for_diloco_and_streaming_only():
+    from lowcomm_kernels.train.errors import SpecError
+    from lowcomm_kernels.train.spec import TrainSpec
+
+    TrainSpec(method="diloco", outer_delay="eager")
+    TrainSpec(method="streaming", outer_delay="delayed", fragment_sync_delay=0)
+    for method in ("dp", "cocodc", "loscar"):
+        with pytest.raises(SpecError, match=r"outer_delay 'eager' is not supported by"):
+            TrainSpec(method=method, outer_delay="eager")
+    with pytest.raises(SpecError, match=r"fragment_sync_delay must be 0, got 3"):
+        TrainSpec(method="streaming", outer_delay="eager", fragment_sync_delay=3)
+    with pytest.raises(SpecError, match=r"outer_delay must be one of"):
+        TrainSpec(method="diloco", outer_delay="lazy")
+
+
+def test_cli_flags_reach_the_strategy():
+    """--eager and --outer-delay set TrainSpec.outer_delay, in the flags' words when refused;
+    build_strategy hands it to the runtime."""
+    from lowcomm_kernels.cli import build_parser
+    from lowcomm_kernels.train.args import spec_from_args
+    from lowcomm_kernels.train.errors import UsageError
+    from lowcomm_kernels.train.strategies import build_strategy
+
+    p = build_parser()
+    args = p.parse_args(["train", "--method", "diloco", "--eager", "--workers", "1"])
+    spec = spec_from_args(args, "diloco")
+    assert spec.outer_delay == "eager"
+    args = p.parse_args(["train", "--method", "cocodc", "--outer-delay", "delayed", "--workers", "1"])
+    with pytest.raises(UsageError, match="--outer-delay 'delayed' is not supported by CoCoDC"):
+        spec_from_args(args, "cocodc")
+    with one_rank_world() as group:
+        model = make_model()
+        st = build_strategy(spec.with_(sync_every=3), model, make_opt(model), group)
+        try:
+            assert st.outer_delay == "eager" and st.overlap is not None
+        finally:
+            st.close()
