@@ -109,6 +109,11 @@ class OuterOverlap:
     the rule above; ``dense`` calls it at send, at collection and for checkpoints and the guard)."""
 
     def __init__(self, st: DenseStrategy, mode: str, period: int) -> None:
+        if getattr(st, "sparse", None) is not None:  # a sparse payload: no own share is read from it yet
+            raise ValueError(
+                f"outer_delay={mode!r} is not supported with wire_dtype={st.wire.name!r} (a sparse payload): "
+                "use a dense or quantized wire format"
+            )
         self.st = st
         self.mode = mode
         self.period = period  # H: steps from a fragment's send to its next one, where it is collected
