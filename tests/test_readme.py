@@ -27,6 +27,7 @@ TEST_COMMAND = (  # verbatim in the README and in .ci/run
 )
 SHARED = "Flags shared by compare, train and profile"  # docs/cli.md's section of the run flags
 SHARED_USERS = ("compare", "train", "profile")
+REGENERATE = ".venv/bin/python tests/test_readme.py --write-cli-doc"
 
 
 def _python_blocks(md: Path = README) -> list[str]:
@@ -105,6 +106,49 @@ def _doc_flags(text: str) -> set[str]:
     return set(re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", text))
 
 
+def cli_help_blocks() -> list[str]:
+    """docs/cli.md's ```text blocks, in order, from the parser at width 100: the top level, then
+    compare, train and profile with their own options, the run flags they share, report, bench and
+    simulate in full."""
+    import os
+
+    os.environ["COLUMNS"] = "100"
+    parsers = _subparsers()
+
+    def fmt(sp: argparse.ArgumentParser, shared: bool | None) -> str:
+        f = sp._get_formatter()
+        if shared is not True:
+            f.add_usage(sp.usage, sp._actions, sp._mutually_exclusive_groups)
+            f.add_text(sp.description)
+        for g in sp._action_groups:
+            own = g.title in ("options", "positional arguments")
+            if not g._group_actions or (shared is True and own) or (shared is False and not own):
+                continue
+            f.start_section(g.title)
+            f.add_text(g.description)
+            f.add_arguments(g._group_actions)
+            f.end_section()
+        return f.format_help()
+
+    blocks = [build_parser().format_help()]
+    blocks += [fmt(parsers[n], False) for n in SHARED_USERS]
+    blocks.append(fmt(parsers["compare"], True))
+    blocks += [fmt(parsers[n], None) for n in ("report", "bench", "simulate")]
+    return blocks
+
+
+def write_cli_doc() -> None:
+    """Rewrite the help blocks of docs/cli.md from the parser (the prose around them stays)."""
+    path = DOCS / "cli.md"
+    text = path.read_text(encoding="utf-8")
+    found = list(re.finditer(r"```text\n(.*?)```", text, flags=re.S))
+    blocks = cli_help_blocks()
+    assert len(found) == len(blocks), f"docs/cli.md has {len(found)} text blocks, expected {len(blocks)}"
+    for m, block in reversed(list(zip(found, blocks, strict=True))):
+        text = text[: m.start()] + "```text\n" + block + "```" + text[m.end() :]
+    path.write_text(text, encoding="utf-8")
+
+
 def test_cli_doc_lists_every_flag_of_every_command():
     sections = _cli_sections()
     parsers = _subparsers()
@@ -115,9 +159,14 @@ def test_cli_doc_lists_every_flag_of_every_command():
         own = _doc_flags(sections[name])
         documented = own | shared if name in SHARED_USERS else own
         missing = _flags(parser) - documented
-        assert not missing, f"docs/cli.md does not list these flags of `lowcomm {name}`: {sorted(missing)}"
+        assert not missing, (
+            f"docs/cli.md does not list these flags of `lowcomm {name}`: {sorted(missing)} "
+            f"(regenerate its help blocks: {REGENERATE})"
+        )
         stale = own - _flags(parser)
-        assert not stale, f"docs/cli.md lists flags `lowcomm {name}` does not have: {sorted(stale)}"
+        assert not stale, (
+            f"docs/cli.md lists flags `lowcomm {name}` does not have: {sorted(stale)} ({REGENERATE})"
+        )
     union = set().union(*(_flags(parsers[n]) for n in SHARED_USERS))
     assert shared <= union, f"docs/cli.md's shared flags that no command has: {sorted(shared - union)}"
 
@@ -139,3 +188,9 @@ def test_design_layer_map_names_every_room_of_the_package():
         modules = sorted(p.stem for p in (pkg / sub).glob("*.py") if p.stem != "__init__")
         absent = [m for m in modules if not re.search(rf"(?<![\w.]){re.escape(m)}(?![\w])", layers)]
         assert not absent, f"docs/design.md's layer map does not name these modules of {sub}: {absent}"
+
+
+if __name__ == "__main__":  # .venv/bin/python tests/test_readme.py --write-cli-doc
+    if sys.argv[1:] != ["--write-cli-doc"]:
+        sys.exit("usage: tests/test_readme.py --write-cli-doc")
+    write_cli_doc()
