@@ -38,6 +38,9 @@ from .workload import Workload
 PRESETS = ("streaming-diloco-paper",)
 #: what --methods takes: the kinds, and streaming with overlap as its own name
 METHOD_NAMES = ("data-parallel", "diloco", "streaming", "streaming-overlap", "cocodc", "loscar")
+#: the eager updates (runtime.eager), on request (--methods), not in the default table
+EAGER_NAMES = ("diloco-eager", "streaming-eager")
+ALL_METHODS = (*METHOD_NAMES, *EAGER_NAMES)
 DEFAULT_WIRES = ("fp32", "bf16", "int8", "int4", "fp4_e2m1", "fp4_e3m0_noscale")
 PLOT_GBPS = tuple(float(x) for x in np.logspace(-2, 3.5, 56))
 
@@ -222,7 +225,7 @@ def add_parser(sub: Any) -> None:
         type=_list(str),
         default=list(METHOD_NAMES),
         metavar="NAME[,NAME...]",
-        help="of " + ", ".join(METHOD_NAMES) + " (default: all)",
+        help="of " + ", ".join(ALL_METHODS) + " (default: all but the eager ones)",
     )
     m.add_argument(
         "--wire",
@@ -328,11 +331,9 @@ def _fmt_gbps(v: float | None) -> str:
 
 
 def _methods(args: argparse.Namespace) -> list[Row]:
-    unknown = [m for m in args.methods if m not in METHOD_NAMES]
+    unknown = [m for m in args.methods if m not in ALL_METHODS]
     if unknown:
-        raise SimUsageError(
-            f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(METHOD_NAMES)}"
-        )
+        raise SimUsageError(f"--methods: unknown method {unknown[0]!r}; choose from {', '.join(ALL_METHODS)}")
     bad = [w for w in args.wire if w not in WIRES]
     if bad:
         raise SimUsageError(f"--wire: unknown format {bad[0]!r}; choose from {', '.join(WIRES)}")
@@ -363,6 +364,9 @@ def _method_rows(name: str, args: argparse.Namespace, common: dict[str, Any]) ->
             rows.append(Row(f"diloco {wire}", Method("diloco", wire=wire, **common)))
         elif name == "streaming":
             rows.append(Row(f"streaming {wire}", Method("streaming", wire=wire, **common)))
+        elif name in EAGER_NAMES:
+            kind = name.removesuffix("-eager")
+            rows.append(Row(f"{name} {wire}", Method(kind, eager=True, wire=wire, **common)))
         elif name == "streaming-overlap":
             rows.append(
                 Row(f"streaming τ={tau} {wire}", Method("streaming", overlap=tau, wire=wire, **common))

@@ -123,6 +123,13 @@ class _Timeline:
         return done + merge
 
 
+#: warm-up periods of an eager method: its backlog grows by (link time − compute) per period until it
+#: exceeds its slack of about a period, so it reaches its steady state within this many periods
+#: unless a period's bytes take less than about 1.1 periods of compute on the link (there its
+#: utilisation comes out slightly high)
+EAGER_WARMUP_PERIODS = 10
+
+
 def simulate(
     workload: Workload,
     method: Method,
@@ -141,7 +148,9 @@ def simulate(
     ``pack_s`` / ``merge_s``: seconds of sync work on the compute timeline per send / per merge."""
     P = method.schedule_period(workload, link)
     if warmup is None:
-        warmup = 2 if P == 1 else P
+        # eager: a result is needed a whole period after its send, so a link slower than a period's
+        # bytes per period builds a backlog for several periods before the compute waits on it
+        warmup = 2 if P == 1 else P * (EAGER_WARMUP_PERIODS if method.eager else 1)
     if steps is None:
         steps = 4 if P == 1 else 2 * P
     total = warmup + steps

@@ -9,6 +9,10 @@ cannot drift apart.
 
 - ``data-parallel``: every step, every layer's gradient (τ = 0).
 - ``diloco``: every H steps, every layer's outer gradient (τ = 0 unless ``overlap`` is set).
+- ``eager=True`` (diloco, streaming with τ = 0): a sync's result is needed a whole period later, at
+  the fragment's next send (``runtime.eager``: the outer step at the send uses this worker's own
+  fresh outer gradient and the average of the previous round). The naive delayed update has the
+  same timeline.
 - ``streaming``: K fragments of layers in the strided pattern (fragment p holds layers p, p + K,
   p + 2K, …), fragment p sent after steps t ≡ ⌊p·H/K⌋ (mod H), needed τ steps later.
 - ``cocodc``: the same fragments, N sends per H steps in evenly spaced slots, N = clamp(⌊γ·H·T_c /
@@ -100,6 +104,7 @@ class Method:
     density: float = 1.0
     gamma: float = 0.4
     syncs_per_period: int | str = "auto"
+    eager: bool = False  # the average needed at the fragment's next send (runtime.eager)
     label: str | None = None
 
     def __post_init__(self) -> None:
@@ -126,6 +131,13 @@ class Method:
         H, tau = self.sync_every, self.overlap
         if self.kind == "data-parallel" and tau:
             raise ValueError("data-parallel takes no overlap: every step needs the averaged gradient")
+        if not isinstance(self.eager, bool):
+            raise ValueError(f"eager must be a bool, got {self.eager!r}")
+        if self.eager and (self.kind not in ("diloco", "streaming") or tau):
+            raise ValueError(
+                f"eager overlaps a whole period: diloco or streaming with overlap 0, got {self.kind} "
+                f"with overlap={tau}"
+            )
         if self.kind in ("diloco", "loscar") and tau >= H:
             raise ValueError(f"overlap={tau} must be < sync_every={H} (a result lands before the next send)")
 
@@ -216,7 +228,8 @@ class Method:
         """Every sync sent in steps 1..``steps``, in send order."""
         self.validate(workload)
         frags = self.fragments(workload)
-        tau, P = self.overlap, self.period()
+        P = self.period()
+        tau = self.sync_every if self.eager else self.overlap  # eager: collected at the next send
         sends = self.period_sends(workload, link)
         count = len(sends) * -(-steps // P)
         if count > MAX_SYNCS:
