@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from .checkpoint import CheckpointError
+from .eager import refuse_replicated_save
 
 __all__ = ["DCPState"]
 
@@ -49,6 +50,7 @@ class DCPState:
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a lowcomm Strategy, got {type(strategy).__name__}")
         self.strategy = strategy
+        refuse_replicated_save(strategy, "DCPState")  # eager replicas hold state of their own
 
     def state_dict(self) -> dict[str, Any]:
         sd = dict(self.strategy.state_dict())

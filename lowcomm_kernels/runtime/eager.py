@@ -59,7 +59,13 @@ OUTER_DELAYS = ("none", "eager", "delayed")
 #: the strategies that take ``outer_delay`` (class names)
 TAKES_OUTER_DELAY = ("DiLoCo", "StreamingDiLoCo")
 
-__all__ = ["OUTER_DELAYS", "OuterOverlap", "check_outer_delay", "resolve_outer_delay"]
+__all__ = [
+    "OUTER_DELAYS",
+    "OuterOverlap",
+    "check_outer_delay",
+    "refuse_replicated_save",
+    "resolve_outer_delay",
+]
 
 
 def resolve_outer_delay(eager: object, outer_delay: object, name: Callable[[str], str] = str) -> str:
@@ -226,13 +232,28 @@ class OuterOverlap:
             self.own.copy_(sd["own"])
 
 
+def refuse_replicated_save(st: Any, what: str) -> None:
+    """Refuse, by name, a save that keeps one copy of g and u for all ranks (DCP stores a tensor with
+    the same name on every rank once): under eager they differ between replicas, and each worker's
+    own share of the average in flight is its own, so one rank's copy would silently replace the
+    others'. The delayed baseline's state is replicated and saves like any dense strategy's."""
+    overlap = getattr(st, "overlap", None)
+    if overlap is not None and overlap.mode == "eager":
+        raise CheckpointError(
+            f"{what} does not support outer_delay='eager': g, u and each worker's own share differ "
+            "between replicas; use save_checkpoint / load_checkpoint (one file per rank)"
+        )
+
+
 def validate_state(st: DenseStrategy, sd: dict[str, Any]) -> None:
     """A checkpoint's outer-delay entry: written in the same mode as this strategy runs, with its
     buffers. A checkpoint of another mode would resume the wrong rule (its in-flight syncs are
     collected a round later than the other modes apply them), so it is refused by name."""
     entry = sd.get("outer_delay")
+    if entry is not None and not isinstance(entry, dict):
+        raise CheckpointError("checkpoint entry outer_delay should be None or a dict")
     mine = st.overlap.mode if st.overlap is not None else "none"
-    theirs = entry.get("mode") if isinstance(entry, dict) else "none" if entry is None else entry
+    theirs = "none" if entry is None else entry.get("mode")
     if theirs != mine:
         raise CheckpointError(
             f"checkpoint was written with outer_delay={theirs!r} but this strategy has outer_delay={mine!r}"

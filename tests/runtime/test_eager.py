@@ -233,6 +233,41 @@ def test_checkpoint_of_another_mode_is_refused():
             st.close()
 
 
+def test_dcp_refuses_eager_by_name():
+    """DCP keeps one copy of a tensor saved under the same name on every rank: eager replicas' g, u
+    and own shares would be replaced by one rank's. The delayed baseline's state is replicated."""
+    from lowcomm_kernels.runtime.dcp import DCPState
+
+    with one_rank_world():
+        for mode, refused in (("eager", True), ("delayed", False)):
+            model = make_model()
+            st = rt.DiLoCo(model, make_opt(model), sync_every=3, outer_delay=mode)
+            try:
+                if refused:
+                    words = "DCPState does not support outer_delay='eager'"
+                    with pytest.raises(CheckpointError, match=words):
+                        DCPState(st)
+                else:
+                    DCPState(st)
+            finally:
+                st.close()
+
+
+def test_malformed_outer_delay_entry_is_refused():
+    with one_rank_world():
+        _, sd = _train(rt.DiLoCo, 6, sync_every=3, eager=True)
+        model = make_model()
+        st = rt.DiLoCo(model, make_opt(model), sync_every=3, eager=True)
+        try:
+            with pytest.raises(CheckpointError, match="outer_delay should be None or a dict"):
+                st.load_state_dict({**sd, "outer_delay": "eager"})
+            with pytest.raises(CheckpointError, match="outer_delay.own"):
+                st.load_state_dict({**sd, "outer_delay": {**sd["outer_delay"], "own": None}})
+            st.load_state_dict(sd)
+        finally:
+            st.close()
+
+
 @pytest.mark.parametrize("build,exc,words", [
     (lambda m, o: rt.DiLoCo(m, o, sync_every=3, outer_delay="eagre"), ValueError,
      "outer_delay must be one of"),
