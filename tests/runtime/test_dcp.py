@@ -83,13 +83,17 @@ def test_dcp_refuses_another_model(group, tmp_path):
 
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dcp_worker.py")
+STREAMING = {"sync_every": 8, "num_fragments": 2, "fragment_sync_delay": 2}
 RESIZE = {
+    # name: (class, knobs, saved at)
     # saved at step 5 with fragment 1 in flight (sent at 4, applied at 6)
-    "streaming": ({"sync_every": 8, "num_fragments": 2, "fragment_sync_delay": 2}, 5),
+    "streaming": ("streaming", STREAMING, 5),
+    # the same under a quantized wire, whose result arrives averaged (a dense one arrives summed)
+    "streaming_int8": ("streaming", {**STREAMING, "wire_dtype": "int8", "quant_block": 16}, 5),
     # saved at step 11 with a fragment in flight
-    "cocodc": ({"sync_every": 8, "num_fragments": 2, "fragment_sync_delay": 2, "syncs_per_period": 4}, 11),
+    "cocodc": ("cocodc", {**STREAMING, "syncs_per_period": 4}, 11),
     # saved at step 10, a round end (rounds of 3 + 2 steps)
-    "loscar": ({"density": 0.4, "local_steps": 3, "overlap_steps": 2}, 10),
+    "loscar": ("loscar", {"density": 0.4, "local_steps": 3, "overlap_steps": 2}, 10),
 }
 
 
@@ -99,14 +103,14 @@ PER_RANK_STEPS = {"density": 0.4, "local_steps": [2, 3], "overlap_steps": 1}
 
 @pytest.fixture(scope="module")
 def saved_and_resumed(tmp_path_factory) -> dict:
-    """Every RESIZE class saved by one group of 2 ranks (and the per-rank LOSCAR save), then the
-    RESIZE classes resumed by one group of 3: two process group starts for all, one after the other
-    (each class in its own checkpoint folder). class -> (its folder, the 2 ranks' results, the 3
+    """Every RESIZE case saved by one group of 2 ranks (and the per-rank LOSCAR save), then the
+    RESIZE cases resumed by one group of 3: two process group starts for all, one after the other
+    (each case in its own checkpoint folder). name -> (its folder, the 2 ranks' results, the 3
     ranks'); "per_rank" -> the per-rank LOSCAR save's folder."""
     root = tmp_path_factory.mktemp("dcp_resize")
     names = sorted(RESIZE)
-    base = {cls: {"cls": cls, "kw": RESIZE[cls][0], "path": str(root / cls)} for cls in names}
-    saves = [{**base[cls], "steps": RESIZE[cls][1], "save": True, "one": 1} for cls in names]
+    base = {n: {"cls": RESIZE[n][0], "kw": RESIZE[n][1], "path": str(root / n)} for n in names}
+    saves = [{**base[n], "steps": RESIZE[n][2], "save": True, "one": 1} for n in names]
     per_rank = {
         "cls": "loscar",
         "kw": PER_RANK_STEPS,
@@ -115,21 +119,21 @@ def saved_and_resumed(tmp_path_factory) -> dict:
         "save": True,
     }
     saved = spawn_local(f"{WORKER}:run_all", 2, ([*saves, per_rank],), timeout_s=480)
-    loads = [{**base[cls], "load": True, "one": 1, "after": 12} for cls in names]
+    loads = [{**base[n], "load": True, "one": 1, "after": 12} for n in names]
     up = spawn_local(f"{WORKER}:run_all", 3, (loads,), timeout_s=480)
-    out = {cls: (base[cls]["path"], [r[i] for r in saved], [r[i] for r in up]) for i, cls in enumerate(names)}
+    out = {n: (base[n]["path"], [r[i] for r in saved], [r[i] for r in up]) for i, n in enumerate(names)}
     out["per_rank"] = per_rank["path"]
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cls", sorted(RESIZE))
-def test_dcp_resumes_with_another_number_of_ranks(group, saved_and_resumed, cls):
+@pytest.mark.parametrize("name", sorted(RESIZE))
+def test_dcp_resumes_with_another_number_of_ranks(group, saved_and_resumed, name):
     """Saved by 2 ranks, resumed by 3 (spawned) and by 1 (this process): the resumed global state is
-    the saved one, a result pending at the save is applied with the same average, and training goes on
-    with every rank holding the same global state."""
-    kw, at = RESIZE[cls]
-    path, saved, up = saved_and_resumed[cls]
+    the saved one, a result pending at the save is applied with the same average, dense or quantized,
+    and training goes on with every rank holding the same global state."""
+    cls, kw, at = RESIZE[name]
+    path, saved, up = saved_and_resumed[name]
     base = {"cls": cls, "kw": kw, "path": path}
     ref = saved[0]["saved"]
     assert ref["step"] == at
@@ -146,11 +150,10 @@ def test_dcp_resumes_with_another_number_of_ranks(group, saved_and_resumed, cls)
             else:
                 assert torch.equal(loaded["g"], ref["g"]) and torch.equal(loaded["u"], ref["u"])
                 assert loaded["step"] == ref["step"] and loaded["pending"] == ref["pending"]
-                # the pending result, averaged over 2 ranks when it was sent, is applied with the
-                # same average by 3 ranks or 1: g after the next step equals the 2-rank run's
-                torch.testing.assert_close(
-                    r["after_one"]["g"], saved[0]["after_one"]["g"], rtol=1e-6, atol=1e-7
-                )
+                # the pending result, sent by 2 ranks, is applied with their average by 3 ranks or 1:
+                # g and u after the next step are the 2-rank run's, bit for bit
+                for k in ("g", "u"):
+                    assert torch.equal(r["after_one"][k], saved[0]["after_one"][k]), k
                 assert not torch.equal(r["final"]["g"], ref["g"])  # training went on
                 assert torch.isfinite(r["final"]["g"]).all()
             assert r["final"]["step"] == at + 13
