@@ -26,6 +26,16 @@ resumes with another number of ranks only with the same ``local_steps`` / ``over
 rank and at a round end (no round in flight); per-rank lists raise ``CheckpointError`` naming them.
 Per-rank tensors (the model's parameters between syncs, a pending snapshot) are stored once by DCP
 like any tensor with the same name on every rank, so every resumed rank starts from one rank's copy.
+
+Error feedback. Each rank's residual (its own quantization error, owed to later syncs) is per-rank
+state that no other rank's copy may replace: it is saved as ``error_feedback_residual_by_rank``, a
+DTensor with one row per rank, so DCP stores every rank's row and each resumed rank reads back its
+own. On another number of ranks no row belongs to a given rank: ``dcp.load`` refuses, on every rank
+and before anything is loaded, with DCP's size mismatch naming that entry (and a checkpoint saved
+without error feedback, loaded into a strategy with it, with DCP's missing key naming it). To resume
+anyway, load through ``DCPState(strategy, restart_error_feedback=True)``: the residuals restart from
+zero, with a warning, as at the start of a run (what is lost: at most one quantization error per
+rank, never applied).
 """
 
 from __future__ import annotations
@@ -41,15 +51,27 @@ from .eager import refuse_replicated_save
 __all__ = ["DCPState"]
 
 
-class DCPState:
-    """A ``torch.distributed.checkpoint.stateful.Stateful`` view of a strategy (see the module doc)."""
+#: the DCP entry of the error-feedback residuals: one row per rank (see the module doc)
+RESIDUALS = "error_feedback_residual_by_rank"
 
-    def __init__(self, strategy: Any) -> None:
+
+class DCPState:
+    """A ``torch.distributed.checkpoint.stateful.Stateful`` view of a strategy (see the module doc).
+    ``restart_error_feedback=True`` (for a load) leaves the saved error-feedback residuals out: every
+    rank's residual restarts from zero, with a warning; the way to resume such a run on another
+    number of ranks."""
+
+    def __init__(self, strategy: Any, *, restart_error_feedback: bool = False) -> None:
         from .base import Strategy
 
         if not isinstance(strategy, Strategy):
             raise TypeError(f"strategy must be a lowcomm Strategy, got {type(strategy).__name__}")
+        if not isinstance(restart_error_feedback, bool):
+            raise TypeError(
+                f"restart_error_feedback must be a bool, got {type(restart_error_feedback).__name__}"
+            )
         self.strategy = strategy
+        self.restart_error_feedback = restart_error_feedback
         refuse_replicated_save(strategy, "DCPState")  # eager replicas hold state of their own
 
     def state_dict(self) -> dict[str, Any]:
@@ -58,6 +80,9 @@ class DCPState:
         for key in ("g", "u"):
             if isinstance(sd.get(key), torch.Tensor):
                 out[key] = sd.pop(key)
+        residual = sd.pop("residual", None)  # per rank: never in the bytes, which DCP keeps once
+        if isinstance(residual, torch.Tensor) and not self.restart_error_feedback:
+            out[RESIDUALS] = _by_rank(residual, self.strategy)
         buf = io.BytesIO()
         torch.save(sd, buf)
         out["rest"] = buf.getvalue()
@@ -73,6 +98,13 @@ class DCPState:
         for key in ("g", "u"):
             if key in sd:
                 full[key] = sd[key]
+        if RESIDUALS in sd:  # this rank's own row
+            full["residual"] = sd[RESIDUALS].to_local()[0]
+        elif getattr(self.strategy, "residual", None) is not None:
+            full["residual"] = torch.zeros_like(self.strategy.residual, device="cpu")
+            self.strategy.log.warning(
+                "DCP load with restart_error_feedback=True: the error-feedback residual restarts from zero"
+            )
         skipped = _resize(full, self.strategy)
         self.strategy.load_state_dict(full)
         if skipped:
@@ -82,6 +114,19 @@ class DCPState:
             for i in skipped:  # a result the saved ranks would have skipped: skipped by these ranks too
                 pd = pending[i]
                 pd.control_host = FailedRound(pd.control_host)
+
+
+def _by_rank(residual: torch.Tensor, strategy: Any) -> Any:
+    """This rank's residual as its row of a DTensor of one row per rank of the strategy's group: DCP
+    stores every rank's row, and a load reads back each rank's own."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(strategy.group, "cpu")
+    n = residual.numel()
+    return DTensor.from_local(
+        residual.reshape(1, n), mesh, [Shard(0)], run_check=False, shape=(strategy.world, n), stride=(n, 1)
+    )
 
 
 def _resize(full: dict[str, Any], strategy: Any) -> list[int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 import lowcomm_kernels.runtime as rt
 from lowcomm_kernels.runtime.dcp import DCPState
@@ -27,20 +28,35 @@ def _outer(st) -> dict:
     }
 
 
+def _residual(st) -> torch.Tensor | None:
+    res = getattr(st, "residual", None)
+    return None if res is None else res.clone()
+
+
 def run(rank: int, world: int, sc: dict) -> dict:
     """Build the strategy (sc: cls, kw); if sc["load"], resume from sc["path"]; train sc["steps"] more
     steps (or, with sc["rounds"], until LOSCAR finished that many rounds); if sc["save"], save to
-    sc["path"]; then train sc["after"] more steps. Returns the outer state at each point."""
+    sc["path"]; then train sc["after"] more steps. Returns the outer state at each point, and this
+    rank's error-feedback residual where it has one. With sc["refused"], a load that fails returns its
+    message as out["refused"]; sc["restart_ef"] loads with ``restart_error_feedback=True``."""
     model = make_model(torch.float32)
     opt = make_opt(model)
     st = CLASSES[sc["cls"]](model, opt, **sc["kw"])
     out: dict = {}
     if sc.get("load"):
-        state = {"model": model.state_dict(), "strategy": DCPState(st)}
-        dcp.load(state, checkpoint_id=sc["path"])
+        strategy = DCPState(st, restart_error_feedback=bool(sc.get("restart_ef")))
+        state = {"model": model.state_dict(), "strategy": strategy}
+        try:
+            dcp.load(state, checkpoint_id=sc["path"])
+        except CheckpointException as e:  # a BaseException: DCP's refusal on every rank
+            if not sc.get("refused"):
+                raise
+            st.close()
+            return {"refused": f"{type(e).__name__}: {e}"}
         model.load_state_dict(state["model"])
         out["loaded"] = _outer(st)
         out["x_loaded"] = st.frags.flat.clone()
+        out["residual_loaded"] = _residual(st)
     losses = []
 
     def train(n: int) -> None:
@@ -56,6 +72,7 @@ def run(rank: int, world: int, sc: dict) -> dict:
     if sc.get("save"):
         dcp.save({"model": model.state_dict(), "strategy": DCPState(st)}, checkpoint_id=sc["path"])
         out["saved"] = _outer(st)
+        out["residual_saved"] = _residual(st)
     train(sc.get("one", 0))
     out["after_one"] = _outer(st)
     train(sc.get("after", 0))

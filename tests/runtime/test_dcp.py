@@ -95,6 +95,8 @@ RESIZE = {
     # saved at step 10, a round end (rounds of 3 + 2 steps)
     "loscar": ("loscar", {"density": 0.4, "local_steps": 3, "overlap_steps": 2}, 10),
 }
+# error feedback: each rank's residual is its own; saved at step 5 with fragment 1 in flight
+EF = {**STREAMING, "wire_dtype": "int4", "quant_block": 16, "error_feedback": True}
 
 
 # LOSCAR with per-rank local_steps, saved by 2 ranks (refused on another number of ranks, below)
@@ -103,10 +105,12 @@ PER_RANK_STEPS = {"density": 0.4, "local_steps": [2, 3], "overlap_steps": 1}
 
 @pytest.fixture(scope="module")
 def saved_and_resumed(tmp_path_factory) -> dict:
-    """Every RESIZE case saved by one group of 2 ranks (and the per-rank LOSCAR save), then the
-    RESIZE cases resumed by one group of 3: two process group starts for all, one after the other
-    (each case in its own checkpoint folder). name -> (its folder, the 2 ranks' results, the 3
-    ranks'); "per_rank" -> the per-rank LOSCAR save's folder."""
+    """Every RESIZE case saved by one group of 2 ranks (and the per-rank LOSCAR save, and the error
+    feedback save, resumed by the same 2 ranks), then the RESIZE cases resumed by one group of 3 (and
+    the error feedback save, refused and restarted): two process group starts for all, one after the
+    other (each case in its own checkpoint folder). name -> (its folder, the 2 ranks' results, the 3
+    ranks'); "per_rank" -> the per-rank LOSCAR save's folder; "ef" -> the 2 ranks' (save, resume) and
+    the 3 ranks' (refused, restarted) results."""
     root = tmp_path_factory.mktemp("dcp_resize")
     names = sorted(RESIZE)
     base = {n: {"cls": RESIZE[n][0], "kw": RESIZE[n][1], "path": str(root / n)} for n in names}
@@ -118,11 +122,15 @@ def saved_and_resumed(tmp_path_factory) -> dict:
         "rounds": 3,
         "save": True,
     }
-    saved = spawn_local(f"{WORKER}:run_all", 2, ([*saves, per_rank],), timeout_s=480)
+    ef = {"cls": "streaming", "kw": EF, "path": str(root / "ef")}
+    ef_runs = [{**ef, "steps": 5, "save": True, "one": 1}, {**ef, "load": True, "one": 1, "after": 4}]
+    saved = spawn_local(f"{WORKER}:run_all", 2, ([*saves, per_rank, *ef_runs],), timeout_s=480)
     loads = [{**base[n], "load": True, "one": 1, "after": 12} for n in names]
-    up = spawn_local(f"{WORKER}:run_all", 3, (loads,), timeout_s=480)
+    ef_loads = [{**ef, "load": True, "refused": True}, {**ef, "load": True, "restart_ef": True, "after": 4}]
+    up = spawn_local(f"{WORKER}:run_all", 3, ([*loads, *ef_loads],), timeout_s=480)
     out = {n: (base[n]["path"], [r[i] for r in saved], [r[i] for r in up]) for i, n in enumerate(names)}
     out["per_rank"] = per_rank["path"]
+    out["ef"] = ([r[-2:] for r in saved], [r[-2:] for r in up])
     return out
 
 
@@ -170,3 +178,27 @@ def test_dcp_refuses_per_rank_loscar_steps_on_another_number_of_ranks(group, sav
     kw, path = PER_RANK_STEPS, saved_and_resumed["per_rank"]
     with pytest.raises(CheckpointError, match="local_steps"):
         dcp_worker.run(0, 1, {"cls": "loscar", "kw": {**kw, "local_steps": 2}, "path": path, "load": True})
+
+
+@pytest.mark.slow
+def test_dcp_restores_each_ranks_error_feedback_residual(saved_and_resumed):
+    """With error feedback, every rank resumes with its own residual (DCP keeps one copy of a tensor
+    that has the same name on every rank: each rank would get one rank's residual), and the result in
+    flight at the save is applied as in the uninterrupted run."""
+    (save0, load0), (save1, load1) = saved_and_resumed["ef"][0]
+    assert not torch.equal(save0["residual_saved"], save1["residual_saved"])  # per-rank state
+    for save, load in ((save0, load0), (save1, load1)):
+        assert torch.equal(load["residual_loaded"], save["residual_saved"])
+        for k in ("g", "u"):
+            assert torch.equal(load["loaded"][k], save["saved"][k]), k
+            assert torch.equal(load["after_one"][k], save["after_one"][k]), k
+
+
+@pytest.mark.slow
+def test_dcp_error_feedback_on_another_number_of_ranks_is_refused_or_restarted(saved_and_resumed):
+    """Another number of ranks has no residual of its own: dcp.load refuses, naming the entry, unless
+    the load restarts error feedback (residuals from zero); then training goes on."""
+    for refused, restarted in saved_and_resumed["ef"][1]:
+        assert "error_feedback_residual_by_rank" in refused["refused"], refused["refused"]
+        assert not restarted["residual_loaded"].any()
+        assert restarted["final"]["step"] == 5 + 4 and torch.isfinite(restarted["final"]["g"]).all()
