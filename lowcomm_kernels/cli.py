@@ -177,9 +177,18 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     o.add_argument(
         "--wire-dtype",
         choices=WIRE_DTYPE_NAMES,
-        help="what a sync sends: fp32, bf16, or codes + an fp32 scale per block (int8, int4, fp8, fp4)",
+        help="what a sync sends: fp32, bf16, codes + an fp32 scale per block (int8, int4, fp8, fp4), or "
+        "topk: per chunk the k largest entries of the error-feedback-accumulated delta, all-gathered",
     )
     o.add_argument("--quant-block", type=_positive_int, help="values per scale, quantized wire (default 128)")
+    o.add_argument("--topk-k", type=_positive_int, help="topk wire: entries sent per chunk (default 64)")
+    o.add_argument("--topk-chunk", type=_positive_int, help="topk wire: values per chunk (default 4096)")
+    o.add_argument("--topk-bits", type=int, choices=(1, 2, 4), help="topk wire: bits per value (default 2)")
+    o.add_argument(
+        "--ef-beta",
+        type=float,
+        help="topk wire: decay of the error-feedback buffer, in [0, 1] (default 0.95)",
+    )
     o.add_argument(
         "--error-feedback",
         action="store_true",

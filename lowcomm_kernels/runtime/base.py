@@ -66,7 +66,9 @@ from .compression import DEFAULT_QUANT_BLOCK, QuantizedAllReduce, check_error_fe
 from .fragments import FlatFragments, FragmentSpec
 from .log import rank_logger
 from .metrics import RuntimeMetrics, SyncRecord
+from .schedule import SPARSE_WIRE_FORMATS
 from .sharding import local, refuse_sharded_checkpoint, sharding_fields
+from .topk_wire import DEFAULT_EF_BETA, TopKAllGather, TopKWire, check_topk
 from .transport import DEFAULT_TIMEOUT_S, WAN, HealedInRound, Transport
 
 FORMAT_VERSION = 2
@@ -126,6 +128,10 @@ class Strategy(abc.ABC):
         grad_scaler: torch.amp.GradScaler | None = None,
         quant_block: int = DEFAULT_QUANT_BLOCK,
         error_feedback: bool = False,
+        topk_k: int = 64,
+        topk_chunk: int = 4096,
+        topk_bits: int = 2,
+        ef_beta: float = DEFAULT_EF_BETA,
         manager: Any = None,
         num_replicas: int | None = None,
     ) -> None:
@@ -165,8 +171,22 @@ class Strategy(abc.ABC):
         dtype = self.frags.master_dtype  # the outer state's: float32 for bf16 / fp16 parameters
         # a name of schedule.WIRE_FORMATS or a dtype; a quantized format's averaged result arrives in
         # the outer state's dtype, which wire_dtype then names (runtime.compression)
-        self.wire = resolve_wire_format(wire_dtype, quant_block, dtype, self.frags.dtype)
-        self.error_feedback = check_error_feedback(error_feedback, self.wire)
+        # "topk" (runtime.topk_wire) always keeps its error-feedback buffer; its knobs are checked
+        # whatever the format, as quant_block is
+        topk = check_topk(topk_k, topk_chunk, topk_bits, ef_beta)
+        is_topk = isinstance(wire_dtype, str) and wire_dtype in SPARSE_WIRE_FORMATS
+        if is_topk and self.method == "loscar":
+            raise ValueError(
+                "wire_dtype='topk' is not supported by LOSCAR: it already sends a sparse subset of the "
+                "parameters (its mask), and a top-k selection of that subset needs d-sized error feedback"
+            )
+        if is_topk and manager is not None:
+            raise ValueError(
+                "wire_dtype='topk' is not supported with a torchft manager (an all-gather per sync)"
+            )
+        self.wire = resolve_wire_format(None if is_topk else wire_dtype, quant_block, dtype, self.frags.dtype)
+        self.error_feedback = check_error_feedback(error_feedback, self.wire) if not is_topk else True
+        self.sparse: TopKAllGather | None = None  # started once the ranks agreed (_join_group)
         self.quantized: QuantizedAllReduce | None = None  # started once the ranks agreed (_join_group)
         wire_dtype = self.wire.dtype
         if wire_dtype is None:
@@ -189,6 +209,8 @@ class Strategy(abc.ABC):
             self.transport = FTTransport(manager, num_replicas, device=self.device, timeout_s=timeout_s)
         self.world = self.transport.world
         self.rank = self.transport.rank
+        if is_topk:
+            self.wire = TopKWire(topk[0], topk[1], dtype, self.world)
         self.log = rank_logger(self.rank)
         self.metrics = RuntimeMetrics()
         self.metrics_callback = metrics_callback
@@ -223,6 +245,9 @@ class Strategy(abc.ABC):
             "grad_scaler given": self.grad_scaler is not None,
             "number of fragments": self.frags.num_fragments,
         }
+        if isinstance(self.wire, TopKWire):
+            f = self.wire.fmt
+            fields["top-k format (k, chunk, bits, ef_beta)"] = [f.k, f.chunk, f.bits, self.wire.beta]
         fields.update({k: _plain(v) for k, v in self._config_fields().items()})
         fields.update(module_fields(self.model, self.frags.names))
         fields.update(sharding_fields(self.model))  # replicas must hold the same shard of each DTensor
@@ -243,6 +268,8 @@ class Strategy(abc.ABC):
         broadcast_module_state(self.transport, self.frags.flat, self.model, trainable)
         if self.wire.quant is not None:  # collective: a process group of its own (runtime.compression)
             self.quantized = QuantizedAllReduce(self.transport, self.wire)
+        if isinstance(self.wire, TopKWire):  # collective: a process group of its own (runtime.topk_wire)
+            self.sparse = TopKAllGather(self.transport, self.wire)
 
     def _largest_sync(self) -> int:
         """Elements of the largest payload one sync sends (a whole fragment; LOSCAR: k)."""
@@ -261,6 +288,8 @@ class Strategy(abc.ABC):
         self._close_compute_range()
         if self.quantized is not None:
             self.quantized.close()
+        if self.sparse is not None:
+            self.sparse.close()
         for grp in self.frags.params:
             for p in grp:
                 if getattr(p, _OWNER, None) is not None and getattr(p, _OWNER)() is self:

@@ -33,6 +33,7 @@ import torch
 
 from .. import ops
 from .._checks import integer, scalar
+from . import topk_wire
 from .base import Strategy, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .compression import check_result, pack_quantized, result_form, to_average_
@@ -215,7 +216,12 @@ class DenseStrategy(Strategy):
             x_p = self.frags.x(p)
             x_src = self.to_outer(x_p)
             buffers, out = self._take_buffers(g_p.numel())
-            if self.quantized is not None:  # codes + scales (runtime.compression)
+            if self.sparse is not None:  # the top-k of Δ + e, e updated (runtime.topk_wire)
+                e_p = self.frags.slice(self.residual, p)
+                payload, snap, nonfinite, scales = topk_wire.encode(
+                    self.wire, g_p, x_src, e_p, snapshot=self.needs_snapshot, reuse=out
+                )
+            elif self.quantized is not None:  # codes + scales (runtime.compression)
                 res = None if self.residual is None else self.frags.slice(self.residual, p)
                 codes, scales, snap, nonfinite = pack_quantized(
                     g_p, x_src, self.wire, residual=res, snapshot=self.needs_snapshot, reuse=out
@@ -230,10 +236,10 @@ class DenseStrategy(Strategy):
             nonfinite = nonfinite.to(self.device, torch.float64) + self._hidden_nonfinite(
                 self.frags.params[p]
             )
-            if self.quantized is None:
+            if self.quantized is None and self.sparse is None:
                 delta = self.to_model(delta)
             # what bounds the outer step at apply; last in the control vector
-            peak = scales if self.quantized is not None else delta
+            peak = scales if self.quantized is not None or self.sparse is not None else delta
             facts = self._step_facts(peak, g_p, self.frags.slice(self.u, p))
             extras, dev_extras = self._control_extras(p, t)
             if dev_extras is not None:
@@ -243,7 +249,13 @@ class DenseStrategy(Strategy):
         if self.overlap is not None:  # this worker's Δ as sent, before the all-reduce sums into it
             share = self.overlap.sent_share(p, delta if self.quantized is None else (codes, scales))
         name = f"{self.method} sync of fragment {p} sent at step {t}"
-        if self.quantized is not None:  # averaged on arrival into handle.result, in the outer dtype
+        if self.sparse is not None:  # every rank's payload decoded and summed into handle.result
+            handle = self.sparse.start(
+                self.to_model(payload), g_p.numel(), control=control, name=name,
+                out_dtype=self.wire_dtype, out=out.get("result"),
+            )  # fmt: skip
+            delta = handle.result
+        elif self.quantized is not None:  # averaged on arrival into handle.result, in the outer dtype
             handle = self.quantized.start(
                 self.to_model(codes), self.to_model(scales), g_p.numel(), control=control, name=name,
                 out_dtype=self.wire_dtype, out=out.get("result"),
@@ -318,8 +330,10 @@ class DenseStrategy(Strategy):
             out["codes"] = torch.empty(q.payload_bytes(n), dtype=torch.uint8, device=dev)
             out["scales"] = torch.empty(q.num_scales(n, self.wire.block), dtype=torch.float32, device=dev)
             out["result"] = torch.empty(n, dtype=self.wire_dtype, device=dev)
-        else:  # Δ, summed in place by the all-reduce
+        else:  # Δ, summed in place by the all-reduce (top-k: Δ before its encoding)
             out["delta"] = torch.empty(n, dtype=self.wire_dtype, device=dev)
+        if self.sparse is not None:  # the sum of the decoded payloads
+            out["result"] = torch.empty(n, dtype=self.wire_dtype, device=dev)
         if self.needs_snapshot:
             out["snapshot"] = torch.empty(n, dtype=self.g.dtype, device=dev)
         return out
@@ -504,6 +518,11 @@ class DenseStrategy(Strategy):
         self._load_schedule_state(sd["schedule"])
         if self.residual is not None:
             self.residual.copy_(sd["residual"])
+        elif sd.get("residual") is not None:  # saved with error feedback: nothing here carries it on
+            self.log.warning(
+                "the checkpoint holds error-feedback residuals but this strategy has error_feedback=False: "
+                "they are dropped (each rank's quantization error not yet sent, at most one per element)"
+            )
         if self.overlap is not None:
             self.overlap.load(sd["outer_delay"])
 

@@ -33,6 +33,9 @@ WIRE_FORMATS: dict[str, torch.dtype | str] = {
     "bf16": torch.bfloat16,
     **{name: name for name in FORMATS},
 }
+# sparse formats, beside WIRE_FORMATS (not summed on the wire: all-gathered, runtime.topk_wire):
+# "topk", the k largest entries per chunk with error feedback (ops.topk)
+SPARSE_WIRE_FORMATS = ("topk",)
 
 __all__ = [
     "LAM_MODES",
@@ -41,6 +44,7 @@ __all__ = [
     "TAYLOR_CONTROLS",
     "TIMINGS",
     "DEFAULT_STEP_TIME_S",
+    "SPARSE_WIRE_FORMATS",
     "WIRE_FORMATS",
     "check_cocodc_schedule",
     "check_streaming_schedule",

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..runtime import compression, eager, schedule
+from ..runtime import compression, eager, schedule, topk_wire
 from ..runtime.transport import DEFAULT_TIMEOUT_S, WAN
 from .corpus import DEFAULT_EVAL_BYTES
 from .errors import SpecError
@@ -35,7 +35,7 @@ MERGES = tuple(schedule.LOSCAR_MERGES)
 SCORES = tuple(schedule.SCORES)
 TIMINGS = tuple(schedule.TIMINGS)  # how CoCoDC's adaptive N gets its step and sync times
 TAYLOR_CONTROLS = tuple(schedule.TAYLOR_CONTROLS)  # CoCoDC's controls of the Taylor term
-WIRE_DTYPE_NAMES = tuple(schedule.WIRE_FORMATS)
+WIRE_DTYPE_NAMES = (*schedule.WIRE_FORMATS, *schedule.SPARSE_WIRE_FORMATS)
 OUTER_DELAYS = tuple(eager.OUTER_DELAYS)  # the outer step overlapped with the next round, or not
 #: the methods that take an outer_delay other than 'none', and their runtime classes
 OUTER_DELAY_METHODS = {"diloco": "DiLoCo", "streaming": "StreamingDiLoCo"}
@@ -171,6 +171,11 @@ class TrainSpec:
     wire_dtype: str = "fp32"
     quant_block: int = compression.DEFAULT_QUANT_BLOCK  # elements per scale of a quantized wire_dtype
     error_feedback: bool = False  # quantized wire_dtype: feed each worker's quantization error back
+    # wire_dtype 'topk' (always with error feedback): k largest of each chunk, bits per value, e's decay
+    topk_k: int = 64
+    topk_chunk: int = 4096
+    topk_bits: int = 2
+    ef_beta: float = topk_wire.DEFAULT_EF_BETA
     param_dtype: str = "fp32"
     # emulated WAN
     latency_s: float = 0.05
@@ -285,12 +290,23 @@ class TrainSpec:
             self.wire_dtype in WIRE_DTYPE_NAMES,
             f"<wire_dtype> must be one of {WIRE_DTYPE_NAMES}, got {self.wire_dtype!r}",
         )
-        try:  # the strategies' own rules for the block and error feedback
-            wire = compression.check_wire_choice(
-                self.wire_dtype, self.quant_block, self.error_feedback, name=_marked
+        try:  # the strategies' own rules for the block, error feedback and the top-k knobs
+            topk = topk_wire.check_topk(
+                self.topk_k, self.topk_chunk, self.topk_bits, self.ef_beta, name=_marked
             )
+            if self.wire_dtype in schedule.SPARSE_WIRE_FORMATS:
+                wire = topk_wire.TopKWire(*topk, torch.float32, self.workers)
+            else:
+                wire = compression.check_wire_choice(
+                    self.wire_dtype, self.quant_block, self.error_feedback, name=_marked
+                )
         except (TypeError, ValueError) as exc:
             raise SpecError(str(exc)) from None
+        need(
+            not (self.wire_dtype in schedule.SPARSE_WIRE_FORMATS and self.method == "loscar"),
+            f"<wire_dtype> {self.wire_dtype} is not supported by LOSCAR (it already sends a sparse subset); "
+            "leave it out of the methods",
+        )
         self._check_link(wire)
         need(
             not (self.error_feedback and self.method == "loscar"),

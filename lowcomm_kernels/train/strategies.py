@@ -74,6 +74,10 @@ def build_strategy(
         "quant_block": spec.quant_block,
         "error_feedback": spec.error_feedback,
     }
+    if spec.wire_dtype == "topk":  # the sparse format's knobs (runtime.topk_wire)
+        common.update(
+            topk_k=spec.topk_k, topk_chunk=spec.topk_chunk, topk_bits=spec.topk_bits, ef_beta=spec.ef_beta
+        )
     if manager is not None:
         del common["process_group"], common["wan"]
         common.update(manager=manager, num_replicas=spec.workers)
