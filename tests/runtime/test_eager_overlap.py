@@ -38,7 +38,9 @@ def test_a_round_hides_the_latency(runs, name):
         s = r[name]
         assert s["num_syncs"] >= 2, s  # collected: all but the last round's
         assert min(s["in_flight"]) >= 0.15  # the emulated link really took L...
-        assert s["exposed"] < 0.25 * 0.15 * s["num_syncs"], s  # ...but no step waited for it
+        # ...but no step waited for it (blocking would wait about L per sync; the margin absorbs a
+        # rank that a loaded machine lets fall behind its peer)
+        assert s["exposed"] < 0.5 * 0.15 * s["num_syncs"], s
 
 
 def test_a_late_average_is_exposed_at_its_collection(runs):
