@@ -106,7 +106,7 @@ class DenseStrategy(Strategy):
         self.outer_delay = resolve_outer_delay(eager, outer_delay)
         check_outer_delay(
             self.outer_delay, type(self).__name__, fragment_sync_delay=fragment_sync_delay,
-            ft=common.get("manager") is not None,
+            ft=common.get("manager") is not None, wire_dtype=common.get("wire_dtype"),
         )  # fmt: skip
         # the merge's knobs are each subclass's own (its named arguments fill ``merge``): one given
         # through **common would silently change another method's merge

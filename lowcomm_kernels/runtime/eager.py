@@ -49,6 +49,7 @@ import torch
 from ..ops.quantize import dequantize
 from .checkpoint import CheckpointError, expect_tensor
 from .compression import to_average_
+from .schedule import SPARSE_WIRE_FORMATS
 
 if TYPE_CHECKING:
     from .dense import DenseStrategy, Pending
@@ -87,10 +88,12 @@ def check_outer_delay(
     *,
     fragment_sync_delay: int,
     ft: bool,
+    wire_dtype: object = None,
     name: Callable[[str], str] = str,
 ) -> None:
     """Where an overlapped outer step can run: DiLoCo or Streaming DiLoCo (``method``: the class
-    name), no fragment_sync_delay, no torchft Manager. Nothing to check for 'none'."""
+    name), no fragment_sync_delay, no torchft Manager, a dense or quantized ``wire_dtype`` (a sparse
+    payload's own share is not read yet). Nothing to check for 'none'."""
     if mode == "none":
         return
     if method not in TAKES_OUTER_DELAY:
@@ -102,6 +105,11 @@ def check_outer_delay(
         raise ValueError(
             f"{name('outer_delay')}={mode!r} overlaps the whole round (the average arrives by the next "
             f"send of the fragment), so {name('fragment_sync_delay')} must be 0, got {fragment_sync_delay}"
+        )
+    if isinstance(wire_dtype, str) and wire_dtype in SPARSE_WIRE_FORMATS:
+        raise ValueError(
+            f"{name('outer_delay')}={mode!r} is not supported with {name('wire_dtype')}={wire_dtype!r} "
+            "(a sparse payload): use a dense or quantized wire format"
         )
     if ft:
         raise ValueError(
@@ -115,11 +123,6 @@ class OuterOverlap:
     the rule above; ``dense`` calls it at send, at collection and for checkpoints and the guard)."""
 
     def __init__(self, st: DenseStrategy, mode: str, period: int) -> None:
-        if getattr(st, "sparse", None) is not None:  # a sparse payload: no own share is read from it yet
-            raise ValueError(
-                f"outer_delay={mode!r} is not supported with wire_dtype={st.wire.name!r} (a sparse payload): "
-                "use a dense or quantized wire format"
-            )
         self.st = st
         self.mode = mode
         self.period = period  # H: steps from a fragment's send to its next one, where it is collected

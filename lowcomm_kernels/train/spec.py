@@ -380,7 +380,7 @@ class TrainSpec:
         try:
             eager.check_outer_delay(
                 self.outer_delay, OUTER_DELAY_METHODS[self.method], fragment_sync_delay=tau, ft=False,
-                name=_marked,
+                wire_dtype=self.wire_dtype, name=_marked,
             )  # fmt: skip
         except ValueError as exc:
             raise SpecError(str(exc)) from None

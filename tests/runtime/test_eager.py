@@ -280,6 +280,8 @@ def test_malformed_outer_delay_entry_is_refused():
                             outer_delay="delayed"), ValueError, "CoCoDC takes no outer_delay='delayed'"),
     (lambda m, o: rt.LOSCAR(m, o, density=0.5, local_steps=2, overlap_steps=1, eager=True), TypeError,
      "eager"),
+    (lambda m, o: rt.DiLoCo(m, o, sync_every=3, wire_dtype="topk", eager=True), ValueError,
+     "outer_delay='eager' is not supported with wire_dtype='topk'"),
 ])
 def test_bad_input_refused_by_name(build, exc, words):
     with one_rank_world():
@@ -309,6 +311,8 @@ def test_spec_takes_it_for_diloco_and_streaming_only():
         TrainSpec(method="streaming", outer_delay="eager", fragment_sync_delay=3)
     with pytest.raises(SpecError, match=r"outer_delay must be one of"):
         TrainSpec(method="diloco", outer_delay="lazy")
+    with pytest.raises(SpecError, match=r"outer_delay='eager' is not supported with wire_dtype='topk'"):
+        TrainSpec(method="diloco", outer_delay="eager", wire_dtype="topk")
 
 
 def test_cli_flags_reach_the_strategy():
