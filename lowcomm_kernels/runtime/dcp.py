@@ -80,9 +80,11 @@ class DCPState:
         for key in ("g", "u"):
             if isinstance(sd.get(key), torch.Tensor):
                 out[key] = sd.pop(key)
-        residual = sd.pop("residual", None)  # per rank: never in the bytes, which DCP keeps once
-        if isinstance(residual, torch.Tensor) and not self.restart_error_feedback:
-            out[RESIDUALS] = _by_rank(residual, self.strategy)
+        residual = sd.get("residual")  # per rank: never in the bytes, which DCP keeps once
+        if isinstance(residual, torch.Tensor):
+            sd["residual"] = RESIDUALS  # a load without error feedback learns that it drops them
+            if not self.restart_error_feedback:
+                out[RESIDUALS] = _by_rank(residual, self.strategy)
         buf = io.BytesIO()
         torch.save(sd, buf)
         out["rest"] = buf.getvalue()
@@ -98,9 +100,11 @@ class DCPState:
         for key in ("g", "u"):
             if key in sd:
                 full[key] = sd[key]
-        if RESIDUALS in sd:  # this rank's own row
+        if getattr(self.strategy, "residual", None) is None:
+            pass  # no error feedback here: the strategy warns if the checkpoint had residuals
+        elif RESIDUALS in sd:  # this rank's own row
             full["residual"] = sd[RESIDUALS].to_local()[0]
-        elif getattr(self.strategy, "residual", None) is not None:
+        else:
             full["residual"] = torch.zeros_like(self.strategy.residual, device="cpu")
             self.strategy.log.warning(
                 "DCP load with restart_error_feedback=True: the error-feedback residual restarts from zero"

@@ -518,6 +518,11 @@ class DenseStrategy(Strategy):
         self._load_schedule_state(sd["schedule"])
         if self.residual is not None:
             self.residual.copy_(sd["residual"])
+        elif sd.get("residual") is not None:  # saved with error feedback: nothing here carries it on
+            self.log.warning(
+                "the checkpoint holds error-feedback residuals but this strategy has error_feedback=False: "
+                "they are dropped (each rank's quantization error not yet sent, at most one per element)"
+            )
         if self.overlap is not None:
             self.overlap.load(sd["outer_delay"])
 

@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import lowcomm_kernels.runtime as rt
 from lowcomm_kernels.runtime.dcp import DCPState
-from tests.runtime.rt_common import inner_step, make_model, make_opt
+from tests.runtime.rt_common import inner_step, make_model, make_opt, runtime_warnings
 
 CLASSES = {"diloco": rt.DiLoCo, "streaming": rt.StreamingDiLoCo, "cocodc": rt.CoCoDC, "loscar": rt.LOSCAR}
 
@@ -38,7 +38,8 @@ def run(rank: int, world: int, sc: dict) -> dict:
     steps (or, with sc["rounds"], until LOSCAR finished that many rounds); if sc["save"], save to
     sc["path"]; then train sc["after"] more steps. Returns the outer state at each point, and this
     rank's error-feedback residual where it has one. With sc["refused"], a load that fails returns its
-    message as out["refused"]; sc["restart_ef"] loads with ``restart_error_feedback=True``."""
+    message as out["refused"]; sc["restart_ef"] loads with ``restart_error_feedback=True``. The
+    runtime's warnings at the load are out["logged"]."""
     model = make_model(torch.float32)
     opt = make_opt(model)
     st = CLASSES[sc["cls"]](model, opt, **sc["kw"])
@@ -47,7 +48,8 @@ def run(rank: int, world: int, sc: dict) -> dict:
         strategy = DCPState(st, restart_error_feedback=bool(sc.get("restart_ef")))
         state = {"model": model.state_dict(), "strategy": strategy}
         try:
-            dcp.load(state, checkpoint_id=sc["path"])
+            with runtime_warnings() as out["logged"]:
+                dcp.load(state, checkpoint_id=sc["path"])
         except CheckpointException as e:  # a BaseException: DCP's refusal on every rank
             if not sc.get("refused"):
                 raise

@@ -7,6 +7,7 @@ a second of compute; every test's time goes to process start-up.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 
@@ -86,3 +87,21 @@ def one_rank_world() -> Iterator[dist.ProcessGroup]:
     finally:
         if owner:
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def runtime_warnings() -> Iterator[list[str]]:
+    """The messages of the runtime's warnings (logger "lowcomm_kernels") logged inside the block."""
+    messages: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    handler = Collect(logging.WARNING)
+    logger = logging.getLogger("lowcomm_kernels")
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)

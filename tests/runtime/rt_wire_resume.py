@@ -9,15 +9,15 @@ import os
 import torch
 
 import lowcomm_kernels.runtime as rt
-from tests.runtime.rt_common import inner_step, make_model, make_opt
+from tests.runtime.rt_common import inner_step, make_model, make_opt, runtime_warnings
 
 CLASSES = {"streaming": rt.StreamingDiLoCo, "loscar": rt.LOSCAR}
 
 
-def _build(cls: str, kw: dict, wire: str):
+def _build(cls: str, kw: dict, wire: str, ef: bool = False):
     model = make_model(torch.float32)
     opt = make_opt(model)
-    return model, opt, CLASSES[cls](model, opt, wire_dtype=wire, quant_block=16, **kw)
+    return model, opt, CLASSES[cls](model, opt, wire_dtype=wire, quant_block=16, error_feedback=ef, **kw)
 
 
 def _state(st) -> dict:
@@ -38,9 +38,10 @@ def switch(rank: int, world: int, sc: dict) -> dict:
     sc["applied"] (its result applied, nothing else sent): the uninterrupted state. Then a fresh
     strategy under sc["load_wire"] loads the checkpoint and trains to the same step: the resumed state.
     With sc["resave_wire"], the resumed strategy saves again at once and a third one, under that wire,
-    resumes from the second checkpoint instead. A refusal is returned as its message."""
+    resumes from the second checkpoint instead; sc["save_ef"] saves with error feedback. A refusal is
+    returned as its message; the runtime's warnings at the load as "logged"."""
     path = os.path.join(sc["dir"], f"rank{rank}.pt")
-    model, opt, st = _build(sc["cls"], sc["kw"], sc["save_wire"])
+    model, opt, st = _build(sc["cls"], sc["kw"], sc["save_wire"], bool(sc.get("save_ef")))
     _train(model, opt, st, rank, sc["at"])
     in_flight = bool(getattr(st, "pending", None) or getattr(st, "inflight", None))
     st.save_checkpoint(path)
@@ -49,7 +50,8 @@ def switch(rank: int, world: int, sc: dict) -> dict:
     st.close()
     model, opt, st = _build(sc["cls"], sc["kw"], sc["load_wire"])
     try:
-        st.load_checkpoint(path)
+        with runtime_warnings() as logged:
+            st.load_checkpoint(path)
     except rt.CheckpointError as e:
         st.close()
         return {"in_flight": in_flight, "full": full, "refused": str(e)}
@@ -62,7 +64,7 @@ def switch(rank: int, world: int, sc: dict) -> dict:
     _train(model, opt, st, rank, sc["applied"])
     resumed = _state(st)
     st.close()
-    return {"in_flight": in_flight, "full": full, "resumed": resumed, "refused": None}
+    return {"in_flight": in_flight, "full": full, "resumed": resumed, "refused": None, "logged": logged}
 
 
 def switch_all(rank: int, world: int, scs: list[dict]) -> list[dict]:

@@ -17,18 +17,17 @@ from lowcomm_kernels.runtime.launch import spawn_local
 from tests.runtime.rt_common import one_rank_world
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rt_wire_resume.py")
-STREAMING = {
-    "sync_every": 8,
-    "num_fragments": 2,
-    "fragment_sync_delay": 2,
-}  # fragment 1: sent at 4, applied at 6
+# fragment 1: sent at 4, applied at 6
+STREAMING = {"sync_every": 8, "num_fragments": 2, "fragment_sync_delay": 2}
 LOSCAR = {"density": 0.4, "local_steps": 3, "overlap_steps": 2}  # round 1: sent at 8, merged at 10
 CASES = {
-    # name: (class, knobs, saved at, applied at, wire at save, wire at resume[, wire of a second resume])
+    # name: (class, knobs, saved at, applied at, wire at save (+ef: with error feedback), wire at
+    # resume[, wire of a second resume])
     "streaming int8 -> fp32": ("streaming", STREAMING, 5, 6, "int8", "fp32"),
     "streaming fp32 -> int8": ("streaming", STREAMING, 5, 6, "fp32", "int8"),
     "streaming bf16 -> int4": ("streaming", STREAMING, 5, 6, "bf16", "int4"),
     "streaming int8 -> fp32 -> int4": ("streaming", STREAMING, 5, 6, "int8", "fp32", "int4"),
+    "streaming int8+ef -> fp32": ("streaming", STREAMING, 5, 6, "int8+ef", "fp32"),
     "loscar int8 -> fp32": ("loscar", LOSCAR, 9, 10, "int8", "fp32"),
     "loscar fp32 -> int8": ("loscar", LOSCAR, 9, 10, "fp32", "int8"),
 }
@@ -40,7 +39,9 @@ def switched(tmp_path_factory) -> dict:
     scs = []
     for name, (cls, kw, at, applied, save, load, *again) in CASES.items():
         d = tmp_path_factory.mktemp(name.replace(" ", "_").replace(">", ""))
-        sc = {"cls": cls, "kw": kw, "at": at, "applied": applied, "save_wire": save, "load_wire": load}
+        wire, ef = save.removesuffix("+ef"), save.endswith("+ef")
+        sc = {"cls": cls, "kw": kw, "at": at, "applied": applied, "save_wire": wire, "save_ef": ef}
+        sc["load_wire"] = load
         scs.append({**sc, "dir": str(d), "resave_wire": again[0] if again else None})
     res = spawn_local(f"{WORKER}:switch_all", 2, (scs,), timeout_s=300)
     return {name: [r[i] for r in res] for i, name in enumerate(CASES)}
@@ -60,6 +61,9 @@ def test_in_flight_result_is_applied_as_sent_under_another_wire(switched, name):
                 assert torch.equal(full[k], resumed[k]), (
                     f"{k}: max |diff| {(full[k] - resumed[k]).abs().max()}"
                 )
+        # residuals saved with error feedback and resumed without it are dropped, never silently
+        dropped = [m for m in r["logged"] if "error-feedback residuals" in m]
+        assert len(dropped) == ("+ef" in name), r["logged"]
 
 
 @pytest.fixture(scope="module")

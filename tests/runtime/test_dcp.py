@@ -123,14 +123,18 @@ def saved_and_resumed(tmp_path_factory) -> dict:
         "save": True,
     }
     ef = {"cls": "streaming", "kw": EF, "path": str(root / "ef")}
-    ef_runs = [{**ef, "steps": 5, "save": True, "one": 1}, {**ef, "load": True, "one": 1, "after": 4}]
+    ef_runs = [
+        {**ef, "steps": 5, "save": True, "one": 1},
+        {**ef, "load": True, "one": 1, "after": 4},
+        {**ef, "kw": {**EF, "error_feedback": False}, "load": True, "one": 1},  # resumed without it
+    ]
     saved = spawn_local(f"{WORKER}:run_all", 2, ([*saves, per_rank, *ef_runs],), timeout_s=480)
     loads = [{**base[n], "load": True, "one": 1, "after": 12} for n in names]
     ef_loads = [{**ef, "load": True, "refused": True}, {**ef, "load": True, "restart_ef": True, "after": 4}]
     up = spawn_local(f"{WORKER}:run_all", 3, ([*loads, *ef_loads],), timeout_s=480)
     out = {n: (base[n]["path"], [r[i] for r in saved], [r[i] for r in up]) for i, n in enumerate(names)}
     out["per_rank"] = per_rank["path"]
-    out["ef"] = ([r[-2:] for r in saved], [r[-2:] for r in up])
+    out["ef"] = ([r[-3:] for r in saved], [r[-2:] for r in up])
     return out
 
 
@@ -185,13 +189,24 @@ def test_dcp_restores_each_ranks_error_feedback_residual(saved_and_resumed):
     """With error feedback, every rank resumes with its own residual (DCP keeps one copy of a tensor
     that has the same name on every rank: each rank would get one rank's residual), and the result in
     flight at the save is applied as in the uninterrupted run."""
-    (save0, load0), (save1, load1) = saved_and_resumed["ef"][0]
+    (save0, load0, _), (save1, load1, _) = saved_and_resumed["ef"][0]
     assert not torch.equal(save0["residual_saved"], save1["residual_saved"])  # per-rank state
     for save, load in ((save0, load0), (save1, load1)):
         assert torch.equal(load["residual_loaded"], save["residual_saved"])
         for k in ("g", "u"):
             assert torch.equal(load["loaded"][k], save["saved"][k]), k
             assert torch.equal(load["after_one"][k], save["after_one"][k]), k
+
+
+@pytest.mark.slow
+def test_dcp_resume_without_error_feedback_says_it_drops_the_residuals(saved_and_resumed):
+    """Saved with error feedback, resumed without it on the same ranks: the result in flight is applied
+    as in the uninterrupted run, and each rank logs that its residual is dropped."""
+    for save, _, plain in saved_and_resumed["ef"][0]:
+        assert plain["residual_loaded"] is None
+        assert any("error-feedback residuals" in m for m in plain["logged"]), plain["logged"]
+        for k in ("g", "u"):
+            assert torch.equal(plain["after_one"][k], save["after_one"][k]), k
 
 
 @pytest.mark.slow
