@@ -54,7 +54,7 @@ from ..ops.quantize import pack_quantized as _pack_quantized
 from ..ops.quantize import quantize as _quantize
 from ..profiling import nvtx_range
 from .checkpoint import CheckpointError, expect_int, expect_tensor
-from .schedule import WIRE_FORMATS
+from .schedule import SPARSE_WIRE_FORMATS, WIRE_FORMATS
 from .transport import Handle, SyncError, Transport, wait_until
 
 DEFAULT_QUANT_BLOCK = 128
@@ -205,11 +205,11 @@ def result_dtype(wire_format: str, master_dtype: torch.dtype) -> torch.dtype | N
     """The dtype of a result sent in ``wire_format`` (a ``WireFormat.name``) by a strategy whose outer
     state is ``master_dtype``; None when no wire format of such a strategy has that name."""
     target = WIRE_FORMATS.get(wire_format)
-    if isinstance(target, str):  # quantized: averaged into the outer state's dtype
+    if isinstance(target, str) or wire_format in SPARSE_WIRE_FORMATS:  # into the outer state's dtype
         return master_dtype
     if target is None:  # a dense format named after its dtype (e.g. "float64")
         target = getattr(torch, wire_format, None)
-    return target if target in (master_dtype, torch.bfloat16) else None
+    return target if isinstance(target, torch.dtype) and target in (master_dtype, torch.bfloat16) else None
 
 
 def check_result(entry: str, q: dict[str, Any], key: str, size: int, master_dtype: torch.dtype) -> None:
