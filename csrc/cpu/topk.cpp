@@ -108,17 +108,36 @@ struct AbsBits<double> {
 // The kk indices of the largest |e_i| of a chunk (ties to the lower index), ascending, into idx.
 // fp32: one 64-bit key per entry, |e| bits above the complemented index, so a larger key is a
 // larger |e| or, at equal |e|, a lower index; fp64 compares (bits, index) pairs the same way.
-void select_top(const float* e, int64_t len, int64_t kk, std::vector<uint64_t>& keys, std::vector<uint32_t>& idx) {
-  keys.resize(len);
+// fp32 first narrows the field with a histogram of the top 11 bits of |e| (8 exponent and 3
+// mantissa bits): every entry in a bin above the k-th largest's is selected, every entry below
+// it is not, so only that bin's and the higher bins' entries (about k plus one bin's share) are
+// keyed and partially sorted. The selection is the same set, in the same order, as a full sort.
+constexpr int kBinShift = 20;
+constexpr int kBins = 1 << (31 - kBinShift);
+
+void select_top(const float* e, int64_t len, int64_t kk, std::vector<uint64_t>& keys, std::vector<uint32_t>& idx,
+                std::vector<uint32_t>& ab, std::vector<uint32_t>& hist) {
+  ab.resize(len);
+  hist.assign(kBins, 0);
+  for (int64_t i = 0; i < len; ++i) {
+    ab[i] = AbsBits<float>::of(e[i]);
+    ++hist[ab[i] >> kBinShift];
+  }
+  int64_t above = 0;
+  int bin = kBins - 1;
+  while (above + hist[bin] < kk) above += hist[bin--];
+  const uint32_t lo = uint32_t(bin) << kBinShift;
+  keys.clear();
   for (int64_t i = 0; i < len; ++i)
-    keys[i] = (uint64_t(AbsBits<float>::of(e[i])) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(i));
-  std::nth_element(keys.begin(), keys.begin() + (kk - 1), keys.end(), std::greater<uint64_t>());
+    if (ab[i] >= lo) keys.push_back((uint64_t(ab[i]) << 32) | uint64_t(0xFFFFFFFFu - uint32_t(i)));
+  if (int64_t(keys.size()) > kk)
+    std::nth_element(keys.begin(), keys.begin() + (kk - 1), keys.end(), std::greater<uint64_t>());
   for (int64_t t = 0; t < kk; ++t) idx[t] = 0xFFFFFFFFu - uint32_t(keys[t] & 0xFFFFFFFFu);
   std::sort(idx.begin(), idx.begin() + kk);
 }
 
 void select_top(const double* e, int64_t len, int64_t kk, std::vector<std::pair<uint64_t, uint32_t>>& keys,
-                std::vector<uint32_t>& idx) {
+                std::vector<uint32_t>& idx, std::vector<uint32_t>&, std::vector<uint32_t>&) {
   keys.resize(len);
   for (int64_t i = 0; i < len; ++i) keys[i] = {AbsBits<double>::of(e[i]), uint32_t(i)};
   auto before = [](const std::pair<uint64_t, uint32_t>& a, const std::pair<uint64_t, uint32_t>& b) {
@@ -136,7 +155,8 @@ using KeyVec = typename std::conditional<std::is_same<T, float>::value, std::vec
 // One chunk: update e, select, scale, codes, subtract; returns its share of the non-finite count.
 template <class T>
 int64_t encode_chunk(const T* d, T* e, int64_t len, int64_t kk, T beta, int bits, int ib, uint8_t* scale_out,
-                     uint8_t* idx_out, uint8_t* val_out, KeyVec<T>& keys, std::vector<uint32_t>& idx) {
+                     uint8_t* idx_out, uint8_t* val_out, KeyVec<T>& keys, std::vector<uint32_t>& idx,
+                     std::vector<uint32_t>& ab, std::vector<uint32_t>& hist) {
   int64_t bad_values = 0;
   for (int64_t i = 0; i < len; ++i) {
     const T v = e[i] * beta;  // two roundings, as e.mul_(beta).add_(delta)
@@ -150,7 +170,7 @@ int64_t encode_chunk(const T* d, T* e, int64_t len, int64_t kk, T beta, int bits
     if (kk == len) {
       for (int64_t t = 0; t < kk; ++t) idx[t] = uint32_t(t);
     } else {
-      select_top(e, len, kk, keys, idx);
+      select_top(e, len, kk, keys, idx, ab, hist);
     }
     if (bits == 1) {  // mean |value|: fp64 sum in ascending index order
       double sum = 0.0;
@@ -197,11 +217,12 @@ int64_t encode_all(const Layout& L, const T* d, T* e, double beta, uint8_t* payl
     KeyVec<T> keys;
     keys.reserve(static_cast<size_t>(L.chunk));
     std::vector<uint32_t> idx(static_cast<size_t>(std::min(L.kf, L.chunk)));
+    std::vector<uint32_t> ab, hist;  // fp32's |e| bits and bin counts (select_top), per thread
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < L.nc; ++j) {
       const int64_t off = j * L.chunk;
       nonfinite += encode_chunk<T>(d + off, e + off, L.length(j), L.entries(j), b, L.bits, L.ib, payload + 4 * j,
-                                   payload + L.idx0 + j * L.ibf, payload + L.val0 + j * L.vbf, keys, idx);
+                                   payload + L.idx0 + j * L.ibf, payload + L.val0 + j * L.vbf, keys, idx, ab, hist);
     }
   }
   return nonfinite;
