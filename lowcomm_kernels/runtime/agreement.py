@@ -36,7 +36,6 @@ import weakref
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .sharding import local
@@ -174,12 +173,11 @@ def broadcast_module_state(
     for t in extra:
         if t.numel() > 0:
             by_dtype.setdefault(t.dtype, []).append(t)
-    src = dist.get_global_rank(transport.group, 0)
-    _broadcast(transport, flat, src, "the parameters")
+    _broadcast(transport, flat, 0, "the parameters")
     for dtype, ts in by_dtype.items():  # one broadcast per dtype; bool travels as uint8
         packed = torch.cat([t.detach().reshape(-1).to(flat.device) for t in ts])
         wire = packed.view(torch.uint8) if dtype == torch.bool else packed
-        _broadcast(transport, wire, src, f"the frozen parameters and buffers ({dtype})")
+        _broadcast(transport, wire, 0, f"the frozen parameters and buffers ({dtype})")
         _unpack_into(packed, ts)
 
 
@@ -190,10 +188,9 @@ def broadcast_buffers(transport: Transport, model: nn.Module, src: int, take: bo
     for b in model.buffers():
         if b.is_floating_point() and b.numel() > 0:
             by_dtype.setdefault(b.dtype, []).append(b)
-    root = dist.get_global_rank(transport.group, src)
     for dtype, ts in by_dtype.items():
         packed = torch.cat([t.detach().reshape(-1).to(transport.device) for t in ts])
-        _broadcast(transport, packed, root, f"the buffers ({dtype}) of rank {src}")
+        _broadcast(transport, packed, src, f"the buffers ({dtype}) of rank {src}")
         if take:
             _unpack_into(packed, ts)
 
@@ -208,7 +205,8 @@ def _unpack_into(packed: torch.Tensor, ts: list[torch.Tensor]) -> None:
 
 
 def _broadcast(transport: Transport, t: torch.Tensor, src: int, what: str) -> None:
-    work = dist.broadcast(t, src=src, group=transport.group, async_op=True)
+    """Broadcast from group rank ``src``, bounded by the transport's timeout."""
+    work = transport.start_broadcast(t, src)
     try:
         ok = work.wait(timeout=datetime.timedelta(seconds=transport.timeout_s))
     except Exception as e:

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .. import ops
 from .._checks import integer, scalar
@@ -240,7 +239,7 @@ class LOSCAR(Strategy):
         src = healthy[0]
         x = self.frags.flat
         buf = x if self.rank in poisoned or self.rank == src else torch.empty_like(x)
-        work = dist.broadcast(buf, src=dist.get_global_rank(self.group, src), group=self.group, async_op=True)
+        work = self.transport.start_broadcast(buf, src)
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=self.transport.timeout_s))
         except Exception as e:

@@ -23,6 +23,11 @@ used and returns the seconds it blocked (the *exposed* communication).
   collective would outlast ``timeout_s`` is refused when the strategy is built
   (``Transport.check_wan``), and a wait whose deadline lies further than ``timeout_s`` ahead
   (collectives queued on the link) raises ``SyncError`` at once instead of sleeping.
+- A survivor's exit: on gloo each collective also carries ``timeout_s`` as its own timeout (or the
+  group's, when that is shorter). A peer that stops answering would otherwise hold one of gloo's
+  threads until the group's timeout (torch's default: 30 minutes), and the process group's
+  destructor waits for that thread, so the survivor could not exit. With it a survivor exits about
+  ``timeout_s`` after the collective began, whatever gloo group the user made.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
 from ..profiling import nvtx_range
 
@@ -237,6 +243,7 @@ class Transport:
         self._link_free_at = 0.0
         self._cuda = device.type == "cuda"
         self._side = torch.cuda.Stream(device=device) if self._cuda else None
+        self._op_timeout = _gloo_op_timeout(group, device, self.timeout_s)
 
     def check_wan(self, payload_bytes: int) -> None:
         """ValueError naming ``wan`` and ``timeout_s`` when one collective of ``payload_bytes`` (the
@@ -294,10 +301,7 @@ class Transport:
                 ready.record(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(self._side):
                     self._side.wait_event(ready)
-                    works = [
-                        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-                        for t in tensors
-                    ]
+                    works = [self.start_all_reduce(t) for t in tensors]
                     for w in works:
                         w.wait()  # stream-level: orders the side stream after NCCL, no host block
                     for t in tensors:
@@ -309,16 +313,39 @@ class Transport:
                     done_event = torch.cuda.Event()
                     done_event.record(self._side)
             else:
-                works = [
-                    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True) for t in tensors
-                ]
+                works = [self.start_all_reduce(t) for t in tensors]
                 mirror = host  # already on the host; valid once the works completed
         return Handle(self, works, name, now, deadline, wire, done_event, mirror)
+
+    def start_all_reduce(self, t: torch.Tensor) -> dist.Work:
+        """An async SUM all-reduce of ``t`` over the group (gloo: with the per-collective timeout)."""
+        if self._op_timeout is None:
+            return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        opts.timeout = self._op_timeout
+        return self.group.allreduce([t], opts)
+
+    def start_broadcast(self, t: torch.Tensor, src: int) -> dist.Work:
+        """An async broadcast of ``t`` from group rank ``src`` (gloo: with the per-collective timeout)."""
+        if self._op_timeout is None:
+            return dist.broadcast(
+                t, src=dist.get_global_rank(self.group, src), group=self.group, async_op=True
+            )
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        opts.timeout = self._op_timeout
+        return self.group.broadcast([t], opts)
 
     def blocking_all_gather(self, t: torch.Tensor, *, name: str) -> list[torch.Tensor]:
         """All-gather of a small tensor with the same timeout (used by the consistency guard)."""
         outs = [torch.empty_like(t) for _ in range(self.world)]
-        work = dist.all_gather(outs, t, group=self.group, async_op=True)
+        if self._op_timeout is None:
+            work = dist.all_gather(outs, t, group=self.group, async_op=True)
+        else:
+            opts = AllgatherOptions()
+            opts.timeout = self._op_timeout
+            work = self.group.allgather([outs], [t], opts)
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except Exception as e:
@@ -326,3 +353,19 @@ class Transport:
         if ok is False:
             raise SyncError(f"{name} did not complete within {self.timeout_s} s")
         return outs
+
+
+def _gloo_op_timeout(
+    group: dist.ProcessGroup, device: torch.device, timeout_s: float
+) -> datetime.timedelta | None:
+    """The timeout each collective carries on a gloo group: ``timeout_s``, or the group's own when
+    that is shorter (see the module docstring). None on other backends (NCCL: ``Transport.abort``)."""
+    try:
+        backend = group._get_backend(device)
+    except Exception:  # noqa: BLE001 (private API, absent or different across versions)
+        return None
+    if not isinstance(backend, dist.ProcessGroupGloo):
+        return None
+    mine = datetime.timedelta(seconds=timeout_s)
+    own = getattr(getattr(backend, "options", None), "_timeout", None)
+    return min(mine, own) if isinstance(own, datetime.timedelta) and own > datetime.timedelta(0) else mine

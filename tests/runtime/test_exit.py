@@ -1,0 +1,56 @@
+"""A process ends as a user's script ends, on a process group the user made (a plain
+``init_process_group("gloo")``, torch's 30-minute timeout): a survivor of a peer that stopped
+answering exits soon after its ``SyncError``. Each rank is a script of its own
+(``rt_exit.py``), so its exit is the interpreter's own, not a launcher's ``os._exit``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lowcomm_kernels.runtime.launch import free_port
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rt_exit.py")
+# far below the group's 30 minutes, far above what a loaded machine needs (a few seconds)
+EXIT_BOUND_S = 240.0
+
+pytestmark = pytest.mark.slow
+
+
+def _start(case: str, wire: str) -> list[subprocess.Popen]:
+    port = free_port()
+    return [
+        subprocess.Popen(
+            [sys.executable, SCRIPT, str(r), "2", str(port), case, wire],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        for r in range(2)
+    ]
+
+
+def _end(p: subprocess.Popen, timeout: float) -> tuple[int | None, str]:
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        return p.returncode, out
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        return None, out
+
+
+@pytest.mark.parametrize("wire", ["fp32", "int8"])
+def test_survivor_of_a_stuck_peer_exits_after_its_sync_error(wire):
+    survivor, stuck = _start("stuck_peer", wire)
+    t0 = time.monotonic()
+    try:
+        rc, out = _end(survivor, EXIT_BOUND_S)
+    finally:
+        stuck.kill()
+        stuck.communicate()
+    assert rc is not None, f"the survivor did not exit within {EXIT_BOUND_S:g} s:\n{out[-3000:]}"
+    assert rc == 1 and "SyncError" in out, out[-3000:]
+    print(f"{wire}: survivor exited {time.monotonic() - t0:.1f} s after start (timeout_s=3)")
