@@ -55,7 +55,7 @@ from ..ops.quantize import quantize as _quantize
 from ..profiling import nvtx_range
 from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .schedule import SPARSE_WIRE_FORMATS, WIRE_FORMATS
-from .transport import Handle, SyncError, Transport, wait_until
+from .transport import Handle, SyncError, Transport, register_engine, wait_until
 
 DEFAULT_QUANT_BLOCK = 128
 
@@ -345,6 +345,7 @@ class QuantizedAllReduce:
         self._failed: str | None = None
         self._thread = threading.Thread(target=self._run, name="lowcomm-quantized-allreduce", daemon=True)
         self._thread.start()
+        register_engine(self)  # stopped before the interpreter exits (runtime.transport)
 
     # ----- the caller's side ---------------------------------------------------------------------
     def start(
@@ -372,12 +373,17 @@ class QuantizedAllReduce:
         self._jobs.put(job)
         return QuantHandle(self, job, ctl)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 1.0) -> None:
         """Stop the thread after the syncs queued before (a daemon: a thread still blocked on a dead
-        peer ends with its own timeout and never holds the process). Waits at most a second."""
+        peer ends with its own timeout and never holds the process). Waits at most ``wait_s``."""
         if self._thread.is_alive():
             self._jobs.put(None)
-            self._thread.join(timeout=1.0)
+            self._thread.join(timeout=wait_s)
+
+    def settle(self) -> None:
+        """At interpreter exit: stop the thread after its queued syncs, each of whose two phases ends
+        within ``timeout_s`` (later ones fail at once after a failure)."""
+        self.close(wait_s=2 * self.timeout_s * (self._jobs.qsize() + 1))
 
     # ----- the thread ----------------------------------------------------------------------------
     def _run(self) -> None:

@@ -28,15 +28,26 @@ used and returns the seconds it blocked (the *exposed* communication).
   threads until the group's timeout (torch's default: 30 minutes), and the process group's
   destructor waits for that thread, so the survivor could not exit. With it a survivor exits about
   ``timeout_s`` after the collective began, whatever gloo group the user made.
+- Interpreter exit with syncs in flight (a loop that ended without ``finish()``): every collective
+  this module started on gloo, and every worker thread of a compressed wire format
+  (``register_engine``), is settled by an ``atexit`` hook: the threads stopped after their queued
+  syncs, then each collective waited for, each bounded by its ``timeout_s``. Left to the
+  interpreter's teardown, a worker thread that returns from gloo after Python finalised is killed
+  by a forced unwind through C++ frames (``std::terminate``: SIGABRT on every rank), and gloo's
+  threads may still be inside a collective when their process group is destroyed. The results
+  are dropped; only ``finish()`` applies them.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import math
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -194,6 +205,7 @@ class Handle:
         if self.t_complete is None:
             self.t_complete = max(t1 if t1 - t0 > 1e-4 else t0, self.deadline)
         self.waited = True
+        _prune_in_flight()  # completed works hold their tensors: drop them once waited for
         return t1 - t0
 
     def _failed(self, e: BaseException) -> SyncError:
@@ -320,22 +332,30 @@ class Transport:
     def start_all_reduce(self, t: torch.Tensor) -> dist.Work:
         """An async SUM all-reduce of ``t`` over the group (gloo: with the per-collective timeout)."""
         if self._op_timeout is None:
-            return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            return self._track(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         opts.timeout = self._op_timeout
-        return self.group.allreduce([t], opts)
+        return self._track(self.group.allreduce([t], opts))
 
     def start_broadcast(self, t: torch.Tensor, src: int) -> dist.Work:
         """An async broadcast of ``t`` from group rank ``src`` (gloo: with the per-collective timeout)."""
         if self._op_timeout is None:
-            return dist.broadcast(
-                t, src=dist.get_global_rank(self.group, src), group=self.group, async_op=True
+            return self._track(
+                dist.broadcast(t, src=dist.get_global_rank(self.group, src), group=self.group, async_op=True)
             )
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
         opts.timeout = self._op_timeout
-        return self.group.broadcast([t], opts)
+        return self._track(self.group.broadcast([t], opts))
+
+    def _track(self, work: dist.Work) -> dist.Work:
+        """Settle ``work`` at interpreter exit if it is still running then (gloo; see the module
+        docstring). NCCL's works are the communicator's business (``abort``)."""
+        if not self._cuda:
+            _prune_in_flight()
+            _in_flight.append((work, self.timeout_s))
+        return work
 
     def blocking_all_gather(self, t: torch.Tensor, *, name: str) -> list[torch.Tensor]:
         """All-gather of a small tensor with the same timeout (used by the consistency guard)."""
@@ -346,6 +366,7 @@ class Transport:
             opts = AllgatherOptions()
             opts.timeout = self._op_timeout
             work = self.group.allgather([outs], [t], opts)
+        self._track(work)
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except Exception as e:
@@ -369,3 +390,30 @@ def _gloo_op_timeout(
     mine = datetime.timedelta(seconds=timeout_s)
     own = getattr(getattr(backend, "options", None), "_timeout", None)
     return min(mine, own) if isinstance(own, datetime.timedelta) and own > datetime.timedelta(0) else mine
+
+
+# ----- interpreter exit (see the module docstring) ----------------------------------------------
+_in_flight: list[tuple[dist.Work, float]] = []  # gloo collectives started here, with their timeout_s
+_engines: weakref.WeakSet[Any] = weakref.WeakSet()  # objects with a worker thread and settle()
+
+
+def _prune_in_flight() -> None:
+    _in_flight[:] = [(w, s) for w, s in _in_flight if not w.is_completed()]
+
+
+def register_engine(engine: Any) -> None:
+    """Have ``engine.settle()`` (stop the worker thread after its queued syncs, bounded) called at
+    interpreter exit, before the collectives are waited for."""
+    _engines.add(engine)
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    for engine in list(_engines):
+        engine.settle()
+    for work, timeout_s in _in_flight:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except Exception:  # noqa: BLE001 (failed or timed out: nothing more to wait for)
+            pass
+    _in_flight.clear()

@@ -1,6 +1,7 @@
 """A process ends as a user's script ends, on a process group the user made (a plain
 ``init_process_group("gloo")``, torch's 30-minute timeout): a survivor of a peer that stopped
-answering exits soon after its ``SyncError``. Each rank is a script of its own
+answering exits soon after its ``SyncError``, and a loop that ends with a sync in flight and no
+``finish()`` exits cleanly on every rank (no SIGABRT). Each rank is a script of its own
 (``rt_exit.py``), so its exit is the interpreter's own, not a launcher's ``os._exit``."""
 
 from __future__ import annotations
@@ -54,3 +55,12 @@ def test_survivor_of_a_stuck_peer_exits_after_its_sync_error(wire):
     assert rc is not None, f"the survivor did not exit within {EXIT_BOUND_S:g} s:\n{out[-3000:]}"
     assert rc == 1 and "SyncError" in out, out[-3000:]
     print(f"{wire}: survivor exited {time.monotonic() - t0:.1f} s after start (timeout_s=3)")
+
+
+@pytest.mark.parametrize("wire", ["fp32", "int8"])
+def test_a_loop_that_ends_with_a_sync_in_flight_exits_cleanly(wire):
+    procs = _start("no_finish", wire)
+    ends = [_end(p, EXIT_BOUND_S) for p in procs]
+    for rank, (rc, out) in enumerate(ends):
+        assert rc == 0, f"rank {rank} ended with {rc}:\n{out[-3000:]}"
+        assert "done 6" in out and "terminate called" not in out, out[-3000:]
