@@ -38,7 +38,7 @@ from .._checks import scalar
 from ..ops.topk import TopKFormat, check_format, topk_decode_add_, topk_encode
 from .compression import DEFAULT_QUANT_BLOCK, QuantHandle, QuantizedAllReduce, _Job
 from .schedule import SPARSE_WIRE_FORMATS
-from .transport import Transport
+from .transport import Transport, register_engine
 
 DEFAULT_EF_BETA = 0.95
 NAME = SPARSE_WIRE_FORMATS[0]
@@ -131,6 +131,7 @@ class TopKAllGather(QuantizedAllReduce):
         self._failed: str | None = None
         self._thread = threading.Thread(target=self._run, name="lowcomm-topk-allgather", daemon=True)
         self._thread.start()
+        register_engine(self)  # stopped before the interpreter exits (runtime.transport)
 
     def start(
         self, payload: torch.Tensor, n: int, *, control: torch.Tensor, name: str, out_dtype: torch.dtype,

@@ -57,7 +57,7 @@ def test_survivor_of_a_stuck_peer_exits_after_its_sync_error(wire):
     print(f"{wire}: survivor exited {time.monotonic() - t0:.1f} s after start (timeout_s=3)")
 
 
-@pytest.mark.parametrize("wire", ["fp32", "int8"])
+@pytest.mark.parametrize("wire", ["fp32", "int8", "topk"])
 def test_a_loop_that_ends_with_a_sync_in_flight_exits_cleanly(wire):
     procs = _start("no_finish", wire)
     ends = [_end(p, EXIT_BOUND_S) for p in procs]
