@@ -320,3 +320,31 @@ def test_compile_fullgraph_equals_eager():
         torch.compile(_encode_decode, fullgraph=True)(
             torch.full((101,), float("nan")), e.clone(), out.clone()
         )
+
+
+def _cuda_ready() -> bool:
+    return torch.cuda.is_available() and _dispatch.available("cuda", torch.device("cuda"), "lc_topk_encode")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_ready(), reason="needs a GPU and liblowcomm_cuda")
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] <= 4096] + [(5000, 4096, 4096, 2)], ids=str)
+def test_cuda_matches_the_reference(shape):
+    """fp32 on the GPU (chunks up to 4096): payload, e, the count and the decode bit for bit."""
+    n, k, chunk, bits = shape
+    gen = torch.Generator().manual_seed(n + k)
+    delta = (torch.randn(n, generator=gen, dtype=torch.float64) ** 3).float()
+    delta[torch.rand(n, generator=gen) < 0.2] = 0.0
+    e0 = 0.1 * torch.randn(n, generator=gen)
+    f = TopKFormat(k, chunk, bits)
+    e_ref = e0.clone()
+    p_ref, nf_ref = topk_encode_ref(delta, e_ref, f, 0.95)
+    e_gpu = e0.cuda()
+    p_gpu, nf_gpu = topk_encode(delta.cuda(), e_gpu, k=k, chunk=chunk, bits=bits, backend="cuda")
+    assert torch.equal(p_gpu.cpu(), p_ref) and _same(e_gpu.cpu(), e_ref) and int(nf_gpu) == int(nf_ref)
+    for dtype in DTYPES:
+        o_ref = torch.randn(n, generator=gen, dtype=dtype)
+        o_gpu = o_ref.cuda()
+        topk_decode_add_(o_ref, p_ref, k=k, chunk=chunk, bits=bits, backend="ref")
+        topk_decode_add_(o_gpu, p_ref.cuda(), k=k, chunk=chunk, bits=bits, backend="cuda")
+        assert _same(o_gpu.cpu(), o_ref)

@@ -186,7 +186,8 @@ LOWCOMM_EXPORT int lc_cuda_sparse_scatter_merge_quantized(int dtype, int fmt, vo
                                                           int64_t k, const void* codes, const void* scales,
                                                           int64_t block, const void* sent, double beta,
                                                           void* stream);
-// Declared for the ABI's symmetry; not built yet (cuda_has() is False, so dispatch never picks them).
+// The top-k format on CUDA: fp32 data (decode: f32 / f64 out) and chunks of at most 4096 values (a
+// block sorts a chunk in shared memory); a decode skips an index past its chunk (no host read).
 LOWCOMM_EXPORT int lc_cuda_topk_encode(int dtype, const void* delta, void* e, int64_t n, int64_t k, int64_t chunk,
                                        int bits, double beta, void* payload, int64_t* nonfinite, void* stream);
 LOWCOMM_EXPORT int lc_cuda_topk_decode_add(int dtype, const void* payload, int64_t n, int64_t k, int64_t chunk,
