@@ -401,16 +401,33 @@ class FTTransport(Transport):
         wire = ring_wire_bytes(payload_bytes, max(int(n), 1))
         return FTHandle(self, name, t0, wire, values, blocked)
 
-    def finish_heal(self, strategy: Any, healed: int | None) -> bool:
+    def finish_heal(self, strategy: Any, healed: int | None, joining: bool = False) -> bool:
         """After a quorum that is still open (``join``, or a heal inside a round): replay the rest of
         the peers' step ``healed`` without contributing (their sends run the open round), or, with
-        nothing to replay, close the round with no collectives. Returns whether the round committed."""
+        nothing to replay, close the round: at a fresh start's joining round after one all-reduce
+        that every replica enters (``_hold_for_healers``), otherwise with no collectives. Returns
+        whether the round committed."""
         if healed is not None and healed > 0:
             _replay(strategy, healed, self)  # runs the open round and the rest of step `healed`
-        if self._open_round:  # nothing was sent: a round with no collectives
+        if self._open_round:  # nothing was sent
             self._open_round = False
+            if joining:
+                self._hold_for_healers()
             return bool(self.manager.should_commit())
         return True
+
+    def _hold_for_healers(self) -> None:
+        """The joining round of a fresh start sends nothing of its own. Without a collective the
+        primary would go straight to ``should_commit``, which makes torchft lock its checkpoint
+        server before the healing replicas fetched from it: they fail their first round, miss their
+        first steps, and the first sync averages fewer replicas. A replica enters this all-reduce
+        only after its heal (``start_quorum`` heals before it returns), so it holds the primary
+        until every replica has its state."""
+        from torch.distributed import ReduceOp
+
+        present = torch.zeros(self.world, dtype=torch.float64)
+        present[self.rank] = 1.0
+        self.manager.allreduce(present, reduce_op=ReduceOp.SUM).wait()  # an error: should_commit says False
 
     def agree_replica(self, healed: int | None) -> int | None:
         """A replica of several ranks, right after a quorum, on every rank: each rank takes group rank
@@ -441,7 +458,7 @@ class FTTransport(Transport):
             healed = self.healed_at
             if self.replica_group is not None:  # every rank takes group rank 0's state (and heal)
                 healed = self.agree_replica(healed)
-            if self.finish_heal(strategy, healed):
+            if self.finish_heal(strategy, healed, joining=True):
                 if healed is None and strategy.step_count == 0 and hasattr(strategy, "g"):
                     # a fresh start that did not heal restarts its first step from g like one that
                     # did (init_sync), so every replica and every rank of a replica starts alike

@@ -68,6 +68,29 @@ def _last(recs: list[dict]) -> dict[int, dict]:
     return by_step
 
 
+@pytest.mark.parametrize("method", ["diloco", "loscar"])
+def test_a_fresh_start_trains_every_replica_from_its_first_step(tmp_path, method):
+    """3 replicas started together (a Lighthouse that waits for all three): the non-primary replicas
+    heal in the joining round and every replica trains from step 1; none joins again, and the first
+    sync averages all three. (The joining round used to send nothing, so the primary locked its
+    checkpoint server before the others had fetched from it: they joined again a Manager timeout
+    later, and the first sync averaged fewer replicas.)"""
+    lh = LighthouseServer(bind="[::]:0", min_replicas=3, join_timeout_ms=30000, heartbeat_timeout_ms=1000)
+    try:
+        steps = 15
+        procs = [_start(lh, i, tmp_path, steps, "--method", method) for i in range(3)]
+        _finish(procs)
+    finally:
+        lh.shutdown()
+    for i in range(3):
+        recs = _records(tmp_path, i)
+        log = (tmp_path / f"log{i}").read_text()
+        assert "joining again" not in log, f"replica {i} joined again:\n{log[-2000:]}"
+        assert [r["step"] for r in recs] == list(range(1, steps + 1)), f"replica {i}: {recs[:3]}"
+        synced = [r["participants"] for r in recs if r["participants"]]
+        assert synced and all(n == 3 for n in synced), f"replica {i}: {synced}"
+
+
 @pytest.mark.parametrize("method", ["diloco", "streaming", "cocodc"])
 def test_kill_then_heal(lighthouse, tmp_path, method):
     """3 replicas; SIGKILL one mid-run: the others go on (loss decreasing, no hang); restarted, it
