@@ -368,7 +368,8 @@ def topk_encode(
             per value (1, 2 or 4).
         beta: e's decay, in [0, 1].
         payload_out: optional preallocated uint8 payload of ``TopKFormat.payload_bytes(n)``.
-        backend: 'ref' | 'cpu' (default by device, see ``_dispatch``).
+        backend: 'ref' | 'cpu' | 'cuda' (fp32, chunk <= 4096) | 'triton' (no kernel yet: the
+            reference on the device); default by device, see ``_dispatch``.
         check_values: True (the default) refuses a non-finite delta or e before anything is
             written (a host read); False (the runtime, which skips such a sync on every rank)
             encodes and reports them: the chunk's scale is NaN and the count is returned.
@@ -404,11 +405,11 @@ def topk_decode_add_(
         out: fp32 / fp64, any shape, contiguous, the n values the payload was encoded from.
         payload: uint8 of ``TopKFormat(k, chunk, bits).payload_bytes(n)`` bytes. Read only.
         k, chunk, bits: the format it was encoded with.
-        backend: 'ref' | 'cpu'.
+        backend: as for ``topk_encode`` ('cuda': fp32 or fp64 out, chunk <= 4096).
     Raises:
         TypeError / ValueError naming the argument before anything is written; an index past its
         chunk (a corrupt payload) is refused (ValueError on 'ref', RuntimeError naming payload from
-        the native kernel, which checks every index before it writes).
+        the CPU kernel, which checks every index before it writes); the CUDA kernel skips it.
     """
     args = (out, payload, k, chunk, bits, backend)
     if compiling():
