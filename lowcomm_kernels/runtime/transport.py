@@ -385,7 +385,8 @@ def _gloo_op_timeout(
         backend = group._get_backend(device)
     except Exception:  # noqa: BLE001 (private API, absent or different across versions)
         return None
-    if not isinstance(backend, dist.ProcessGroupGloo):
+    gloo = getattr(dist, "ProcessGroupGloo", None)  # absent from builds without gloo
+    if gloo is None or not isinstance(backend, gloo):
         return None
     mine = datetime.timedelta(seconds=timeout_s)
     own = getattr(getattr(backend, "options", None), "_timeout", None)
