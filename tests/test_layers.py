@@ -116,7 +116,8 @@ def test_the_simulator_is_a_room_of_its_own():
             first = target[len(PACKAGE) + 1 :].split(".")[0]
             assert first in ("sim", "runtime"), f"{module} line {line} imports {target}"
             if first == "runtime":
-                assert target in (f"{PACKAGE}.runtime.schedule", f"{PACKAGE}.runtime.compression"), (
+                wire_modules = ("schedule", "compression", "topk_wire")  # the rules and the wire formats
+                assert target in tuple(f"{PACKAGE}.runtime.{m}" for m in wire_modules), (
                     f"{module} line {line}: the simulator reads only the runtime's schedule rules and "
                     f"wire formats, got {target}"
                 )

@@ -41,7 +41,9 @@ METHOD_NAMES = ("data-parallel", "diloco", "streaming", "streaming-overlap", "co
 #: the eager updates (runtime.eager), on request (--methods), not in the default table
 EAGER_NAMES = ("diloco-eager", "streaming-eager")
 ALL_METHODS = (*METHOD_NAMES, *EAGER_NAMES)
-DEFAULT_WIRES = ("fp32", "bf16", "int8", "int4", "fp4_e2m1", "fp4_e3m0_noscale")
+DEFAULT_WIRES = ("fp32", "bf16", "int8", "int4", "fp4_e2m1", "fp4_e3m0_noscale", "topk")
+#: the methods that take no topk wire (LOSCAR sparsifies already; the runtime refuses eager + topk)
+NO_TOPK = ("loscar", "diloco-eager", "streaming-eager")
 PLOT_GBPS = tuple(float(x) for x in np.logspace(-2, 3.5, 56))
 
 
@@ -67,6 +69,9 @@ _FLAGS = {
     "num_fragments": "--fragments",
     "layers_per_fragment": "--layers-per-fragment",
     "quant_block": "--quant-block",
+    "topk_k": "--topk-k",
+    "topk_chunk": "--topk-chunk",
+    "topk_bits": "--topk-bits",
     "density": "--density",
     "gamma": "--gamma",
     "layers": "--layers",
@@ -257,6 +262,11 @@ def add_parser(sub: Any) -> None:
         "--quant-block", type=_int_at_least(2), default=128, help="values per scale of the quantized formats"
     )
     m.add_argument(
+        "--topk-k", type=_int_at_least(1), default=64, help="topk wire: values sent per chunk (64)"
+    )
+    m.add_argument("--topk-chunk", type=_int_at_least(2), default=4096, help="topk wire: chunk size (4096)")
+    m.add_argument("--topk-bits", type=int, default=2, help="topk wire: bits per value, 1, 2 or 4 (2)")
+    m.add_argument(
         "--density",
         type=_list(_fraction),
         default=[0.1, 0.01],
@@ -343,6 +353,7 @@ def _methods(args: argparse.Namespace) -> list[Row]:
         num_fragments=args.fragments,
         quant_block=args.quant_block,
         gamma=args.gamma,
+        topk=(args.topk_k, args.topk_chunk, args.topk_bits),
     )
     rows: list[Row] = []
     for name in args.methods:
@@ -358,8 +369,14 @@ def _method_rows(name: str, args: argparse.Namespace, common: dict[str, Any]) ->
     tau = args.overlap
     rows: list[Row] = []
     for wire in args.wire:
+        if wire == "topk" and name in NO_TOPK:
+            if len(args.wire) == 1:
+                raise ValueError(f"{name} takes no topk wire")
+            print(f"note: {name} takes no topk wire: no row for it", file=sys.stderr)
+            continue
         if name == "data-parallel":
-            rows.append(Row(f"data-parallel {wire}", Method("data-parallel", wire=wire)))
+            dp = {k: common[k] for k in ("quant_block", "topk")}
+            rows.append(Row(f"data-parallel {wire}", Method("data-parallel", wire=wire, **dp)))
         elif name == "diloco":
             rows.append(Row(f"diloco {wire}", Method("diloco", wire=wire, **common)))
         elif name == "streaming":

@@ -20,6 +20,9 @@ cannot drift apart.
   idle link (or ``syncs_per_period`` fixed); the fragment at each slot in round-robin order (the
   score's choice is not modelled). When K does not divide N the fragment order repeats only every
   K / gcd(N, K) periods, which is the schedule's period (``schedule_period``).
+- wire ``topk`` (any method but LOSCAR and eager): per chunk the k largest values of the
+  error-feedback buffer with their indices; ranks pick different indices, so the runtime
+  all-gathers the payloads: (M − 1) × payload on each replica's link, in M − 1 hops.
 - ``loscar``: rounds of H steps, a shared random mask of k = ⌈p·d⌉ coordinates of the whole model
   sent after step H − τ of each round and merged at its end (no indices travel: the mask comes from
   a shared seed). The runtime gathers the k values after the optimizer step, so LOSCAR's sync is one
@@ -36,6 +39,7 @@ import torch
 
 from ..runtime.compression import DEFAULT_QUANT_BLOCK, check_quant_block, resolve_wire_format
 from ..runtime.schedule import (
+    SPARSE_WIRE_FORMATS,
     WIRE_FORMATS,
     cocodc_auto_syncs,
     cocodc_max_syncs,
@@ -43,6 +47,7 @@ from ..runtime.schedule import (
     diloco_sends,
     streaming_offsets,
 )
+from ..runtime.topk_wire import TopKFormat, check_topk
 from .link import Link
 from .workload import Workload
 
@@ -56,14 +61,22 @@ MAX_SYNCS = 100_000
 #: DiLoCo paper's FP4 is E3M0 (1 sign, 3 exponent, 0 mantissa bits) and gives no scale overhead:
 #: "fp4_e3m0_noscale" counts it so; "fp4_e3m0" is the runtime's format, its block scales counted.
 SIM_ONLY_FORMATS = {"fp4_e3m0_noscale": 4}
-WIRES = (*WIRE_FORMATS, *SIM_ONLY_FORMATS)
+WIRES = (*WIRE_FORMATS, *SPARSE_WIRE_FORMATS, *SIM_ONLY_FORMATS)
+#: the runtime's top-k defaults (k values per chunk, chunk, bits per value)
+TOPK_DEFAULT = (TopKFormat().k, TopKFormat().chunk, TopKFormat().bits)
 
 
 @functools.lru_cache(maxsize=4096)  # the same few layer sizes, asked for at every sync
-def wire_bytes(wire: str, values: int, quant_block: int = DEFAULT_QUANT_BLOCK) -> float:
-    """Bytes one replica's payload of ``values`` values takes in ``wire`` (scales included)."""
+def wire_bytes(
+    wire: str, values: int, quant_block: int = DEFAULT_QUANT_BLOCK, topk: tuple[int, int, int] = TOPK_DEFAULT
+) -> float:
+    """Bytes one replica's payload of ``values`` values takes in ``wire`` (scales included; for
+    ``topk``, its scales, indices and values, as the runtime packs them)."""
     if wire in SIM_ONLY_FORMATS:
         return SIM_ONLY_FORMATS[wire] * values / 8
+    if wire in SPARSE_WIRE_FORMATS:
+        fmt, _ = check_topk(*topk, 0.0)
+        return float(fmt.payload_bytes(values))
     fmt = resolve_wire_format(wire, quant_block, torch.float32, torch.float32)
     return float(fmt.payload_bytes(values))
 
@@ -105,6 +118,7 @@ class Method:
     gamma: float = 0.4
     syncs_per_period: int | str = "auto"
     eager: bool = False  # the average needed at the fragment's next send (runtime.eager)
+    topk: tuple[int, int, int] = TOPK_DEFAULT  # wire "topk": (k, chunk, bits)
     label: str | None = None
 
     def __post_init__(self) -> None:
@@ -122,6 +136,13 @@ class Method:
         if self.wire not in WIRES:
             raise ValueError(f"wire must be one of {WIRES}, got {self.wire!r}")
         check_quant_block(self.quant_block)
+        if not (isinstance(self.topk, tuple) and len(self.topk) == 3):
+            raise ValueError(f"topk must be (k, chunk, bits), got {self.topk!r}")
+        check_topk(*self.topk, 0.0)
+        if self.wire in SPARSE_WIRE_FORMATS and self.kind == "loscar":
+            raise ValueError("loscar takes no topk wire: its shared random mask sparsifies already")
+        if self.wire in SPARSE_WIRE_FORMATS and self.eager:
+            raise ValueError("eager updates take no topk wire (the runtime refuses it)")
         if not (isinstance(self.density, (int, float)) and 0 < self.density <= 1):
             raise ValueError(f"density must be in (0, 1], got {self.density!r}")
         if not (isinstance(self.gamma, (int, float)) and math.isfinite(self.gamma) and self.gamma > 0):
@@ -187,7 +208,9 @@ class Method:
     def payload(self, workload: Workload, layers: tuple[int, ...]) -> tuple[float, ...]:
         share = self.density if self.kind == "loscar" else 1.0
         return tuple(
-            wire_bytes(self.wire, max(1, math.ceil(share * workload.layer_params[l])), self.quant_block)
+            wire_bytes(
+                self.wire, max(1, math.ceil(share * workload.layer_params[l])), self.quant_block, self.topk
+            )
             for l in layers
         )
 
@@ -252,8 +275,9 @@ class Method:
                 else:
                     p, nxt = nxt, (nxt + 1) % len(frags)
                 out.append(
-                    Sync(t, t + tau + 1, frags[p], self.payload(workload, frags[p]), self.kind == "loscar")
-                )
+                    Sync(t, t + tau + 1, frags[p], self.payload(workload, frags[p]), self.kind == "loscar",
+                         "all_gather" if self.wire in SPARSE_WIRE_FORMATS else "all_reduce")
+                )  # fmt: skip
         return out
 
     def with_(self, **changes: object) -> Method:

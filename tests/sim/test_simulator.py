@@ -122,6 +122,32 @@ def test_cocodc_adaptive_n_can_lower_utilisation_and_the_search_finds_the_first_
     # (a plain bisection reports some crossing; which one depends on where its midpoints fall)
 
 
+def test_topk_is_the_runtimes_payload_all_gathered():
+    """The topk wire: one replica's payload is the runtime's own byte count (scales, indices, values),
+    and it travels by all-gather, (M − 1) × payload per replica, since ranks pick different indices."""
+    from lowcomm_kernels.runtime.topk_wire import check_topk
+
+    fmt, _ = check_topk(64, 4096, 2, 0.95)
+    n = 10_000_019
+    assert wire_bytes("topk", n) == fmt.payload_bytes(n)
+    assert wire_bytes("topk", 4096 * 1000) * 8 / (4096 * 1000) == pytest.approx(116 * 8 / 4096)
+    assert wire_bytes("topk", 4096, topk=(32, 4096, 1)) == 4 + (32 * 12 + 7) // 8 + 4
+    w = Workload.uniform("x", 4096 * 64 * 12, 12, 1.0)
+    for M in (2, 4, 8):
+        link = Link(1.0, latency_s=0.0, replicas=M)
+        m = Method("diloco", sync_every=10, wire="topk")
+        (sync,) = m.syncs(w, link, 10)
+        assert sync.collective == "all_gather"
+        r = simulate(w, m, link, layerwise=False, steps=10, warmup=0)
+        assert r.wire_bytes == pytest.approx((M - 1) * sum(wire_bytes("topk", n) for n in w.layer_params))
+    with pytest.raises(ValueError, match="loscar takes no topk"):
+        Method("loscar", density=0.1, wire="topk")
+    with pytest.raises(ValueError, match="eager"):
+        Method("diloco", eager=True, wire="topk")
+    with pytest.raises(ValueError, match="topk_k"):
+        Method("diloco", wire="topk", topk=(5000, 4096, 2))
+
+
 def test_latency_alone_bounds_blocking_methods_but_not_overlapped_ones():
     """A 1 s one-way latency caps DiLoCo's utilisation at any bandwidth; Streaming with enough
     overlap hides it (τ steps of compute cover the latency)."""
@@ -251,6 +277,9 @@ def test_detect_time_is_the_measured_one():
         (["--model", "10B", "--bandwidth", "0"], "--bandwidth"),
         (["--model", "10B", "--methods", "gossip"], "unknown method 'gossip'"),
         (["--model", "10B", "--wire", "fp2"], "unknown format 'fp2'"),
+        (["--model", "10B", "--methods", "loscar", "--wire", "topk"], "loscar takes no topk wire"),
+        (["--model", "10B", "--methods", "diloco", "--wire", "topk", "--topk-bits", "3"], "--topk-bits"),
+        (["--model", "10B", "--methods", "diloco", "--wire", "topk", "--topk-k", "5000"], "--topk-k"),
         (["--model", "1B", "--fragments", "30"], "must be <= the model's 24 layers"),
         (
             ["--model", "1B", "--methods", "streaming-overlap", "--overlap", "20", "--wire", "fp32"],
@@ -298,7 +327,9 @@ def test_cli_answers_for_every_method_and_format(tmp_path, capsys):
     rows = payload["rows"]
     kinds = {r["kind"] for r in rows}
     assert kinds == {"data-parallel", "diloco", "streaming", "cocodc", "loscar"}
-    assert {r["wire"] for r in rows} == {"fp32", "bf16", "int8", "int4", "fp4_e2m1", "fp4_e3m0_noscale"}
+    assert {r["wire"] for r in rows} == {*simulate_command.DEFAULT_WIRES}
+    assert {"fp4_e3m0_noscale", "topk"} <= {r["wire"] for r in rows}
+    assert not [r for r in rows if r["kind"] == "loscar" and r["wire"] == "topk"]  # LOSCAR takes none
     for r in rows:
         assert set(r["at"]) == {"1", "10"} and set(r["needs"]) == {"0.5", "0.8", "0.9", "0.95", "0.99"}
         assert all(0 <= a["goodput"] <= a["cu"] <= 1 for a in r["at"].values())
