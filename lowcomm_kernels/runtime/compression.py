@@ -196,6 +196,10 @@ def result_form(wire: WireFormat, world: int) -> tuple[str, int]:
     return wire.name, 1 if wire.quant is not None else world
 
 
+#: the most ranks a result can sum (process groups count their ranks in an int32)
+MAX_RANKS = 2**31 - 1
+
+
 def to_average_(result: torch.Tensor, summed_over: int) -> torch.Tensor:
     """The average of a result of ``result_form``'s ``summed_over`` ranks, in place."""
     return result.div_(summed_over) if summed_over > 1 else result
@@ -229,7 +233,10 @@ def check_result(entry: str, q: dict[str, Any], key: str, size: int, master_dtyp
         raise CheckpointError(
             f"checkpoint entry {entry}.wire_format is {fmt!r}, not a wire format of this strategy's model"
         )
-    expect_int(f"{entry}.summed_over", q.get("summed_over"), 1)
+    # a quantized result arrives averaged (result_form); any other sums at most a process group's
+    # ranks (an int32 count): a corrupt count is refused here, not met by the merge's division
+    averaged = isinstance(WIRE_FORMATS.get(fmt), str)
+    expect_int(f"{entry}.summed_over", q.get("summed_over"), 1, 1 if averaged else MAX_RANKS)
     expect_tensor(f"{entry}.{key}", q.get(key), (size,), dtype)
 
 

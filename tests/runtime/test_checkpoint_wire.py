@@ -95,8 +95,14 @@ def test_checkpoint_without_the_result_form_is_refused_by_name(group):
         ("wire_format", None, r"pending\[0\]\.wire_format is missing"),
         ("wire_format", "int3", r"pending\[0\]\.wire_format is 'int3'"),
         ("summed_over", 0, r"pending\[0\]\.summed_over"),
+        # beyond any process group's ranks: refused here, not an OverflowError at the merge
+        ("summed_over", 10**30, r"pending\[0\]\.summed_over should be an int \[1, 2147483647\]"),
+        # a quantized result arrives averaged: one that claims to sum 2 ranks would be halved
+        ("wire_format", "int8", r"pending\[0\]\.summed_over should be an int \[1, 1\], got 2"),
     ]:
         bad = {**sd, "pending": [{**sd["pending"][0], key: value}]}
+        if key == "wire_format" and value == "int8":
+            bad["pending"][0]["summed_over"] = 2
         if value is None:
             del bad["pending"][0][key]
         with pytest.raises(CheckpointError, match=match):
