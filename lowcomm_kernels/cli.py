@@ -195,14 +195,16 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="quantized wire: carry each worker's quantization error into its next sync",
     )
-    o.add_argument(
+    # one or the other: given both, argparse's last-one-wins would silently drop one of them
+    delay = o.add_mutually_exclusive_group()
+    delay.add_argument(
         "--outer-delay",
         choices=OUTER_DELAYS,
         help="DiLoCo / Streaming DiLoCo: 'eager' sends at the round's end without waiting and steps with "
         "this worker's fresh outer gradient in place of its stale share of the last average; 'delayed' "
         "steps with the last average alone (the naive baseline); 'none' (default) blocks as the method does",
     )
-    o.add_argument(
+    delay.add_argument(
         "--eager",
         dest="outer_delay",
         action="store_const",

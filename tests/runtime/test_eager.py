@@ -337,3 +337,19 @@ def test_cli_flags_reach_the_strategy():
             assert st.outer_delay == "eager" and st.overlap is not None
         finally:
             st.close()
+
+
+@pytest.mark.parametrize(
+    "flags", [["--eager", "--outer-delay", "delayed"], ["--outer-delay", "none", "--eager"]]
+)
+def test_cli_refuses_eager_beside_outer_delay(flags):
+    """--eager with --outer-delay is a usage error naming both (before, the later flag silently won:
+    --eager --outer-delay delayed trained the delayed baseline, which the runtime's eager=True with
+    outer_delay='delayed' refuses)."""
+    import argparse
+
+    from lowcomm_kernels.cli import build_parser
+
+    with pytest.raises(argparse.ArgumentError, match="not allowed with") as e:
+        build_parser().parse_args(["train", "--method", "diloco", *flags])
+    assert "--eager" in str(e.value) and "--outer-delay" in str(e.value)
