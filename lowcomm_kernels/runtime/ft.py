@@ -111,7 +111,7 @@ import torch.distributed as dist
 
 from .._checks import integer
 from ..profiling import nvtx_range
-from .transport import Handle, HealedInRound, SyncError, Transport, ring_wire_bytes
+from .transport import Handle, HealedInRound, SyncError, Transport, check_timeout_s, ring_wire_bytes
 
 INSTALL_HINT = "pip install 'lowcomm-kernels[ft]'"
 JOIN_ATTEMPTS = 20
@@ -282,6 +282,7 @@ class FTTransport(Transport):
     ) -> None:
         from torchft.manager import extract_trailing_digits
 
+        check_timeout_s(timeout_s)
         assert num_replicas is not None  # check_ft_args
         replica_id = getattr(manager, "_replica_id", None)
         if not replica_id:

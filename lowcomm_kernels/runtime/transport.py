@@ -59,6 +59,22 @@ from ..profiling import nvtx_range
 DEFAULT_TIMEOUT_S = 300.0
 
 
+#: the longest ``timeout_s`` (about 31 years): every wait and every gloo collective carries it, and
+#: Python's waits (threading.TIMEOUT_MAX, time_t) and datetime.timedelta overflow not far above
+MAX_TIMEOUT_S = 1e9
+
+
+def check_timeout_s(timeout_s: object) -> None:
+    """ValueError naming ``timeout_s`` unless it is a number in (0, MAX_TIMEOUT_S]."""
+    if not (
+        isinstance(timeout_s, (int, float))
+        and not isinstance(timeout_s, bool)
+        and math.isfinite(timeout_s)
+        and 0 < timeout_s <= MAX_TIMEOUT_S
+    ):
+        raise ValueError(f"timeout_s must be a number in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout_s!r}")
+
+
 class SyncError(RuntimeError):
     """A collective of a sync failed or timed out (typically: a peer died). Names the sync."""
 
@@ -242,8 +258,7 @@ class Transport:
         wan: WAN | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
-        if not (isinstance(timeout_s, (int, float)) and math.isfinite(timeout_s) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a finite number > 0, got {timeout_s!r}")
+        check_timeout_s(timeout_s)
         if wan is not None and not isinstance(wan, WAN):
             raise TypeError(f"wan must be a WAN or None, got {type(wan).__name__}")
         self.group = group

@@ -39,3 +39,34 @@ def test_a_wait_past_the_timeout_raises_at_once(bounds, link):
         err = got["error"]
         assert err is not None and err.startswith(f"SyncError: sync on the {link} link: the emulated"), err
         assert "more than timeout_s=5" in err and got["s"] < 5.0, got
+
+
+@pytest.mark.parametrize("timeout_s", [1e12, 1e14, 1e300, True])
+def test_a_timeout_beyond_what_a_wait_can_carry_is_refused_by_name(timeout_s):
+    """timeout_s above MAX_TIMEOUT_S (or a bool) is a ValueError naming it when the strategy is built
+    (it was accepted and raised OverflowError at the first sync's wait for 1e12, and an unnamed
+    OverflowError from datetime at construction for 1e14 and more)."""
+    import torch
+
+    import lowcomm_kernels.runtime as rt
+    from tests.runtime.rt_common import make_model, make_opt, one_rank_world
+
+    with one_rank_world():
+        model = make_model(torch.float32)
+        with pytest.raises(ValueError, match=r"timeout_s must be a number in \(0, 1e\+09\] seconds"):
+            rt.DiLoCo(model, make_opt(model), sync_every=2, timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), -1.0, 0, 1e12])
+def test_the_torchft_transport_checks_timeout_s_too(timeout_s):
+    """The torchft transport checks timeout_s by the same rule (it took any value)."""
+    pytest.importorskip("torchft")
+    import torch
+
+    from lowcomm_kernels.runtime.ft import FTTransport
+
+    class Manager:
+        _replica_id = "replica0"
+
+    with pytest.raises(ValueError, match="timeout_s must be a number"):
+        FTTransport(Manager(), 2, device=torch.device("cpu"), timeout_s=timeout_s)
