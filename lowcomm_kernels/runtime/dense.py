@@ -476,13 +476,25 @@ class DenseStrategy(Strategy):
                 f"checkpoint entry pending should be a list of at most {self.frags.num_fragments} syncs"
             )
         width = self.FACTS * self.world + self._num_extras() + self.STEP_FACTS
+        seen: set[int] = set()
         for i, q in enumerate(pending):
             if not isinstance(q, dict):
                 raise CheckpointError(f"checkpoint entry pending[{i}] should be a dict")
             f = expect_int(f"pending[{i}].fragment", q.get("fragment"), 0, self.frags.num_fragments - 1)
+            if f in seen:
+                raise CheckpointError(f"checkpoint entry pending[{i}]: fragment {f} is in flight twice")
+            seen.add(f)
             size = self.frags.sizes()[f]
             send = expect_int(f"pending[{i}].send_step", q.get("send_step"), 0)
-            expect_int(f"pending[{i}].apply_step", q.get("apply_step"), send)
+            apply = expect_int(f"pending[{i}].apply_step", q.get("apply_step"), send)
+            due = self._due_by(f, sd["step"])
+            if due is not None and apply > due:
+                raise CheckpointError(
+                    f"checkpoint entry pending[{i}]: fragment {f}'s sync sent at step {send} lands at step "
+                    f"{apply}, after this strategy sends again at step {due}: the checkpoint was written "
+                    "with another schedule (sync_every, fragments, fragment_sync_delay); resume it with "
+                    "that schedule, or checkpoint when no sync is in flight"
+                )
             check_result(f"pending[{i}]", q, "delta", size, dt)  # in the wire format it was sent in
             expect_tensor(f"pending[{i}].control", q.get("control"), (width,), torch.float64)
             if q.get("x_sent") is not None or self.needs_snapshot:
@@ -492,6 +504,20 @@ class DenseStrategy(Strategy):
         if self.residual is not None:  # error feedback: this worker's residual, the outer state's dtype
             expect_tensor("residual", sd.get("residual"), (n,), self.residual.dtype)
         validate_overlap_state(self, sd)
+
+    def _next_send(self, p: int, after: int) -> int | None:
+        """The first step after ``after`` at which this schedule sends fragment p; None where the
+        schedule is decided at run time (CoCoDC)."""
+        return None
+
+    def _due_by(self, p: int, step: int) -> int | None:
+        """The last step at which fragment p's sync, in flight after step ``step``, may land under this
+        schedule (a checkpoint's pending results are held to it): the fragment's next send under an
+        overlapped outer round, else the next send of any fragment (τ < H/K); None if not known."""
+        if self.overlap is not None:
+            return self._next_send(p, step)
+        sends = [self._next_send(f, step) for f in range(self.frags.num_fragments)]
+        return None if None in sends else min(s for s in sends if s is not None)
 
     def _load_state(self, sd: dict[str, Any]) -> None:
         self.g.copy_(sd["g"])
@@ -586,6 +612,9 @@ class DiLoCo(DenseStrategy):
     def _sends_at(self, t: int) -> list[tuple[int, str]]:
         return [(0, "schedule")] if diloco_sends(t, self.H) else []
 
+    def _next_send(self, p: int, after: int) -> int | None:
+        return (after // self.H + 1) * self.H
+
 
 class StreamingDiLoCo(DenseStrategy):
     """Streaming DiLoCo (Douillard et al. 2025): K layer-strided fragments; fragment p is sent after
@@ -618,3 +647,7 @@ class StreamingDiLoCo(DenseStrategy):
     def _sends_at(self, t: int) -> list[tuple[int, str]]:
         r = t % self.H
         return [(p, "schedule") for p, off in enumerate(self.offsets_in_period) if r == off]
+
+    def _next_send(self, p: int, after: int) -> int | None:
+        t = after + 1
+        return t + (self.offsets_in_period[p] - t) % self.H

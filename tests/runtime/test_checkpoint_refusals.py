@@ -145,3 +145,63 @@ def test_a_good_checkpoint_still_loads(tmp_path):
         st.load_checkpoint(path)
         _bit_identical(saved, _snapshot(model, opt, st))
         st.close()
+
+
+def _run(make, steps: int):
+    model = make_model(torch.float64)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    st = make(model, opt)
+    for t in range(1, steps + 1):
+        inner_step(model, opt, 0, t)
+        st.step()
+    return model, opt, st
+
+
+SCHEDULES = {
+    # name: (saved with, resumed with, saved at, refused): a sync in flight at the save lands after the
+    # resumed schedule sends its fragment again (before: RuntimeError 'fragment ... is already in
+    # flight (schedule bug)' at that send, mid-run)
+    "streaming tau 3, H 8 -> H 4": (
+        lambda m, o: rt.StreamingDiLoCo(m, o, sync_every=8, num_fragments=2, fragment_sync_delay=3),
+        lambda m, o: rt.StreamingDiLoCo(m, o, sync_every=4, num_fragments=2, fragment_sync_delay=1),
+        5,
+        "fragment 1's sync sent at step 4 lands at step 7, after this strategy sends again at step 6",
+    ),
+    "diloco eager, H 4 -> H 2, saved at 5": (
+        lambda m, o: rt.DiLoCo(m, o, sync_every=4, eager=True),
+        lambda m, o: rt.DiLoCo(m, o, sync_every=2, eager=True),
+        5,
+        "fragment 0's sync sent at step 4 lands at step 8, after this strategy sends again at step 6",
+    ),
+    "diloco eager, H 4 -> H 2, saved at 6": (  # lands at 8, the resumed run's next send: fine
+        lambda m, o: rt.DiLoCo(m, o, sync_every=4, eager=True),
+        lambda m, o: rt.DiLoCo(m, o, sync_every=2, eager=True),
+        6,
+        None,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_a_sync_in_flight_that_another_schedule_would_send_over_is_refused(tmp_path, name):
+    saved_with, resumed_with, at, words = SCHEDULES[name]
+    with one_rank_world():
+        path = str(tmp_path / "ckpt.pt")
+        model, opt, st = _run(saved_with, at)
+        assert st.pending
+        st.save_checkpoint(path)
+        st.close()
+        model, opt, st = _run(resumed_with, 3)
+        if words is None:
+            st.load_checkpoint(path)
+            for t in range(at + 1, at + 9):
+                inner_step(model, opt, 0, t)
+                st.step()
+            st.finish()
+        else:
+            before = _snapshot(model, opt, st)
+            with pytest.raises(rt.CheckpointError) as err:
+                st.load_checkpoint(path)
+            assert words in str(err.value), str(err.value)
+            _bit_identical(before, _snapshot(model, opt, st))
+        st.close()
