@@ -42,6 +42,12 @@ ALLOWED = {  # (module, function) -> why a host read is fine there
     ("loscar", "_load_state"): "checkpoint restore",
     ("agreement", "_gather_bytes"): "construction",
     ("agreement", "agree"): "construction",
+    ("agreement", "value_fingerprint"): "construction (the pairing check of strategies built per rank)",
+    ("agreement", "check_pairing"): "construction",
+    ("eager", "state"): "checkpoint",
+    ("eager", "after_send"): "eager's own outer step at the send checks that this rank's share, g and u "
+    "are finite before it applies them (one read of three norms per sync, after the send's own "
+    "control values were read; the delayed average has no other check on this rank)",
     ("launch", "*"): "the local process launcher (tests, benchmarks)",
     ("topology", "*"): "construction of process groups",
     ("compression", "_job_finished"): "bool() of Event.query(), a host flag: no device value is read",
