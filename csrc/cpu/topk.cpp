@@ -215,8 +215,10 @@ int64_t encode_all(const Layout& L, const T* d, T* e, double beta, uint8_t* payl
 #pragma omp parallel if (L.n >= kParallelMin) reduction(+ : nonfinite)
   {
     KeyVec<T> keys;
-    keys.reserve(static_cast<size_t>(L.chunk));
-    std::vector<uint32_t> idx(static_cast<size_t>(std::min(L.kf, L.chunk)));
+    // sized by what a chunk of this buffer can hold, not by the chunk knob (a chunk of 2^30 over a
+    // buffer of 337 values must not allocate gigabytes)
+    keys.reserve(static_cast<size_t>(std::min(L.chunk, L.n)));
+    std::vector<uint32_t> idx(static_cast<size_t>(std::min(L.kf, L.n)));
     std::vector<uint32_t> ab, hist;  // fp32's |e| bits and bin counts (select_top), per thread
 #pragma omp for schedule(static)
     for (int64_t j = 0; j < L.nc; ++j) {

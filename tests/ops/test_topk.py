@@ -348,3 +348,21 @@ def test_cuda_matches_the_reference(shape):
         topk_decode_add_(o_ref, p_ref, k=k, chunk=chunk, bits=bits, backend="ref")
         topk_decode_add_(o_gpu, p_ref.cuda(), k=k, chunk=chunk, bits=bits, backend="cuda")
         assert _same(o_gpu.cpu(), o_ref)
+
+
+def test_a_huge_chunk_over_a_small_buffer_allocates_by_the_buffer():
+    """A chunk knob of 2^30 over 337 values: the kernel's work buffers are sized by the values, not the
+    knob (it used to reserve gigabytes and abort the process with std::bad_alloc)."""
+    import subprocess
+    import sys
+
+    code = (
+        # the address-space limit in the child only
+        "import resource, torch; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30));"
+        "from lowcomm_kernels.ops import topk;"
+        "p, n = topk.topk_encode(torch.randn(337), torch.zeros(337), k=8, chunk=2**30);"
+        "print(p.numel(), int(n))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[1] == "0"
