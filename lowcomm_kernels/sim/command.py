@@ -541,7 +541,7 @@ def run_custom(args: argparse.Namespace) -> dict[str, Any]:
         try:
             row.method.validate(w)
         except ValueError as e:
-            raise SimUsageError(f"{row.label}: {e}") from None
+            raise SimUsageError(f"{row.label}: {_flags(str(e))}") from None
         table = bandwidth_table(w, row.method, link, args.cu)
         item: dict[str, Any] = dict(method=row.label, kind=row.method.kind, wire=row.method.wire,
                                     at={}, needs={f"{c:.10g}": table[c] for c in args.cu})  # fmt: skip

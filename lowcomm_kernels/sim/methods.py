@@ -193,6 +193,12 @@ class Method:
             n_max = cocodc_max_syncs(H, tau)
             if self.syncs_per_period != "auto" and not K <= int(self.syncs_per_period) <= n_max:
                 raise ValueError(f"syncs_per_period must lie in [{K}, {n_max}], got {self.syncs_per_period}")
+            n = n_max if self.syncs_per_period == "auto" else int(self.syncs_per_period)
+            if 3 * n > MAX_SYNCS:  # before a search that would simulate up to N syncs per period
+                raise ValueError(
+                    f"up to {n:,} syncs per period (sync_every // overlap) make more than {MAX_SYNCS:,} "
+                    "to simulate over three periods: use a shorter sync_every or a longer overlap"
+                )
 
     def period(self) -> int:
         return 1 if self.kind == "data-parallel" else self.sync_every
