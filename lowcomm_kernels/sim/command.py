@@ -33,7 +33,7 @@ from .goodput import DETECT_S, HEAL_BYTES_PER_PARAM, Failures, goodput
 from .link import LATENCY_MODELS, Link
 from .methods import WIRES, Method
 from .search import CU_LEVELS, HI_GBPS, LO_GBPS, bandwidth_table, grid_index, grid_reading
-from .workload import Workload
+from .workload import MAX_LAYERS, Workload
 
 PRESETS = ("streaming-diloco-paper",)
 #: what --methods takes: the kinds, and streaming with overlap as its own name
@@ -74,8 +74,6 @@ _FLAGS = {
     "topk_bits": "--topk-bits",
     "density": "--density",
     "gamma": "--gamma",
-    "layers": "--layers",
-    "params": "--params",
 }
 
 
@@ -160,14 +158,15 @@ def _level(text: str) -> float:
     return v
 
 
-def _int_at_least(lo: int) -> Any:
+def _int_at_least(lo: int, hi: int | None = None) -> Any:
     def parse(text: str) -> int:
         try:
             v = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {text}")
+        if v < lo or (hi is not None and v > hi):
+            bound = f">= {lo}" if hi is None else f"in [{lo}, {hi:,}]"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}")
         return v
 
     return parse
@@ -187,7 +186,7 @@ def add_parser(sub: Any) -> None:
     g = s.add_argument_group("model (one of --model, or --params with --layers and a step time)")
     g.add_argument("--model", choices=tuple(paper.MODELS), help="the paper's 1B/10B/100B (layers, step time)")
     g.add_argument("--params", type=_size, help="parameters, e.g. 10B, 350M, 7e9")
-    g.add_argument("--layers", type=_int_at_least(1), help="transformer layers")
+    g.add_argument("--layers", type=_int_at_least(1, MAX_LAYERS), help="transformer layers")
     g.add_argument("--step-s", type=_positive, help="pure-compute seconds of one inner step")
     g.add_argument(
         "--tokens-per-step", type=_positive, help="with --peak-tflops and --mfu: step = 6·N·D / (peak·MFU)"
