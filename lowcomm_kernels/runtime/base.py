@@ -69,7 +69,7 @@ from .metrics import RuntimeMetrics, SyncRecord
 from .schedule import SPARSE_WIRE_FORMATS
 from .sharding import local, refuse_sharded_checkpoint, sharding_fields
 from .topk_wire import DEFAULT_EF_BETA, TopKAllGather, TopKWire, check_topk
-from .transport import DEFAULT_TIMEOUT_S, WAN, HealedInRound, Transport
+from .transport import DEFAULT_TIMEOUT_S, WAN, HealedInRound, Transport, forget_settled
 
 FORMAT_VERSION = 2
 NONFINITE_MODES = ("skip", "raise")
@@ -290,6 +290,7 @@ class Strategy(abc.ABC):
             self.quantized.close()
         if self.sparse is not None:
             self.sparse.close()
+        forget_settled()
         for grp in self.frags.params:
             for p in grp:
                 if getattr(p, _OWNER, None) is not None and getattr(p, _OWNER)() is self:
@@ -672,6 +673,7 @@ class Strategy(abc.ABC):
         a peer's in-flight sync when ranks ran different numbers of rounds)."""
         with torch.no_grad():
             self._finish()
+        forget_settled()
         problem = self.frags.broken_view(self.model)
         if problem is not None:
             raise ParameterViewError(
@@ -688,6 +690,7 @@ class Strategy(abc.ABC):
         scheduled step, so draining never changes the trajectory."""
         with torch.no_grad():
             self._drain()
+        forget_settled()
 
     # ----- consistency guard ---------------------------------------------------------------------
     def check_consistency(self) -> None:
