@@ -332,16 +332,20 @@ class QuantizedAllReduce:
     def __init__(self, transport: Transport, wire: WireFormat) -> None:
         if wire.quant is None:
             raise ValueError(f"wire format {wire.name!r} is not a quantized format")
-        self.transport = transport
         self.fmt = wire.quant
         self.block = wire.block
+        self._start_engine(transport, "lowcomm-quantized-allreduce")
+
+    def _start_engine(self, transport: Transport, thread_name: str) -> None:
+        """The set-up every compressed wire shares: a process group of its own over the transport's
+        ranks (collective), a side stream on CUDA, the job queue and the worker thread."""
+        self.transport = transport
         self.world, self.rank = transport.world, transport.rank
         self.timeout_s = transport.timeout_s
         self.group: dist.ProcessGroup | None = None
         if self.world > 1:
-            ranks = dist.get_process_group_ranks(transport.group)
             self.group = dist.new_group(
-                ranks,
+                dist.get_process_group_ranks(transport.group),
                 backend=dist.get_backend(transport.group),
                 timeout=datetime.timedelta(seconds=self.timeout_s),
                 use_local_synchronization=True,
@@ -350,7 +354,7 @@ class QuantizedAllReduce:
         self._stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._failed: str | None = None
-        self._thread = threading.Thread(target=self._run, name="lowcomm-quantized-allreduce", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
         register_engine(self)  # stopped before the interpreter exits (runtime.transport)
 

@@ -100,15 +100,15 @@ class DCPState:
         for key in ("g", "u"):
             if key in sd:
                 full[key] = sd[key]
-        if getattr(self.strategy, "residual", None) is None:
-            pass  # no error feedback here: the strategy warns if the checkpoint had residuals
-        elif RESIDUALS in sd:  # this rank's own row
-            full["residual"] = sd[RESIDUALS].to_local()[0]
-        else:
-            full["residual"] = torch.zeros_like(self.strategy.residual, device="cpu")
-            self.strategy.log.warning(
-                "DCP load with restart_error_feedback=True: the error-feedback residual restarts from zero"
-            )
+        # (without error feedback here, saved residuals are dropped: the strategy's load warns)
+        if getattr(self.strategy, "residual", None) is not None:
+            if RESIDUALS in sd:  # this rank's own row
+                full["residual"] = sd[RESIDUALS].to_local()[0]
+            else:
+                full["residual"] = torch.zeros_like(self.strategy.residual, device="cpu")
+                self.strategy.log.warning(
+                    "DCP load with restart_error_feedback=True: the error-feedback residual restarts at zero"
+                )
         skipped = _resize(full, self.strategy)
         self.strategy.load_state_dict(full)
         if skipped:

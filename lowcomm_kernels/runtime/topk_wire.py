@@ -26,9 +26,6 @@ facts, so every rank skips that sync and zeroes the fragment's e (as for quantiz
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import queue
-import threading
 
 import torch
 import torch.distributed as dist
@@ -38,7 +35,7 @@ from .._checks import scalar
 from ..ops.topk import TopKFormat, check_format, topk_decode_add_, topk_encode
 from .compression import DEFAULT_QUANT_BLOCK, QuantHandle, QuantizedAllReduce, _Job
 from .schedule import SPARSE_WIRE_FORMATS
-from .transport import Transport, register_engine
+from .transport import Transport
 
 DEFAULT_EF_BETA = 0.95
 NAME = SPARSE_WIRE_FORMATS[0]
@@ -112,26 +109,8 @@ class TopKAllGather(QuantizedAllReduce):
     its two phases. Collective to construct."""
 
     def __init__(self, transport: Transport, wire: TopKWire) -> None:
-        # the base's set-up (its own group, stream, queue and thread), without its quantized format
-        self.wire = wire
-        self.transport = transport
-        self.world, self.rank = transport.world, transport.rank
-        self.timeout_s = transport.timeout_s
-        self.group: dist.ProcessGroup | None = None
-        if self.world > 1:
-            self.group = dist.new_group(
-                dist.get_process_group_ranks(transport.group),
-                backend=dist.get_backend(transport.group),
-                timeout=datetime.timedelta(seconds=self.timeout_s),
-                use_local_synchronization=True,
-            )
-        dev = transport.device
-        self._stream = torch.cuda.Stream(device=dev) if dev.type == "cuda" else None
-        self._jobs: queue.Queue[_Job | None] = queue.Queue()
-        self._failed: str | None = None
-        self._thread = threading.Thread(target=self._run, name="lowcomm-topk-allgather", daemon=True)
-        self._thread.start()
-        register_engine(self)  # stopped before the interpreter exits (runtime.transport)
+        self.wire = wire  # the base's set-up without its quantized format
+        self._start_engine(transport, "lowcomm-topk-allgather")
 
     def start(
         self, payload: torch.Tensor, n: int, *, control: torch.Tensor, name: str, out_dtype: torch.dtype,
