@@ -77,7 +77,7 @@ import dataclasses
 import math
 import time
 
-from . import stats
+from . import paper_vs_ours, stats
 from .report import RunResult, auto_target
 from .spec import TrainSpec
 
@@ -227,7 +227,70 @@ def table(labels: list[str], results: list[RunResult], target: float, seeds: lis
         "holds); * the workers' parameters averaged by one all-reduce that is not counted in any byte or "
         "sync column (no worker holds that model between syncs, except DiLoCo's right after one).",
     ]
+    lines += ["", "**The paper's headline effects beside ours** (relative effects; see below the table)", ""]
+    lines.append(paper_section(labels, results, target, seeds))
     return "\n".join(lines), stats_out
+
+
+# The paper's Table (150M LLaMA on C4, 4 workers, H = 100, tau = 5, K = 4, lambda = 0.5, gamma = 0.4):
+# steps to validation perplexity 20 and the final validation perplexity, one run each.
+PAPER_TABLE = {
+    "CoCoDC": (10_292, 18.0357),
+    "Streaming DiLoCo": (13_021, 18.6457),
+    "DiLoCo": (10_821, 18.1608),
+}
+
+
+def paper_claims(labels: list[str]) -> list[paper_vs_ours.Claim]:
+    """The paper's comparisons, mapped to this study's configurations: its Streaming DiLoCo is ours
+    at K syncs per H (alpha = 0); the pairing at CoCoDC's own sync count is the one it did not run."""
+    streams = sorted(
+        (int(lb.split(", ")[1].split()[0]), lb)
+        for lb in labels
+        if lb.startswith("Streaming DiLoCo, ") and lb.endswith(" syncs/H")
+    )
+    ours = {"CoCoDC": REFERENCE, "DiLoCo": "DiLoCo", "Streaming DiLoCo": streams[0][1] if streams else ""}
+    out = []
+    for a, b in (("CoCoDC", "Streaming DiLoCo"), ("CoCoDC", "DiLoCo"), ("Streaming DiLoCo", "DiLoCo")):
+        (sa, pa), (sb, pb) = PAPER_TABLE[a], PAPER_TABLE[b]
+        out.append(
+            paper_vs_ours.Claim(
+                f"{a} vs {b}", "steps to target", sa / sb - 1, f"{sa:,} vs {sb:,} steps", ours[a], ours[b]
+            )
+        )
+        out.append(
+            paper_vs_ours.Claim(
+                f"{a} vs {b}",
+                "final loss",
+                math.log(pa) / math.log(pb) - 1,
+                f"ppl {pa} vs {pb}",
+                ours[a],
+                ours[b],
+            )
+        )
+    if len(streams) > 1:  # the review's question: the same number of syncs as CoCoDC
+        for metric in ("steps to target", "final loss"):
+            what = f"CoCoDC vs Streaming DiLoCo at {streams[-1][0]} syncs/H"
+            out.append(paper_vs_ours.Claim(what, metric, None, "not run", REFERENCE, streams[-1][1]))
+    return out
+
+
+def paper_section(labels: list[str], results: list[RunResult], target: float, seeds: list[int]) -> str:
+    """The paper's headline effects beside ours (paper_vs_ours.table), from this study's runs."""
+
+    def metric(label: str, name: str) -> list[float | None]:
+        runs = _by_seed(results, label, seeds)
+        if name == "final loss":
+            return [r.final_loss if r else None for r in runs]
+        return [_steps(r, target) for r in runs]
+
+    claims = [c for c in paper_claims(labels) if c.method in labels and c.baseline in labels]
+    ours = {}
+    for c in claims:
+        ours[(c.what, c.metric)] = paper_vs_ours.relative(
+            metric(c.method, c.metric), metric(c.baseline, c.metric)
+        )
+    return paper_vs_ours.table(claims, ours, "the paper (one run)")
 
 
 def _avg_model_final(run: RunResult | None) -> float | None:
