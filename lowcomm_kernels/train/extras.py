@@ -1,7 +1,8 @@
 """The optional packages the CLI uses, checked before any worker starts.
 
 The package's core (ops and runtime) needs only torch and numpy. The CLI draws its plots with
-matplotlib and its progress bars with tqdm (the ``cli`` extra), and ``--tensorboard`` writes event
+matplotlib, its progress bars with tqdm and loads its small real data sets from scikit-learn (the
+``cli`` extra), and ``--tensorboard`` writes event
 files with tensorboard (the ``tensorboard`` extra). Each is imported where it is used; this module
 turns a missing one into a :class:`UsageError` that gives the ``pip install`` line, so a run never
 fails at its end for want of a plotting library.
@@ -16,6 +17,8 @@ from .errors import UsageError
 
 # command -> the optional modules it always needs (beyond tqdm for progress bars)
 _PLOTS = {"compare": ("matplotlib",), "train": ("matplotlib",), "profile": ("matplotlib",)}
+# the tasks and studies whose data sets come with scikit-learn (breast cancer, digits)
+_SKLEARN_TASKS, _SKLEARN_STUDIES = ("logreg", "mlp"), ("loscar-regimes",)
 
 
 def install_hint(extra: str) -> str:
@@ -42,5 +45,9 @@ def check_cli_extras(args: argparse.Namespace) -> None:
         require(module, "cli", f"lowcomm {command} (its plots)")
     if command in _PLOTS and not getattr(args, "no_progress", True):
         require("tqdm", "cli", f"lowcomm {command} (its progress bars; or pass --no-progress)")
+    task, study = getattr(args, "task", None), getattr(args, "study", None)
+    if task in _SKLEARN_TASKS or study in _SKLEARN_STUDIES:
+        what = f"--task {task}" if task in _SKLEARN_TASKS else f"--study {study}"
+        require("sklearn", "cli", f"{what} (its data set)", package="scikit-learn")
     if getattr(args, "tensorboard", None) is not None:
         require("torch.utils.tensorboard", "tensorboard", "--tensorboard", package="tensorboard")

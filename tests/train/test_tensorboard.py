@@ -166,6 +166,21 @@ def _cli_without(tmp_path: Path, missing: list[str], argv: list[str]) -> subproc
             ["train", "--method", "dp", "--no-progress", "--tensorboard", "tb"],
             "--tensorboard",
         ),
+        (
+            ["sklearn"],
+            ["compare", "--task", "logreg", "--no-progress"],
+            "--task logreg (its data set) needs scikit-learn",
+        ),
+        (
+            ["sklearn"],
+            ["compare", "--task", "mlp", "--no-progress"],
+            "--task mlp (its data set) needs scikit-learn",
+        ),
+        (
+            ["sklearn"],
+            ["compare", "--study", "loscar-regimes", "--no-progress"],
+            "--study loscar-regimes (its data set)",
+        ),
     ],
 )
 def test_missing_optional_package_names_the_extra(tmp_path: Path, missing, argv, message):
