@@ -256,8 +256,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _slow_modules_first(items)
-    if torch.cuda.is_available():
-        return
+    if torch.cuda.is_available() or os.environ.get("LOWCOMM_GPU_TESTS_DEVICE") == "cpu":
+        return  # (the CPU asked for: tests/gpu run there, tests/gpu/conftest.py)
     skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if item.get_closest_marker("gpu"):

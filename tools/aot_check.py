@@ -1,6 +1,9 @@
 """Compile the Triton kernels for real GPU targets, without a GPU, exactly as the launchers launch them.
 
-    python -m lowcomm_kernels.triton_kernels.aot_check [--arch 80 90] [--quick] [--jobs N] [-k TEXT]
+    python tools/aot_check.py [--arch 80 90] [--quick] [--jobs N] [-k TEXT]
+
+A maintenance tool of the source tree (not part of the installed package): it imports the kernels of
+``lowcomm_kernels.triton_kernels`` from the checkout it sits in, or from the installed package.
 
 The interpreter tests run the kernels' Python semantics; they cannot see what only the compiler
 checks (types of loop bounds, scalar annotations, bitcasts, 64-bit atomics, ``while`` on a
@@ -53,6 +56,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+if __package__ in (None, ""):  # run as a script: the checkout's package first
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+PACKAGE = "lowcomm_kernels.triton_kernels"
 MODULES = ("pack", "outer_merge", "mask_indices", "sparse", "fragment_norms", "quantize")
 SMS = {80: 108, 90: 132}  # A100, H100/H200: the programs per SM of the reductions scale with it
 #: n (or k) of each size kind: how Triton specialises an integer argument
@@ -104,8 +111,8 @@ class _Recorder:
 def _recording(sink: list, arch: int) -> Iterator[None]:
     from triton.runtime.jit import JITFunction
 
-    _launch = importlib.import_module(f"{__package__}._launch")
-    mods = [importlib.import_module(f"{__package__}.{m}") for m in MODULES]
+    _launch = importlib.import_module(f"{PACKAGE}._launch")
+    mods = [importlib.import_module(f"{PACKAGE}.{m}") for m in MODULES]
     saved = []
     for mod in mods:
         for name, obj in list(vars(mod).items()):
@@ -130,7 +137,7 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
     # From sys.modules (as _recording patches them), not the package's attributes, which may still
     # point at modules imported earlier under the interpreter.
     pack, outer_merge, mask_indices, sparse, fragment_norms, quantize = (
-        importlib.import_module(f"{__package__}.{m}") for m in MODULES
+        importlib.import_module(f"{PACKAGE}.{m}") for m in MODULES
     )
     f32, f64, bf16 = torch.float32, torch.float64, torch.bfloat16
     name = {f32: "fp32", f64: "fp64", bf16: "bf16"}
@@ -681,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-k", dest="select", help="only the cases whose label contains this text")
     args = parser.parse_args(argv)
     # Imported earlier (perhaps under the interpreter)? Drop them so the kernels are decorated afresh.
-    stale = [m for m in sys.modules if m.startswith("lowcomm_kernels.triton_kernels.") and m != __name__]
+    stale = [m for m in sys.modules if m.startswith(f"{PACKAGE}.")]
     for m in stale:
         del sys.modules[m]
     os.environ.pop("TRITON_INTERPRET", None)

@@ -1,14 +1,12 @@
-"""GPU correctness: every fused op on every backend against its ``*_ref`` specification in float64.
+"""Every fused op on every backend against its ``*_ref`` specification in float64, on the GPU.
 
-    python bench/gpu_correctness.py [--device cuda] [--backends triton,cuda] [--sizes 4097,1000003,7,1,0]
-                                    [--budget-s 105] [--registration full|opcheck|off] [--json P] [--md P]
-
-Run by bench/gpu_check.sh. The CPU test suite checks the ops on the CPU; this is its GPU counterpart,
-shaped like the runtime's use of the ops, so that what passes here is what the runtime runs:
+The CPU suite checks the ops on CPU tensors (tests/ops); these are its GPU counterpart, shaped like
+the runtime's use of the ops, so that what passes here is what the runtime runs:
 
 * every op x backend x dtype: fp32, fp64, and for the ops with a wire dtype (pack's delta,
   outer_merge_'s delta_avg, the scatter's avg) bf16 with fp32 data and bf16 with fp64 data;
-* sizes 4097, 1000003, 7, 1, 0 (odd: tails, single-element programs, empty calls);
+* sizes 4097, 1000003, 7, 1, 0 (odd: tails, single-element programs, empty calls; 1000003 not in a
+  CPU run);
 * every buffer (inputs and preallocated outputs) a slice of a larger flat allocation starting at
   element offset 0, 1, 3 or 5, as the runtime's fragments are: 1, 3 and 5 are not 16-byte aligned;
   guard elements around each slice must be untouched afterwards (no overrun);
@@ -18,12 +16,12 @@ shaped like the runtime's use of the ops, so that what passes here is what the r
   call is preceded by a warm-up call, so a JIT compile cannot hide the race);
 * the checks: pack's delta bit-identical to ``pack_ref`` in the same dtype (one rounding of g - x),
   except fp64 data on a bf16 wire, which must be within half a bf16 ulp of the exact difference
-  (torch rounds fp64 -> fp32 -> bf16, twice; differences from torch's bits are reported); NaN
-  positions compared as NaN-ness, and the bf16 NaN bit patterns written reported beside torch's;
+  (torch rounds fp64 -> fp32 -> bf16, twice; differences from torch's bits are noted); NaN
+  positions compared as NaN-ness, and the bf16 NaN bit patterns written noted beside torch's;
   non-finite counts exact (a NaN, an inf and inf - inf are planted); outer_merge_ (five merge modes),
   the scatter-merge and the norms against the float64 ref with the tolerances of tests/conftest.py
-  (elementwise 8 eps; reductions eps + 8 sqrt(n) eps64); gather and mask_indices exact;
-* edge checks, first, one row per op and backend (skipped with the reason where they cannot run):
+  (``tolerance``: elementwise 8 eps; reductions eps + 8 sqrt(n) eps64); gather and mask_indices exact;
+* edge checks, one test per op and backend (skipped with the reason where they cannot run):
   pack (fp32/bf16 wire) and outer_merge_ on 2^31 + 7 elements (int64 indexing; ~44 GB of device
   memory; checked on ~370 sampled positions, the last 64 and the non-finite count); every op once
   with its tensors on cuda:1 while cuda:0 is current (results, current device, memory and kernels
@@ -35,44 +33,34 @@ shaped like the runtime's use of the ops, so that what passes here is what the r
   in rotation over the five formats and blocks 2 / 128 / 4096): pack with error feedback,
   snapshot and stochastic rounding (an inf planted) and dequantize bit-identical to the
   ``*_ref``, reduce_quantized over two rows bit-identical, and outer_merge_ / sparse_scatter_merge_
-  with a Quantized average bit-identical to the same backend's dense merge on the dequantized one;
-* then the registered ops on the device: opcheck, and (``--registration full``) one fullgraph
-  compile against eager (bench/gpu_registration.py; the CPU suite runs both on the CPU only).
+  with a Quantized average bit-identical to the same backend's dense merge on the dequantized one.
 
-``--budget-s``: checks not started by then are reported as skipped (so a slow JIT never loses the
-results). Exit status 1 when a check failed. ``--device cpu`` runs the same code on the CPU backends
-(and Triton in fp32 under TRITON_INTERPRET=1: the interpreter's bf16 arithmetic is wrong and it
-rounds fp64 scalars to fp32), which is how ``gpu_check.sh --dry-run`` keeps this script honest.
+The registered ops (opcheck, compile) on the device: tests/gpu/test_registered_ops.py. Inputs come
+from the ``rng`` fixture (a fresh seed per test, printed on failure: ``--seed N`` reruns it).
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import json
-import math
-import sys
-import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 
+import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_registration import registration  # noqa: E402
+from lowcomm_kernels import ops as lk
+from tests.conftest import tolerance
+from tests.gpu import _env
 
-from lowcomm_kernels import _dispatch  # noqa: E402
-from lowcomm_kernels import ops as lk  # noqa: E402
+pytestmark = pytest.mark.gpu
 
 # Triton specializes a kernel on each integer being 1 or a multiple of 16 and each pointer being
 # 16-byte aligned: 4097, 1000003 and 7 share one compiled kernel per dtype and alignment, so they
 # come first and a JIT-heavy run that meets --budget-s loses only the n = 1 and n = 0 cases.
-SIZES = (4097, 1000003, 7, 1, 0)
+SIZES = (4097, 1000003, 7, 1, 0) if _env.ON_GPU else (4097, 7, 1, 0)  # the CPU: a dry run's time
 OFFSETS = (0, 3, 1, 5)
 F32, F64, BF16 = torch.float32, torch.float64, torch.bfloat16
 DTYPES = ((F32, F32, "fp32"), (F32, BF16, "fp32/bf16"), (F64, F64, "fp64"), (F64, BF16, "fp64/bf16"))
-EPS64 = torch.finfo(F64).eps
 GUARD, GUARD_VALUE = 16, -77.0  # exact in every dtype used
 SLEEP_CYCLES = 2_000_000  # ~1 ms: far longer than the host needs to launch the op after it
 MERGES = {  # name -> outer_merge_ keywords
@@ -89,19 +77,21 @@ class CheckFailed(AssertionError):
 
 
 def elementwise_close(name: str, actual: torch.Tensor, expected64: torch.Tensor) -> None:
-    """|actual - expected| <= 8 eps (1 + |expected|) in actual's dtype (tests/conftest.py)."""
-    eps = torch.finfo(actual.dtype).eps
+    """Within tests/conftest.py's elementwise tolerance in actual's dtype."""
+    rtol, atol = tolerance("elementwise", actual.dtype)
     try:
-        torch.testing.assert_close(actual.cpu(), expected64.to(actual.dtype).cpu(), rtol=8 * eps,
-                                   atol=8 * eps, equal_nan=True)
+        torch.testing.assert_close(
+            actual.cpu(), expected64.to(actual.dtype).cpu(), rtol=rtol, atol=atol, equal_nan=True
+        )
     except AssertionError as exc:
         raise CheckFailed(f"{name}: {' '.join(str(exc).split()[:45])}") from None
 
 
 def reduction_close(name: str, actual: torch.Tensor, expected64: torch.Tensor, n: int) -> None:
-    rtol = torch.finfo(actual.dtype).eps + 8 * math.sqrt(max(n, 1)) * EPS64
+    """Within tests/conftest.py's tolerance of a reduction of n terms."""
+    rtol, atol = tolerance("reduction", actual.dtype, n)
     try:
-        torch.testing.assert_close(actual.cpu(), expected64.to(actual.dtype).cpu(), rtol=rtol, atol=0.0)
+        torch.testing.assert_close(actual.cpu(), expected64.to(actual.dtype).cpu(), rtol=rtol, atol=atol)
     except AssertionError as exc:
         raise CheckFailed(f"{name}: {' '.join(str(exc).split()[:40])}") from None
 
@@ -114,8 +104,10 @@ def identical(name: str, actual: torch.Tensor, expected: torch.Tensor) -> None:
     same = (a == e) | (a.isnan() & e.isnan()) if a.is_floating_point() else (a == e)
     if not bool(same.all()):
         bad = int((~same).reshape(-1).nonzero()[0])
-        raise CheckFailed(f"{name}: {int((~same).sum())} of {a.numel()} differ, first at {bad}: "
-                          f"{a.reshape(-1)[bad].item()!r} != {e.reshape(-1)[bad].item()!r}")
+        raise CheckFailed(
+            f"{name}: {int((~same).sum())} of {a.numel()} differ, first at {bad}: "
+            f"{a.reshape(-1)[bad].item()!r} != {e.reshape(-1)[bad].item()!r}"
+        )
 
 
 def nan_bits(t: torch.Tensor) -> str:
@@ -141,7 +133,7 @@ class Staged:
         for name, m in masters.items():
             off, n = ctx.offset, m.numel()
             base = torch.full((off + n + GUARD,), GUARD_VALUE, dtype=m.dtype, device=ctx.dev)
-            self.views[name] = base[off:off + n]
+            self.views[name] = base[off : off + n]
             self._parts.append((name, base, self.views[name], m.to(ctx.dev, copy=True), off, n))
 
     def _load(self) -> None:
@@ -169,7 +161,7 @@ class Staged:
 
     def guards(self) -> None:
         for name, base, _, _, off, n in self._parts:
-            outside = torch.cat([base[:off], base[off + n:]]).cpu()
+            outside = torch.cat([base[:off], base[off + n :]]).cpu()
             if not bool((outside == GUARD_VALUE).all()):
                 raise CheckFailed(f"{name}: an element outside the slice was written (overrun)")
 
@@ -210,9 +202,22 @@ def check_pack(ctx: Ctx, n: int, dt, wire, backends, gen) -> dict[str, str | Non
 
     def one(b: str) -> None:
         st = Staged(ctx, g=g, x=x, delta=torch.zeros(n, dtype=wire), snap=torch.zeros(n, dtype=dt))
-        out = st.run(lambda v: dict(zip(("delta", "snap", "nf"), lk.pack(
-            v["g"], v["x"], wire_dtype=wire, delta_out=v["delta"], snapshot_out=v["snap"], backend=b),
-            strict=True)))
+        out = st.run(
+            lambda v: dict(
+                zip(
+                    ("delta", "snap", "nf"),
+                    lk.pack(
+                        v["g"],
+                        v["x"],
+                        wire_dtype=wire,
+                        delta_out=v["delta"],
+                        snapshot_out=v["snap"],
+                        backend=b,
+                    ),
+                    strict=True,
+                )
+            )
+        )
         st.guards()
         if dt is F64 and wire is BF16:  # one rounding of the exact difference, torch rounds twice
             d = out["delta"]
@@ -221,8 +226,10 @@ def check_pack(ctx: Ctx, n: int, dt, wire, backends, gen) -> dict[str, str | Non
             err = (d.double() - exact).abs()[fin]
             half_ulp = exact.abs()[fin] * 2.0**-8
             if bool((err > half_ulp).any()):
-                raise CheckFailed(f"delta (fp64 -> bf16): {int((err > half_ulp).sum())} values are not "
-                                  "within half a bf16 ulp of g - x")
+                raise CheckFailed(
+                    f"delta (fp64 -> bf16): {int((err > half_ulp).sum())} values are not "
+                    "within half a bf16 ulp of g - x"
+                )
             differ = int(((d.view(torch.int16) != d_ref.view(torch.int16)) & fin).sum())
             if differ:
                 note(ctx, f"{b} pack fp64->bf16", f"{differ} values differ from torch's double rounding")
@@ -231,11 +238,15 @@ def check_pack(ctx: Ctx, n: int, dt, wire, backends, gen) -> dict[str, str | Non
         identical("snapshot", out["snap"], x)
         identical("nonfinite", out["nf"], nf_ref)
         if wire is BF16 and n >= 3:
-            note(ctx, f"{b} pack {str(dt)[6:]}->bf16 NaN bits",
-                 f"written {nan_bits(out['delta'])}, torch {nan_bits(d_ref)}")
+            note(
+                ctx,
+                f"{b} pack {str(dt)[6:]}->bf16 NaN bits",
+                f"written {nan_bits(out['delta'])}, torch {nan_bits(d_ref)}",
+            )
         st2 = Staged(ctx, g=g, x=x)  # op-allocated (aligned) delta, no snapshot
-        out2 = st2.run(lambda v: {"delta": lk.pack(v["g"], v["x"], wire_dtype=wire, snapshot_out=False,
-                                                backend=b)[0]})
+        out2 = st2.run(
+            lambda v: {"delta": lk.pack(v["g"], v["x"], wire_dtype=wire, snapshot_out=False, backend=b)[0]}
+        )
         identical("delta (op-allocated, no snapshot)", out2["delta"], out["delta"])
 
     return per_backend(backends, one)
@@ -258,6 +269,7 @@ def check_outer_merge(ctx: Ctx, n: int, dt, avg, backends, gen) -> dict[str, str
             def call(v, kw=kw):
                 lk.outer_merge_(v["g"], v["u"], v["d"], v["x"], v["xs"], backend=b, **kw)
                 return {k: v[k] for k in "gux"}
+
             out = st.run(call)
             st.guards()
             for name, want in zip("gux", (ref[0], ref[1], ref[3]), strict=True):
@@ -282,15 +294,23 @@ def check_sparse(ctx: Ctx, n: int, dt, avg, backends, gen) -> dict[str, str | No
 
     def one(b: str) -> None:
         st = Staged(ctx, x=x, idx=idx, dup=dup, out=torch.zeros(k, dtype=dt))
-        got = st.run(lambda v: {"out": lk.sparse_gather(v["x"], v["idx"], out=v["out"], backend=b),
-                                "dup": lk.sparse_gather(v["x"], v["dup"], backend=b)})
+        got = st.run(
+            lambda v: {
+                "out": lk.sparse_gather(v["x"], v["idx"], out=v["out"], backend=b),
+                "dup": lk.sparse_gather(v["x"], v["dup"], backend=b),
+            }
+        )
         st.guards()
         identical("gather", got["out"], lk.sparse_gather_ref(x, idx))
         identical("gather (duplicates)", got["dup"], lk.sparse_gather_ref(x, dup))
         for beta, a, sent, x_ref in merges:
             st = Staged(ctx, x=x, idx=idx, a=a, sent=sent)
-            got = st.run(lambda v, beta=beta: (lk.sparse_scatter_merge_(v["x"], v["idx"], v["a"], v["sent"],
-                                                                     beta=beta, backend=b), {"x": v["x"]})[1])
+            got = st.run(
+                lambda v, beta=beta: (
+                    lk.sparse_scatter_merge_(v["x"], v["idx"], v["a"], v["sent"], beta=beta, backend=b),
+                    {"x": v["x"]},
+                )[1]
+            )
             st.guards()
             elementwise_close(f"scatter_merge beta={beta}", got["x"], x_ref)
 
@@ -305,8 +325,13 @@ def check_norms(ctx: Ctx, n: int, dt, _wire, backends, gen) -> dict[str, str | N
 
     def one(b: str) -> None:
         st = Staged(ctx, buf=buf, offsets=offsets)
-        got = st.run(lambda v: {f"{o}{r}": lk.fragment_norms(v["buf"], v["offsets"], ord=o, backend=b)
-                                for o in (1, 2) for r in "ab"})
+        got = st.run(
+            lambda v: {
+                f"{o}{r}": lk.fragment_norms(v["buf"], v["offsets"], ord=o, backend=b)
+                for o in (1, 2)
+                for r in "ab"
+            }
+        )
         st.guards()
         for o in (1, 2):
             reduction_close(f"ord={o}", got[f"{o}a"], refs[o], n)
@@ -339,16 +364,32 @@ def check_quantized(ctx: Ctx, n: int, dt, _wire, backends, gen) -> dict[str, str
         st = Staged(ctx, g=g, x=x, res=res, snap=torch.zeros(n, dtype=dt), out=torch.zeros(n, dtype=dt))
 
         def call(v):
-            c, s, _, nf = lk.pack_quantized(v["g"], v["x"], fmt, block, residual=v["res"],
-                                            snapshot_out=v["snap"], seed=5, round=2, backend=b)
+            c, s, _, nf = lk.pack_quantized(
+                v["g"],
+                v["x"],
+                fmt,
+                block,
+                residual=v["res"],
+                snapshot_out=v["snap"],
+                seed=5,
+                round=2,
+                backend=b,
+            )
             lk.dequantize(c, s, fmt, block, n, out=v["out"], backend=b)
-            return dict(codes=c, scales=s, nonfinite=nf, residual=v["res"], snapshot=v["snap"],
-                        dequantize=v["out"])
+            return dict(
+                codes=c, scales=s, nonfinite=nf, residual=v["res"], snapshot=v["snap"], dequantize=v["out"]
+            )
 
         out = st.run(call)
         st.guards()
-        for name, want in (("codes", rc), ("scales", rs), ("nonfinite", rnf), ("residual", want_res),
-                           ("snapshot", x), ("dequantize", want_deq)):
+        for name, want in (
+            ("codes", rc),
+            ("scales", rs),
+            ("nonfinite", rnf),
+            ("residual", want_res),
+            ("snapshot", x),
+            ("dequantize", want_deq),
+        ):
             identical(f"{fmt} block {block}: {name}", out[name], want)
         red = lk.reduce_quantized(rows_c.to(ctx.dev), rows_s.to(ctx.dev), fmt, block, n, scale=0.5, backend=b)
         identical(f"{fmt} reduce: codes", red[0], want_rc)
@@ -388,18 +429,16 @@ def check_mask(ctx: Ctx, n: int, _dt, _wire, backends, _gen) -> dict[str, str | 
     refs = {c: lk.mask_indices_ref(c[1], c[2], n, c[0], device="cpu") for c in cases}
 
     def one(b: str) -> None:
-        got = Staged(ctx).run(lambda v: {str(c): lk.mask_indices(c[1], c[2], n, c[0], device=ctx.dev,
-                                                                  backend=b) for c in cases})
+        got = Staged(ctx).run(
+            lambda v: {str(c): lk.mask_indices(c[1], c[2], n, c[0], device=ctx.dev, backend=b) for c in cases}
+        )
         for c in cases:
             identical(f"k={c[0]} seed={c[1]} round={c[2]}", got[str(c)], refs[c])
 
     return per_backend(backends, one)
 
 
-# ------------------------------------------------------------------- edge checks (one row each)
-# Reported beside the sweep, each as pass / FAIL / skip with its reason, never absent.
-EDGE_OPS = ("pack n=2^31+7", "outer_merge_ n=2^31+7", "second device", "pack bf16 overflow",
-            "bf16/fp16 parameters")
+# ---------------------------------------------------------------- edge checks (one test each)
 BIG_N = 2**31 + 7  # int64 indexing: offsets past 2^31 overflow an int32 index
 
 
@@ -407,8 +446,17 @@ def check_big(dev: torch.device, backends, gen, op: str) -> dict[str, str | None
     """pack (fp32 data; fp32 and bf16 wire) or outer_merge_ (taylor) on 2^31 + 7 elements, checked on
     sampled positions, the 64 last, and the non-finite count (NaN, +inf, -inf planted past 2^31)."""
     n = BIG_N
-    pos = torch.cat([torch.randint(0, n, (300,), generator=gen), torch.arange(n - 64, n),
-                     torch.tensor([2**31 - 1, 2**31])]).unique().to(dev)
+    pos = (
+        torch.cat(
+            [
+                torch.randint(0, n, (300,), generator=gen),
+                torch.arange(n - 64, n),
+                torch.tensor([2**31 - 1, 2**31]),
+            ]
+        )
+        .unique()
+        .to(dev)
+    )
     plant = torch.tensor([5, 2**31 + 1, n - 1], device=dev)
     dgen = torch.Generator(dev).manual_seed(int(torch.randint(2**31, (1,), generator=gen)))
 
@@ -469,8 +517,15 @@ def check_second_device(backends, gen, notes) -> dict[str, str | None]:
         wrong = sorted({f"{e.name[:40]}@{e.device_index}" for e in kernels if e.device_index != 1})
         if wrong:
             fails.append(f"kernels not on cuda:1: {', '.join(wrong[:5])}")
-        note(ctx, f"{b} second device", f"{len(kernels)} CUDA kernels profiled, all on device 1"
-             if kernels and not wrong else "the profiler saw no kernel" if not kernels else "see failure")
+        note(
+            ctx,
+            f"{b} second device",
+            f"{len(kernels)} CUDA kernels profiled, all on device 1"
+            if kernels and not wrong
+            else "the profiler saw no kernel"
+            if not kernels
+            else "see failure",
+        )
         out[b] = "; ".join(fails) or None
     return out
 
@@ -481,8 +536,20 @@ def check_bf16_overflow(dev: torch.device, backends, notes) -> dict[str, str | N
     half = (2 - 2**-8) * 2.0**127  # halfway between bf16's largest finite and 2^128: ties to inf
     below = (2 - 2**-8 - 2**-23) * 2.0**127  # the fp32 just below it: bf16's largest finite
     inf, nan = float("inf"), float("nan")
-    pairs = [(1.7e38, -1.7e38), (-1.7e38, 1.7e38), (half, 0.0), (0.0, half), (below, 0.0), (-below, 0.0),
-             (inf, 0.0), (0.0, inf), (inf, inf), (nan, 0.0), (1.0, 0.5), (3.0e38, 0.0)]
+    pairs = [
+        (1.7e38, -1.7e38),
+        (-1.7e38, 1.7e38),
+        (half, 0.0),
+        (0.0, half),
+        (below, 0.0),
+        (-below, 0.0),
+        (inf, 0.0),
+        (0.0, inf),
+        (inf, inf),
+        (nan, 0.0),
+        (1.0, 0.5),
+        (3.0e38, 0.0),
+    ]
     pairs64 = pairs + [(1e39, 0.0), (-1e39, 0.0), (5e38, -5e38), (1e300, -1e300), (half * (1 - 2**-40), 0.0)]
     out: dict[str, str | None] = {b: None for b in backends}
     for dt, ps in ((F32, pairs), (F64, pairs64)):
@@ -521,8 +588,15 @@ def check_low_precision(dev: torch.device, backends, gen, notes) -> dict[str, st
             ctx, tag = Ctx(dev, off, notes), f"x={str(xdt)[6:]} wire={str(wire)[6:]} n={n} offset={off}"
             d_ref, _, nf_ref = lk.pack_ref(g, x, wire_dtype=wire)
             st = Staged(ctx, g=g, x=x, delta=torch.zeros(n, dtype=wire), snap=torch.zeros(n, dtype=F32))
-            got = st.run(lambda v: dict(zip(("delta", "snap", "nf"), lk.pack(
-                v["g"], v["x"], delta_out=v["delta"], snapshot_out=v["snap"], backend=b), strict=True)))
+            got = st.run(
+                lambda v: dict(
+                    zip(
+                        ("delta", "snap", "nf"),
+                        lk.pack(v["g"], v["x"], delta_out=v["delta"], snapshot_out=v["snap"], backend=b),
+                        strict=True,
+                    )
+                )
+            )
             st.guards()
             identical(f"{tag}: delta", got["delta"], d_ref)
             identical(f"{tag}: snapshot", got["snap"], x.float())
@@ -579,160 +653,111 @@ def _bf16_overflow(ctx: Ctx, dt: torch.dtype, ps: list, backends) -> dict[str, s
 
     def one(b: str) -> None:
         st = Staged(ctx, g=g, x=x, delta=torch.zeros(g.numel(), dtype=BF16))
-        got = st.run(lambda v: dict(zip(("delta", "nf"), lk.pack(
-            v["g"], v["x"], delta_out=v["delta"], snapshot_out=False, backend=b)[::2], strict=True)))
+        got = st.run(
+            lambda v: dict(
+                zip(
+                    ("delta", "nf"),
+                    lk.pack(v["g"], v["x"], delta_out=v["delta"], snapshot_out=False, backend=b)[::2],
+                    strict=True,
+                )
+            )
+        )
         st.guards()
         bits, want_bits = (t.view(torch.int16).tolist() for t in (got["delta"], want))
         # the interpreter emulates a GPU's conversion (NaN -> 0x7FC0), not the CPU's: NaN-ness only there
         both_nan = (want.isnan() & got["delta"].isnan()).tolist()
         interp = (dev.type, b) == ("cpu", "triton")
-        bad = [i for i, (a, e) in enumerate(zip(bits, want_bits, strict=True))
-               if a != e and not (interp and both_nan[i])]
+        bad = [
+            i
+            for i, (a, e) in enumerate(zip(bits, want_bits, strict=True))
+            if a != e and not (interp and both_nan[i])
+        ]
         if bad:
             i = bad[0]
-            raise CheckFailed(f"{name} data: {len(bad)} bf16 bit patterns differ from torch's, first "
-                              f"g={g[i].item()!r} x={x[i].item()!r}: {bits[i] & 0xFFFF:#06x} != "
-                              f"{want_bits[i] & 0xFFFF:#06x}")
+            raise CheckFailed(
+                f"{name} data: {len(bad)} bf16 bit patterns differ from torch's, first "
+                f"g={g[i].item()!r} x={x[i].item()!r}: {bits[i] & 0xFFFF:#06x} != "
+                f"{want_bits[i] & 0xFFFF:#06x}"
+            )
         identical(f"{name} data: nonfinite (non-finite values written)", got["nf"], torch.tensor(written_nf))
-        note(ctx, f"{b} pack bf16 overflow", f"{name} data: counts {written_nf} non-finite written, "
-             f"of which {written_nf - data_nf} finite before the bf16 rounding; NaN bits written "
-             f"{nan_bits(got['delta'])}, torch {nan_bits(want)}")
+        note(
+            ctx,
+            f"{b} pack bf16 overflow",
+            f"{name} data: counts {written_nf} non-finite written, "
+            f"of which {written_nf - data_nf} finite before the bf16 rounding; NaN bits written "
+            f"{nan_bits(got['delta'])}, torch {nan_bits(want)}",
+        )
 
     return per_backend(backends, one)
 
 
-def edge_checks(dev: torch.device, backends, seed: int, deadline: float, notes) -> list[dict]:
-    gen = torch.Generator().manual_seed(seed)
-    gb = 5 * 4 * BIG_N / 1e9 + 1  # outer_merge_'s five fp32 buffers (pack: four) and a margin
-    free = torch.cuda.mem_get_info(dev)[0] / 1e9 if dev.type == "cuda" else 0.0
-    big_skip = ("needs a CUDA device" if dev.type != "cuda" else
-                f"{free:.0f} GB free on the device, {gb:.0f} GB needed" if free < gb else None)
-    two_skip = ("needs CUDA devices" if dev.type != "cuda" else
-                "one GPU" if torch.cuda.device_count() < 2 else None)
-    plan = [("pack n=2^31+7", big_skip, lambda: check_big(dev, backends, gen, "pack")),
-            ("outer_merge_ n=2^31+7", big_skip, lambda: check_big(dev, backends, gen, "outer_merge_")),
-            ("second device", two_skip, lambda: check_second_device(backends, gen, notes)),
-            ("pack bf16 overflow", None, lambda: check_bf16_overflow(dev, backends, notes)),
-            ("bf16/fp16 parameters", None, lambda: check_low_precision(dev, backends, gen, notes))]
-    results = []
-    for op, skip, check in plan:
-        t0 = time.perf_counter()
-        out = {} if skip else {b: "time budget" for b in backends} if t0 > deadline else check()
-        for b in backends:
-            fail = out.get(b, "")
-            not_run = isinstance(fail, str) and fail.startswith("not run")  # said by the check itself
-            status = "pass" if fail is None else "FAIL"
-            status = "skip" if skip or fail == "time budget" or not_run else status
-            detail = skip or fail or ""
-            results.append(dict(backend=b, op=op, case="edge", status=status, detail=detail[:600],
-                                seconds=round(time.perf_counter() - t0, 3)))
-            said = "skipped" if status == "skip" else status
-            print(f"{op} ({b}): {said}{': ' + detail[:300] if detail else ''}", flush=True)
-    return results
+# --------------------------------------------------------------------------------------- tests
+def passed(out: dict[str, str | None], backend: str) -> None:
+    """A check's verdict for one backend: None passes, "not run: why" skips, anything else fails."""
+    fail = out[backend]
+    if isinstance(fail, str) and fail.startswith("not run"):
+        pytest.skip(fail)
+    assert fail is None, fail
 
 
-# ------------------------------------------------------------------------------------- driver
-def run(dev: torch.device, backends: list[str], sizes: tuple[int, ...], seed: int, deadline: float,
-        notes: dict[str, list[str]]) -> list[dict]:
-    results = []
-    interp = dev.type == "cpu" and "triton" in backends
-    skips = {"budget": "time budget", "interp": "Triton interpreter: fp32 only"}
-    for n, (dt, low, label), off in itertools.product(sizes, DTYPES, OFFSETS):
-        # Triton's interpreter: fp32 only (see the module docstring)
-        bs = [b for b in backends if not (interp and b == "triton" and (dt, low) != (F32, F32))]
-        ctx, case = Ctx(dev, off, notes), f"n={n} {label} offset={off}"
-        gen = torch.Generator().manual_seed(seed + 7919 * n + 31 * off + len(label))
-        plan = [("pack", check_pack), ("outer_merge_", check_outer_merge), ("sparse", check_sparse)]
-        plan += [("fragment_norms", check_norms), ("quantized", check_quantized)] if low is dt else []
-        plan += [("mask_indices", check_mask)] if (dt, low, off) == (F32, F32, 0) else []
-        for op, check in plan:
-            t0 = time.perf_counter()
-            out = check(ctx, n, dt, low, bs, gen) if bs and t0 < deadline else {b: "budget" for b in bs}
-            for b in backends:
-                fail = out.get(b, "interp")
-                status = "skip" if fail in skips else "pass" if fail is None else "FAIL"
-                results.append(dict(backend=b, op=op, case=case, status=status,
-                                    detail=skips.get(fail, fail or "")[:600],
-                                    seconds=round((time.perf_counter() - t0) / max(1, len(bs)), 3)))
-                if status == "FAIL":
-                    print(f"FAIL {b:6s} {op:15s} {case}: {fail[:300]}", flush=True)
-    return results
+CHECKS = {
+    "pack": check_pack,
+    "outer_merge_": check_outer_merge,
+    "sparse": check_sparse,
+    "fragment_norms": check_norms,
+    "quantized": check_quantized,
+    "mask_indices": check_mask,
+}
 
 
-def summary_md(results: list[dict], dev_name: str, notes: dict[str, list[str]], sizes) -> str:
-    lines = [f"Correctness on {dev_name} (`bench/gpu_correctness.py`): each backend against the float64 "
-             f"`*_ref` specification; sizes {'/'.join(map(str, sizes))}; fp32, fp64, bf16 wire with fp32 and "
-             f"with fp64 data; buffers at element offsets {'/'.join(map(str, OFFSETS))} (guarded); on a "
-             "non-default stream (GPU); then opcheck / compile of the registered ops.", "",
-             "| backend | op | pass | fail | skip |", "| --- | --- | --- | --- | --- |"]
-    for b, op in sorted({(r["backend"], r["op"]) for r in results}):
-        rs = [r for r in results if (r["backend"], r["op"]) == (b, op)]
-        count = {s: sum(r["status"] == s for r in rs) for s in ("pass", "FAIL", "skip")}
-        lines.append(f"| {b} | {op} | {count['pass']} | {count['FAIL']} | {count['skip']} |")
-    budget = sum(r["detail"] == "time budget" for r in results)
-    if budget:
-        lines += ["", f"**Incomplete**: {budget} checks were not started within the time budget."]
-    if notes:
-        lines += ["", "Notes (not failures):", ""]
-        lines += [f"- {k}: {'; '.join(v)}" for k, v in sorted(notes.items())]
-    lines += ["", "Edge checks:", ""] + [
-        f"- {r['backend']} {r['op']}: {'skipped: ' + r['detail'] if r['status'] == 'skip' else r['status']}"
-        for r in results if r["op"] in EDGE_OPS]
-    fails = [r for r in results if r["status"] == "FAIL"]
-    if fails:
-        lines += ["", "Failures:", ""] + [f"- {r['backend']} {r['op']} {r['case']}: {r['detail'][:300]}"
-                                          for r in fails[:40]]
-    return "\n".join(lines) + "\n"
+def _sweep():
+    """(op, n, data dtype, wire dtype, offset) of every case of the sweep."""
+    for n, (dt, low, label), off in itertools.product(SIZES, DTYPES, OFFSETS):
+        ops = ["pack", "outer_merge_", "sparse"]
+        ops += ["fragment_norms", "quantized"] if low is dt else []
+        ops += ["mask_indices"] if (dt, low, off) == (F32, F32, 0) else []
+        for op in ops:
+            yield pytest.param(op, n, dt, low, off, id=f"{op}-n{n}-{label.replace('/', '-')}-offset{off}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cuda", help="cuda, or cpu (tests this script without a GPU)")
-    ap.add_argument("--backends", default=None, help="comma-separated (default: every non-ref one available)")
-    ap.add_argument("--sizes", default=",".join(map(str, SIZES)), help="comma-separated element counts")
-    ap.add_argument("--seed", type=int, default=20261202)
-    ap.add_argument("--budget-s", type=float, default=105.0, help="start no check after this many seconds")
-    ap.add_argument("--registration", choices=("full", "opcheck", "off"), default="full")
-    ap.add_argument("--json", type=Path, default=None, help="write the per-check results here")
-    ap.add_argument("--md", type=Path, default=None, help="write a markdown summary here")
-    args = ap.parse_args(argv)
-
-    t0 = time.perf_counter()
-    dev = torch.device(args.device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        print(f"gpu_correctness: no GPU (torch {torch.__version__} sees no CUDA device): nothing checked")
-        return 0
-    backends = args.backends.split(",") if args.backends else [
-        b for b in _dispatch.available_backends(dev) if b != "ref"]
-    missing = [b for b in backends if not _dispatch.available(b, dev)]
-    if missing or not backends:
-        print(f"gpu_correctness: backend(s) {missing or 'none'} not available on {dev}", file=sys.stderr)
-        return 2
-    sizes = tuple(int(s) for s in args.sizes.split(","))
-    dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"CPU ({dev})"
-    print(f"gpu_correctness: {dev_name}, backends {backends}, sizes {sizes}", flush=True)
-    reserve = {"full": 35.0, "opcheck": 15.0, "off": 0.0}[args.registration]
-    notes: dict[str, list[str]] = {}
-    results = edge_checks(dev, backends, args.seed, t0 + args.budget_s - reserve, notes)
-    results += run(dev, backends, sizes, args.seed, t0 + args.budget_s - reserve, notes)
-    if args.registration != "off":  # Triton in the interpreter breaks opcheck (docs/design.md)
-        reg_backends = [b for b in backends if dev.type == "cuda" or b != "triton"]
-        results += registration(dev, reg_backends, args.registration, t0 + args.budget_s)
-    fails = sum(r["status"] == "FAIL" for r in results)
-    md = summary_md(results, dev_name, notes, sizes)
-    print(md)
-    seconds = time.perf_counter() - t0
-    print(f"gpu_correctness: {len(results)} checks, {fails} failed, {seconds:.1f} s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        report = dict(device=dev_name, backends=backends, sizes=sizes, offsets=OFFSETS,
-                      seconds=round(seconds, 1), notes=notes, results=results)
-        args.json.write_text(json.dumps(report, indent=1))
-    if args.md:
-        args.md.parent.mkdir(parents=True, exist_ok=True)
-        args.md.write_text(md)
-    return 1 if fails else 0
+@pytest.mark.parametrize("backend", _env.BACKENDS)
+@pytest.mark.parametrize(("op", "n", "dt", "wire", "offset"), list(_sweep()))
+def test_op_matches_the_float64_ref(op, n, dt, wire, offset, backend, gpu_device, notes, rng):
+    _env.require(backend)
+    passed(CHECKS[op](Ctx(gpu_device, offset, notes), n, dt, wire, [backend], rng), backend)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+@pytest.mark.parametrize("backend", _env.BACKENDS)
+@pytest.mark.parametrize("op", ["pack", "outer_merge_"])
+def test_past_2_31_elements(op, backend, gpu_device, rng):
+    """int64 indexing: pack (fp32 and bf16 wire) and outer_merge_ (taylor) on 2^31 + 7 elements."""
+    if gpu_device.type != "cuda":
+        pytest.skip("needs a CUDA device")
+    need = 5 * 4 * BIG_N / 1e9 + 1  # outer_merge_'s five fp32 buffers (pack: four) and a margin
+    free = torch.cuda.mem_get_info(gpu_device)[0] / 1e9
+    if free < need:
+        pytest.skip(f"{free:.0f} GB free on the device, {need:.0f} GB needed")
+    _env.require(backend)
+    passed(check_big(gpu_device, [backend], rng, op), backend)
+
+
+@pytest.mark.parametrize("backend", _env.BACKENDS)
+def test_every_op_on_a_second_device(backend, gpu_device, rng, notes):
+    if gpu_device.type != "cuda":
+        pytest.skip("needs CUDA devices")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("one GPU")
+    _env.require(backend)
+    passed(check_second_device([backend], rng, notes), backend)
+
+
+@pytest.mark.parametrize("backend", _env.BACKENDS)
+def test_pack_to_bf16_where_the_difference_overflows(backend, gpu_device, notes):
+    _env.require(backend)
+    passed(check_bf16_overflow(gpu_device, [backend], notes), backend)
+
+
+@pytest.mark.parametrize("backend", _env.BACKENDS)
+def test_bf16_and_fp16_parameters_beside_a_float32_master(backend, gpu_device, rng, notes):
+    _env.require(backend)
+    passed(check_low_precision(gpu_device, [backend], rng, notes), backend)
