@@ -17,6 +17,8 @@ from collections.abc import Iterable
 
 import torch
 
+from . import wire_formats
+
 FLOAT_DTYPES = (torch.float32, torch.float64)
 #: Parameter dtypes stored below the compute precision. Their outer state (g, u, snapshots: the
 #: master copy) is float32, the ops compute in float32 and round x to nearest even once on write.
@@ -24,9 +26,9 @@ LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 #: Every dtype the parameters x may have.
 PARAM_DTYPES = FLOAT_DTYPES + LOW_PRECISION_DTYPES
 #: What a buffer that crosses the network (pack's delta, outer_merge_'s delta_avg, the scatter's
-#: avg) may hold besides the data's own dtype. Another wire format is an entry here, a dtype code
-#: in ``_native.DTYPE_CODE``, and the kernels' support for it.
-NARROW_WIRE_DTYPES = (torch.bfloat16,)
+#: avg) may hold besides the data's own dtype: the narrow dense formats of ``wire_formats.TABLE``.
+#: Another one is a row there, a dtype code in ``_native.DTYPE_CODE``, and the kernels' support.
+NARROW_WIRE_DTYPES = wire_formats.NARROW_DTYPES
 
 
 def wire_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, ...]:

@@ -3,7 +3,7 @@
 From the top:
 
     cli  >  train, integrations, sim  >  runtime  >  ops  >
-        triton_kernels, _native, _checks, _dispatch, _config, profiling
+        triton_kernels, _native, _checks, _dispatch, _config, profiling, wire_formats
 
 - ``cli`` (``lowcomm_kernels/cli.py``) builds the parser and dispatches to ``train``.
 - ``train`` (the CLI's harness) uses the ``runtime``'s strategies and launcher.
@@ -14,6 +14,8 @@ From the top:
   ``runtime``'s strategies, at ``train``'s rank.
 - ``runtime`` (strategies, transport, launcher) uses the fused ``ops``.
 - ``ops`` call the kernels and the helpers of the bottom layer, which import only among themselves.
+  ``wire_formats`` (the one table of the wire formats, tests/test_wire_table.py) is of that layer,
+  so everything above, and the kernels' helpers, can read it.
 - the package's own ``__init__`` (it imports ``ops``, and lazily the runtime's strategies) counts as
   ``runtime``: ``ops`` and below must not import from it.
 
@@ -47,6 +49,7 @@ LAYERS = {  # first name under the package -> rank (higher imports lower)
     "_dispatch": 0,
     "_config": 0,
     "profiling": 0,
+    "wire_formats": 0,
 }
 NAMES = {4: "cli", 3: "train", 2: "runtime", 1: "ops", 0: "kernels and helpers"}
 

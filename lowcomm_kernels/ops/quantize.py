@@ -47,7 +47,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import _checks, _dispatch
+from .. import _checks, _dispatch, wire_formats
 from ..profiling import nvtx_range
 from . import outer_merge as _outer_merge
 from . import sparse as _sparse
@@ -73,7 +73,7 @@ class QuantFormat:
 
     @property
     def emin(self) -> int:
-        return 2 - (1 << (self.exp_bits - 1)) if self.kind == "float" else 0
+        return wire_formats.float_emin(self.exp_bits) if self.kind == "float" else 0
 
     def payload_bytes(self, n: int) -> int:
         """Bytes of the packed codes of n elements (4-bit formats: two codes per byte)."""
@@ -88,16 +88,10 @@ class QuantFormat:
         return self.payload_bytes(n) + 4 * self.num_scales(n, block)
 
 
+#: The quantized rows of ``wire_formats.TABLE``, in abi.h's LC_Q_* order.
 FORMATS: dict[str, QuantFormat] = {
-    f.name: f
-    for f in (
-        QuantFormat("int8", 8, "int", 127.0),
-        QuantFormat("int4", 4, "int", 7.0),
-        QuantFormat("fp8_e4m3", 8, "float", 448.0, exp_bits=4, man_bits=3),
-        QuantFormat("fp8_e5m2", 8, "float", 57344.0, exp_bits=5, man_bits=2),
-        QuantFormat("fp4_e2m1", 4, "float", 6.0, exp_bits=2, man_bits=1),
-        QuantFormat("fp4_e3m0", 4, "float", 16.0, exp_bits=3, man_bits=0),  # last: abi.h LC_Q_* codes
-    )
+    s.name: QuantFormat(s.name, s.bits, s.grid, s.qmax, exp_bits=s.exp_bits, man_bits=s.man_bits)
+    for s in wire_formats.QUANTIZED
 }
 
 
@@ -359,7 +353,7 @@ def sparse_scatter_merge_quantized_ref(
 # dequantize: out (n). reduce_quantized: out_codes / out_scales. The merges: in place, λ absolute
 # (lam_sums is None: the normalized mode dequantizes first and runs the dense merge).
 
-_FMT_CODE = {name: i for i, name in enumerate(FORMATS)}  # abi.h LC_Q_*, in FORMATS' order
+_FMT_CODE = {s.name: s.abi for s in wire_formats.QUANTIZED}  # abi.h LC_Q_*
 
 
 def _seed(sr: bool, seed: int) -> int | None:

@@ -188,15 +188,7 @@ class Strategy(abc.ABC):
         self.error_feedback = check_error_feedback(error_feedback, self.wire) if not is_topk else True
         self.sparse: TopKAllGather | None = None  # started once the ranks agreed (_join_group)
         self.quantized: QuantizedAllReduce | None = None  # started once the ranks agreed (_join_group)
-        wire_dtype = self.wire.dtype
-        if wire_dtype is None:
-            wire_dtype = dtype
-        if wire_dtype not in (dtype, torch.bfloat16):
-            raise TypeError(
-                f"wire_dtype must be {dtype} (the outer state's dtype for {self.frags.dtype} parameters) "
-                f"or torch.bfloat16, got {wire_dtype}"
-            )
-        self.wire_dtype = wire_dtype
+        self.wire_dtype = self.wire.dtype  # resolve_wire_format checked it (the dense rule's owner)
         self.on_nonfinite = on_nonfinite
         self.device = self.frags.device
         # g and u may live on the CPU to save accelerator memory; ops then run on the CPU.

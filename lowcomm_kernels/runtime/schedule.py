@@ -16,7 +16,7 @@ import torch
 from .._checks import integer
 from ..ops.outer_merge import LAM_MODES as _OP_LAM_MODES
 from ..ops.outer_merge import TAYLOR_CONTROLS
-from ..ops.quantize import FORMATS
+from ..wire_formats import DENSE, QUANTIZED, SPARSE
 
 # CoCoDC's λ modes: the fused op's ('absolute', 'normalized': one scale per fragment) and
 # 'normalized_tensor' (one scale per parameter tensor of the fragment, as the reference code does)
@@ -27,15 +27,15 @@ TIMINGS = ("emulated", "measured")
 DEFAULT_STEP_TIME_S = 0.02  # the emulated inner step of CoCoDC's timing='emulated' (20 ms)
 LOSCAR_MERGES = {"delay_corrected": 1.0, "overwrite": 0.0}  # merge name -> β of the scatter-merge
 # what users type -> the dense wire dtype, or the name of a quantized format (ops.quantize.FORMATS:
-# codes + one fp32 scale per quant_block elements, averaged by runtime.compression)
+# codes + one fp32 scale per quant_block elements, averaged by runtime.compression); the table is
+# wire_formats.TABLE
 WIRE_FORMATS: dict[str, torch.dtype | str] = {
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
-    **{name: name for name in FORMATS},
+    **{s.name: s.dtype for s in DENSE},
+    **{s.name: s.name for s in QUANTIZED},
 }
 # sparse formats, beside WIRE_FORMATS (not summed on the wire: all-gathered, runtime.topk_wire):
 # "topk", the k largest entries per chunk with error feedback (ops.topk)
-SPARSE_WIRE_FORMATS = ("topk",)
+SPARSE_WIRE_FORMATS = tuple(s.name for s in SPARSE)
 
 __all__ = [
     "LAM_MODES",

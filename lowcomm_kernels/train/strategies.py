@@ -7,9 +7,18 @@ from typing import Any
 
 import torch
 
+from ..wire_formats import BY_NAME
 from .spec import TrainSpec
 
-_WIRE = {"fp32": None, "bf16": torch.bfloat16}
+
+def _wire_argument(name: str) -> Any:
+    """The strategies' ``wire_dtype`` for a name of ``wire_formats.TABLE``: None for fp32 (the outer
+    state's own dtype: the CLI's parameters have a float32 master), another dense format's dtype,
+    else the name itself (a quantized or sparse format)."""
+    spec = BY_NAME.get(name)
+    if spec is None or spec.kind != "dense":
+        return name
+    return None if spec.dtype == torch.float32 else spec.dtype
 
 
 @dataclass
@@ -70,7 +79,7 @@ def build_strategy(
         "metrics_callback": metrics_callback,
         "process_group": group,
         "wan": rt.WAN(spec.latency_s, spec.bandwidth_bytes_per_s),
-        "wire_dtype": _WIRE.get(spec.wire_dtype, spec.wire_dtype),  # a quantized format by its name
+        "wire_dtype": _wire_argument(spec.wire_dtype),
         "quant_block": spec.quant_block,
         "error_feedback": spec.error_feedback,
     }
