@@ -19,6 +19,9 @@ seeds both configurations ran). The verdict reads the interval against 0 and the
 - "paper's effect excluded": it contains 0 but not the paper's value;
 - "opposite direction": it excludes 0 on the other side.
 
+A paper that states a direction without a number (a figure's reading) is read by the direction
+alone: "same direction", "not separated from 0" or "opposite direction".
+
 The claims were chosen after our runs were made (the papers' headline comparisons, not a
 selection by our outcome); the intervals are per claim, not corrected for their number.
 """
@@ -41,6 +44,7 @@ class Claim:
     source: str  # the paper's own numbers the ratio comes from
     method: str  # our configuration's label
     baseline: str  # our baseline's label
+    direction: int = 0  # for a claim with no number (paper None): -1 lower, +1 higher, 0 none
 
 
 def relative(values: Sequence[float | None], reference: Sequence[float | None]) -> stats.Paired:
@@ -51,13 +55,18 @@ def relative(values: Sequence[float | None], reference: Sequence[float | None]) 
     )
 
 
-def verdict(ours: stats.Paired, paper: float | None) -> str:
-    """How our interval reads against 0 and the paper's value (see the module docstring)."""
+def verdict(ours: stats.Paired, paper: float | None, direction: int = 0) -> str:
+    """How our interval reads against 0 and the paper's value, or only its direction when the paper
+    gives no number (see the module docstring)."""
     if ours.n < 2 or ours.ci_low is None or ours.ci_high is None:
         return "too few seeds"
     lo, hi = ours.ci_low, ours.ci_high
     if paper is None:
-        return "separated from 0" if lo > 0 or hi < 0 else "not separated from 0"
+        if lo <= 0 <= hi:
+            return "not separated from 0"
+        if direction == 0:
+            return "separated from 0"
+        return "same direction" if (lo > 0) == (direction > 0) else "opposite direction"
     if lo <= 0 <= hi:
         return "not resolved" if lo <= paper <= hi else "paper's effect excluded"
     if (lo > 0) != (paper > 0) or paper == 0:
@@ -67,6 +76,9 @@ def verdict(ours: stats.Paired, paper: float | None) -> str:
     return (
         "same direction, smaller" if abs(hi if paper > 0 else lo) < abs(paper) else "same direction, larger"
     )
+
+
+_WORDS = {-1: "lower", 1: "higher"}  # a claim's direction when the paper gives no number
 
 
 def _pct(v: float | None) -> str:
@@ -90,8 +102,7 @@ def table(claims: Sequence[Claim], ours: dict[tuple[str, str], stats.Paired], pa
         cell = "n/a" if o.n == 0 else _pct(o.mean)
         if o.ci_low is not None and o.ci_high is not None:
             cell += f" [{_pct(o.ci_low)}, {_pct(o.ci_high)}]"
-        paper = "not measured" if c.paper is None else _pct(c.paper)
-        lines.append(
-            f"| {c.what} | {c.metric} | {paper} | {c.source} | {cell} | {o.n} | {verdict(o, c.paper)} |"
-        )
+        paper = _pct(c.paper) if c.paper is not None else _WORDS.get(c.direction, "not measured")
+        v = verdict(o, c.paper, c.direction)
+        lines.append(f"| {c.what} | {c.metric} | {paper} | {c.source} | {cell} | {o.n} | {v} |")
     return "\n".join(lines)

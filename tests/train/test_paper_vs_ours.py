@@ -39,6 +39,22 @@ def test_verdict_reads_the_interval_against_zero_and_the_paper(lo, hi, paper, ex
     assert paper_vs_ours.verdict(_p(lo, hi), paper) == expected
 
 
+@pytest.mark.parametrize(
+    "lo, hi, direction, expected",
+    [
+        (-0.3, -0.1, -1, "same direction"),
+        (0.1, 0.3, -1, "opposite direction"),
+        (-0.3, 0.1, -1, "not separated from 0"),
+        (0.1, 0.3, 1, "same direction"),
+    ],
+)
+def test_a_claim_without_a_number_is_read_by_its_direction(lo, hi, direction, expected):
+    assert paper_vs_ours.verdict(_p(lo, hi), None, direction) == expected
+    claim = paper_vs_ours.Claim("A vs B", "final loss", None, "a figure", "A", "B", direction)
+    row = paper_vs_ours.table([claim], {("A vs B", "final loss"): _p(lo, hi)}, "paper").splitlines()[2]
+    assert ("| lower |" if direction < 0 else "| higher |") in row and row.endswith(f"| {expected} |")
+
+
 def test_verdict_needs_an_interval():
     one = stats.paired_diffs([0.3])
     assert paper_vs_ours.verdict(one, -0.2) == "too few seeds"
