@@ -16,6 +16,18 @@ group of 2 or 3 ranks:
   send, or, when reassigned after the last send, on that rank alone in finish();
 - a corrupted or truncated checkpoint at restore: CheckpointError on the rank(s) that read it, and
   restoring every rank from the previous generation ends bit-identical to the uninterrupted run;
+- a checkpoint saved with a sync in flight under one wire format (fp32, bf16, int8, int4, fp8, fp4;
+  error feedback on or off) and loaded under another or the same: a strategy with error feedback
+  whose checkpoint holds no residual refuses it with CheckpointError naming the residual on every
+  rank, nothing changed (parameters, optimizer state, g, u, step); anything else loads (the result in
+  flight records the wire it was sent in) and follows the uninterrupted run bit for bit until that
+  result has landed, to the end under the same wire, each rank's residual restored as saved (or
+  dropped with a warning when the loader has no error feedback);
+- a checkpoint written by a group of R ranks loaded by one of R +- 1 (all ranks, or all but the
+  last): the plain per-rank file is refused naming world_size on every loading rank, nothing
+  changed; the DCP save resumes with the saved g, u, step and syncs in flight and follows the
+  writers bit for bit until those have landed (fp32, bf16 and quantized wires), then stays
+  replicated; with error feedback DCP refuses it naming the per-rank residuals;
 - SIGKILL of a random rank at a random step (or while it writes a checkpoint): every survivor
   raises SyncError naming the sync within timeout_s (+ margin); restarting ALL ranks from the
   newest checkpoint generation they all hold ends bit-identical (torch.equal on every parameter)
@@ -59,14 +71,18 @@ SEGMENT_GRACE_S = 90.0  # a group's bound beyond its soak deadline: start-up, re
 
 # ----- verdicts: each returns the broken guarantees of one episode (empty: correct) --------------
 
+
 def _same(values) -> bool:
     values = list(values)
     return all(v == values[0] for v in values[1:])
 
 
 def _judge_soak(ep: dict, recs: list[dict | None]) -> list[str]:
-    bad = [f"rank {r} left no result (its process died or the group lost its pairing)"
-           for r, rec in enumerate(recs) if rec is None]
+    bad = [
+        f"rank {r} left no result (its process died or the group lost its pairing)"
+        for r, rec in enumerate(recs)
+        if rec is None
+    ]
     if bad:
         return bad
     for r, rec in enumerate(recs):
@@ -89,8 +105,11 @@ def _judge_clean(ep, res) -> list[str]:
     if any(x["skipped"] for x in res):
         bad.append(f"a fault-free run skipped syncs: {[x['skipped'] for x in res]}")
     bad += _agreement(ep, res)
-    bad += [f"rank {r}: a rerun is not bit-identical (parameters {x['diff']})"
-            for r, x in enumerate(res) if not x["deterministic"]]
+    bad += [
+        f"rank {r}: a rerun is not bit-identical (parameters {x['diff']})"
+        for r, x in enumerate(res)
+        if not x["deterministic"]
+    ]
     return bad
 
 
@@ -132,8 +151,11 @@ def _judge_nan(ep, res) -> list[str]:
         rec = [x["recovery"] for x in res]
         if not _same(rec) or rec[0] <= 0:
             bad.append(f"LOSCAR recovery bytes by rank: {rec} (the poisoned rank restarts from a peer)")
-    bad += [f"rank {r}: a rerun with the same NaN is not bit-identical (parameters {x['diff']})"
-            for r, x in enumerate(res) if not x["deterministic"]]
+    bad += [
+        f"rank {r}: a rerun with the same NaN is not bit-identical (parameters {x['diff']})"
+        for r, x in enumerate(res)
+        if not x["deterministic"]
+    ]
     return bad
 
 
@@ -156,8 +178,10 @@ def _judge_stuck(ep, res) -> list[str]:
     bad = _all_raise(res, "FloatingPointError", [f"rank(s) [{ep['rank']}]", "consecutive syncs"])
     if bad and all(x["error"] is None for x in res):  # say how the run went on instead
         recs = res[0]["records"]
-        bad.append(f"the run completed: {sum(r[3] for r in recs)} of {len(recs)} syncs skipped, "
-                   f"syncs (fragment, sent, applied, skipped, round): {recs}")
+        bad.append(
+            f"the run completed: {sum(r[3] for r in recs)} of {len(recs)} syncs skipped, "
+            f"syncs (fragment, sent, applied, skipped, round): {recs}"
+        )
     return bad
 
 
@@ -166,8 +190,12 @@ def _judge_views(ep, res) -> list[str]:
     if mine.startswith("ParameterViewError") and " finish at step " in mine:
         # reassigned after the last send: finish() catches it on that rank alone (the others'
         # results are complete), naming what broke
-        bad = [f"rank {r}: expected no error (the fault was on rank {ep['rank']} after the last send), "
-               f"got {x['error']!r}" for r, x in enumerate(res) if r != ep["rank"] and x["error"]]
+        bad = [
+            f"rank {r}: expected no error (the fault was on rank {ep['rank']} after the last send), "
+            f"got {x['error']!r}"
+            for r, x in enumerate(res)
+            if r != ep["rank"] and x["error"]
+        ]
         if ep["how"] == "data" and repr(ep["param"]) not in mine:
             bad.append(f"the broken rank's error does not name {ep['param']!r}: {mine}")
         return bad
@@ -188,8 +216,11 @@ def _judge_views(ep, res) -> list[str]:
 
 
 def _judge_config(ep, res) -> list[str]:
-    bad = [f"rank {r}: failed at {x['stage']}, not at construction: {x['error']}"
-           for r, x in enumerate(res) if x["stage"] != "construct"]
+    bad = [
+        f"rank {r}: failed at {x['stage']}, not at construction: {x['error']}"
+        for r, x in enumerate(res)
+        if x["stage"] != "construct"
+    ]
     if bad:
         return bad
     words = [f"the first difference is {ep['field']} ("]
@@ -206,8 +237,10 @@ def _judge_restore(res, victims: list[int], fallback: int, notes: list[str]) -> 
             continue
         if r in victims:
             if a["error"] is None:
-                notes.append(f"rank {r} loaded its damaged file without error (the damage left the content "
-                             "identical; the run must still end bit-identical)")
+                notes.append(
+                    f"rank {r} loaded its damaged file without error (the damage left the content "
+                    "identical; the run must still end bit-identical)"
+                )
             elif not a["error"].startswith("CheckpointError:"):
                 bad.append(f"rank {r}: a damaged checkpoint raised {a['error']!r}, not CheckpointError")
             else:
@@ -218,8 +251,9 @@ def _judge_restore(res, victims: list[int], fallback: int, notes: list[str]) -> 
     if not _same(loaded) or loaded[0] is None:
         bad.append(f"ranks restored different generations or none: {loaded}")
     elif any(a is not None and a["error"] for a in first) and loaded[0] != fallback:
-        bad.append(f"after a refusal the ranks restored step {loaded[0]}, "
-                   f"not the previous generation {fallback}")
+        bad.append(
+            f"after a refusal the ranks restored step {loaded[0]}, not the previous generation {fallback}"
+        )
     return bad
 
 
@@ -245,11 +279,127 @@ def _judge_corrupt(ep, res) -> list[str]:
     return bad
 
 
-JUDGES = {"clean": _judge_clean, "nan": _judge_nan, "stuck": _judge_stuck, "views": _judge_views,
-          "config": _judge_config, "corrupt": _judge_corrupt}
+def _judge_wire(ep, res) -> list[str]:
+    """Saved with a sync in flight under one wire format (error feedback on or off), loaded under
+    another or the same. A strategy with error feedback has a residual to restore: a checkpoint
+    without one is refused by name on every rank, nothing changed. Anything else loads (the result in
+    flight records the wire it was sent in): bit-identical to the uninterrupted run until that result
+    has landed, to the end under the same wire; residuals come back per rank, or are dropped aloud."""
+    bad = [f"rank {r}: the uninterrupted run failed: {x['error']}" for r, x in enumerate(res) if x["error"]]
+    if bad:
+        return bad
+    notes = ep.setdefault("notes", [])
+    if any(x.get("skip") for x in res):
+        if not all(x.get("skip") for x in res):
+            return [f"ranks disagree on whether a sync was in flight: saved at {[x['saved'] for x in res]}"]
+        notes.append("no sync in flight from save_from on: nothing saved")
+        return bad
+    saved = [x["saved"] for x in res]
+    if not _same(saved) or not _same(x["in_flight"] for x in res):
+        bad.append(
+            f"ranks saved at different steps or syncs in flight: {saved}, {[x['in_flight'] for x in res]}"
+        )
+    save_ef, load_ef = ep["kw"]["error_feedback"], ep["load_kw"]["error_feedback"]
+    if load_ef and not save_ef:
+        bad += _all_raise([{"error": x["refused"]} for x in res], "CheckpointError", ["residual"])
+        bad += [
+            f"rank {r}: the refused load changed {x['changed']}"
+            for r, x in enumerate(res)
+            if x.get("changed")
+        ]
+        return bad
+    for r, x in enumerate(res):
+        if x["refused"]:
+            bad.append(f"rank {r}: the checkpoint was refused: {x['refused']}")
+            continue
+        if x["error_b"]:
+            bad.append(f"rank {r}: the resumed run failed: {x['error_b']}")
+        if x["differ"]:
+            bad.append(
+                f"rank {r}: the resumed run differs from the uninterrupted one at steps {x['differ']} "
+                f"(exact until step {x['until']}: the result in flight lands there)"
+            )
+        if ep["load_kw"] == ep["kw"] and not x["end_equal"]:
+            bad.append(f"rank {r}: under the same wire the resumed run does not end bit-identical")
+        if save_ef and load_ef and not x["residual_equal"]:
+            bad.append(f"rank {r}: its error-feedback residual was not restored as saved")
+        dropped = any("error-feedback residuals" in m for m in x["logged"])
+        if dropped != (save_ef and not load_ef):
+            bad.append(
+                f"rank {r}: residuals dropped aloud: {dropped}, expected {save_ef and not load_ef} "
+                f"(logged {x['logged']})"
+            )
+    if save_ef and load_ef and len(res) > 1 and len({x["residual_saved"] for x in res}) < len(res):
+        notes.append("two ranks saved the same residual (the per-rank check is weaker here)")
+    if not bad and res[0]["in_flight"]:
+        notes.append(f"in flight at step {saved[0]}: {res[0]['in_flight']}, exact until {res[0]['until']}")
+    return bad
+
+
+def _judge_resize(ep, res) -> list[str]:
+    """Saved by a group of one size, loaded by a group of another: a plain (per-rank) checkpoint is
+    refused naming the world size on every loading rank, nothing changed; the DCP save resumes with
+    the saved g, u, step and syncs in flight, follows the writers bit for bit until those have landed,
+    and stays replicated (with error feedback: refused naming the residuals on every loading rank)."""
+    bad = [f"rank {r}: the writers' run failed: {x['error']}" for r, x in enumerate(res) if x["error"]]
+    if bad:
+        return bad
+    loaders = [x for x in res if x["loader"]]
+    if any(x.get("skip") for x in loaders):
+        ep.setdefault("notes", []).append("the writers never saved")
+        return bad
+    for r, x in enumerate(res):
+        if not x["loader"]:
+            continue
+        err = x["plain_refused"] or ""
+        if not err.startswith("CheckpointError:") or "world_size" not in err:
+            bad.append(f"rank {r}: a plain checkpoint of another world size was not refused by name: {err!r}")
+        if x["plain_changed"]:
+            bad.append(f"rank {r}: the refused plain load changed {x['plain_changed']}")
+        if ep["kw"]["error_feedback"]:
+            if (
+                not (x["dcp_refused"] or "").startswith("CheckpointException")
+                or "error_feedback_residual_by_rank" not in x["dcp_refused"]
+            ):
+                bad.append(
+                    f"rank {r}: a DCP save with error feedback on another number of ranks: "
+                    f"expected a refusal naming the residuals, got {x['dcp_refused']!r}"
+                )
+            continue
+        if x["dcp_refused"]:
+            bad.append(f"rank {r}: the DCP resume was refused: {x['dcp_refused']}")
+            continue
+        if x["loaded"] != x["saved"]:
+            bad.append(f"rank {r}: DCP resumed {x['loaded']}, saved {x['saved']}")
+        if x["error_b"]:
+            bad.append(f"rank {r}: the resumed run failed: {x['error_b']}")
+        elif x["differ"]:
+            bad.append(
+                f"rank {r}: g / u differ from the writers' at steps {x['differ']} (before the syncs "
+                f"in flight at the save had landed)"
+            )
+        if not x["finite"]:
+            bad.append(f"rank {r}: parameters not finite at the end")
+    done = [x for x in loaders if x.get("final_g") is not None]
+    if not bad and not _same(x["final_g"] for x in done):
+        bad.append("g / u differ between the loading ranks at the end (silent divergence)")
+    return bad
+
+
+JUDGES = {
+    "clean": _judge_clean,
+    "nan": _judge_nan,
+    "stuck": _judge_stuck,
+    "views": _judge_views,
+    "config": _judge_config,
+    "corrupt": _judge_corrupt,
+    "wire": _judge_wire,
+    "resize": _judge_resize,
+}
 
 
 # ----- the SIGKILL episode ---------------------------------------------------------------------
+
 
 def _load(path: str):
     if not os.path.exists(path):
@@ -272,8 +422,9 @@ def _common_generations(d: str, world: int) -> tuple[list[int], list[str]]:
             try:
                 held.append(read_checkpoint(p)["strategy"]["step"])
             except Exception as e:  # an atomic writer never leaves a damaged file behind
-                problems.append(f"{os.path.basename(p)} written by the killed run is unreadable: "
-                                f"{type(e).__name__}: {e}")
+                problems.append(
+                    f"{os.path.basename(p)} written by the killed run is unreadable: {type(e).__name__}: {e}"
+                )
                 held.append(None)
         if held == [s] * world:
             common.append(s)
@@ -338,30 +489,40 @@ def _judge_restart(r: dict, out: str, notes: list[str]) -> tuple[list[str], floa
     recs = [_load(os.path.join(out, f"restart_{ep['id']}_rank{k}.pkl")) for k in range(ep["world"])]
     seconds = max((x["seconds"] for x in recs if x is not None), default=0.0)
     bad = [f"restart: rank {k} left no result" for k, x in enumerate(recs) if x is None]
-    bad += [f"restart: rank {k}: the test's own steps failed: {x['harness_error']}"
-            for k, x in enumerate(recs) if x is not None and x["harness_error"]]
+    bad += [
+        f"restart: rank {k}: the test's own steps failed: {x['harness_error']}"
+        for k, x in enumerate(recs)
+        if x is not None and x["harness_error"]
+    ]
     if bad:
         return bad, seconds
     res = [x["result"] for x in recs]
     if r["victims"]:
         bad += _judge_restore(res, r["victims"], candidates[1], notes)
     elif not _same(x["loaded"] for x in res) or res[0]["loaded"] != candidates[0]:
-        bad.append(f"restart loaded {[x['loaded'] for x in res]}, expected {candidates[0]} on every rank "
-                   f"(attempts {[x['attempts'] for x in res]})")
+        bad.append(
+            f"restart loaded {[x['loaded'] for x in res]}, expected {candidates[0]} on every rank "
+            f"(attempts {[x['attempts'] for x in res]})"
+        )
     for k, x in enumerate(res):
         if x["error"] or x["ref_error"]:
             bad.append(f"rank {k}: restarted run error {x['error']!r}, reference error {x['ref_error']!r}")
         elif x["diff"]:
-            bad.append(f"rank {k}: restart from step {x['loaded']} is not bit-identical to the uninterrupted "
-                       f"run: parameters {x['diff']}")
+            bad.append(
+                f"rank {k}: restart from step {x['loaded']} is not bit-identical to the uninterrupted "
+                f"run: parameters {x['diff']}"
+            )
     return bad, seconds
 
 
 # ----- the chain of groups ---------------------------------------------------------------------
 
+
 def _soak_verdicts(world: int, out: str) -> list[tuple[dict, list[str], float]]:
-    ids = sorted({f.split("_")[1] for f in os.listdir(out) if f.startswith("ep_") and f.endswith(".pkl")},
-                 key=lambda i: int(i[1:]))
+    ids = sorted(
+        {f.split("_")[1] for f in os.listdir(out) if f.startswith("ep_") and f.endswith(".pkl")},
+        key=lambda i: int(i[1:]),
+    )
     verdicts = []
     for i in ids:
         recs = [_load(os.path.join(out, f"ep_{i}_rank{r}.pkl")) for r in range(world)]
@@ -388,8 +549,10 @@ def test_chaos_soak(tmp_path):
     world = rt_chaos.soak_world(seed)
     t0 = time.monotonic()
     deadline = t0 + seconds
-    print(f"chaos: seed {seed}, {world} ranks, {seconds:.0f} s "
-          f"(replay: LOWCOMM_CHAOS_SEED={seed} LOWCOMM_CHAOS_ONLY=<ids, e.g. s3,k0>)")
+    print(
+        f"chaos: seed {seed}, {world} ranks, {seconds:.0f} s "
+        f"(replay: LOWCOMM_CHAOS_SEED={seed} LOWCOMM_CHAOS_ONLY=<ids, e.g. s3,k0>)"
+    )
     verdicts: list[tuple[dict, list[str], float]] = []
     failures: list[str] = []
     fixed = FIXED_GUESS_S * world / 2  # what a group costs besides soaking; measured in the first one
@@ -409,8 +572,11 @@ def test_chaos_soak(tmp_path):
                 kill_index, soak_until = n_kill, now + fixed + (left - 2 * fixed) / 2
             else:
                 kill_index, soak_until = None, deadline
-            plan = {"first": next_soak, "min": MIN_SOAK_EPISODES if seg == 0 else 0,
-                    "deadline": time.time() + (soak_until - now)}
+            plan = {
+                "first": next_soak,
+                "min": MIN_SOAK_EPISODES if seg == 0 else 0,
+                "deadline": time.time() + (soak_until - now),
+            }
         kill_ep = rt_chaos.kill_episode(seed, world, kill_index) if kill_index is not None else None
         plan.update(restart=restart and {k: restart[k] for k in ("ep", "dir", "candidates")}, kill=kill_ep)
         out = str(tmp_path / f"group{seg}")
@@ -419,14 +585,22 @@ def test_chaos_soak(tmp_path):
             print(rt_chaos.describe(kill_ep), flush=True)
         t_spawn, t_group = time.time(), time.monotonic()
         try:
-            res = spawn_local(f"{CHAOS}:segment", world, (seed, plan, out), pg_timeout_s=PG_TIMEOUT_S,
-                              timeout_s=max(0.0, soak_until - time.monotonic()) + SEGMENT_GRACE_S,
-                              allow_dead=(kill_ep["victim"],) if kill_ep else ())
+            res = spawn_local(
+                f"{CHAOS}:segment",
+                world,
+                (seed, plan, out),
+                pg_timeout_s=PG_TIMEOUT_S,
+                timeout_s=max(0.0, soak_until - time.monotonic()) + SEGMENT_GRACE_S,
+                allow_dead=(kill_ep["victim"],) if kill_ep else (),
+            )
             ready = [x["ready"] for x in res if x is not None]
             if seg == 0 and ready:
                 fixed = max(ready) - t_spawn + KILL_COST_S
-            print(f"group {seg}: {max(x['episodes'] for x in res if x is not None)} soak episodes in "
-                  f"{time.monotonic() - t_group:.0f} s, start-up {max(ready) - t_spawn:.0f} s", flush=True)
+            print(
+                f"group {seg}: {max(x['episodes'] for x in res if x is not None)} soak episodes in "
+                f"{time.monotonic() - t_group:.0f} s, start-up {max(ready) - t_spawn:.0f} s",
+                flush=True,
+            )
             failures += sorted({f"group {seg}: {x['desync']}" for x in res if x is not None and x["desync"]})
         except RuntimeError as e:  # a rank hung, died of a signal, or failed outside an episode
             failures.append(f"group {seg} failed: {e}")
@@ -459,19 +633,34 @@ def test_chaos_soak(tmp_path):
         if ep.get("restart_corrupt"):
             counts["corrupt"] += 1
     broken = [f"{rt_chaos.describe(ep)}\n    " + "\n    ".join(bad) for ep, bad, _ in verdicts if bad]
-    line = (f"chaos: {len(verdicts)} episodes, {sum(counts.values())} faults ("
-            + ", ".join(f"{k}: {v}" for k, v in counts.items()) + f") in {elapsed:.0f} s")
+    line = (
+        f"chaos: {len(verdicts)} episodes, {sum(counts.values())} faults ("
+        + ", ".join(f"{k}: {v}" for k, v in counts.items())
+        + f") in {elapsed:.0f} s"
+    )
     print(line)
     report = os.environ.get("LOWCOMM_CHAOS_REPORT")
     if report:
         with open(report, "w") as f:
-            json.dump({"summary": line, "seed": seed, "world": world, "seconds_budget": seconds,
-                       "elapsed_s": round(elapsed, 1), "episodes": len(verdicts),
-                       "faults": sum(counts.values()), "by_kind": counts, "failures": failures + broken,
-                       "notes": {ep["id"]: ep["notes"] for ep, _, _ in verdicts if ep.get("notes")}},
-                      f, indent=2)
+            json.dump(
+                {
+                    "summary": line,
+                    "seed": seed,
+                    "world": world,
+                    "seconds_budget": seconds,
+                    "elapsed_s": round(elapsed, 1),
+                    "episodes": len(verdicts),
+                    "faults": sum(counts.values()),
+                    "by_kind": counts,
+                    "failures": failures + broken,
+                    "notes": {ep["id"]: ep["notes"] for ep, _, _ in verdicts if ep.get("notes")},
+                },
+                f,
+                indent=2,
+            )
     assert not failures and not broken, "\n".join(
-        [line, f"replay: LOWCOMM_CHAOS_SEED={seed} LOWCOMM_CHAOS_ONLY=<ids>"] + failures + broken)
+        [line, f"replay: LOWCOMM_CHAOS_SEED={seed} LOWCOMM_CHAOS_ONLY=<ids>"] + failures + broken
+    )
     assert verdicts, "no episode ran"
 
 
