@@ -60,7 +60,7 @@ if __package__ in (None, ""):  # run as a script: the checkout's package first
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 PACKAGE = "lowcomm_kernels.triton_kernels"
-MODULES = ("pack", "outer_merge", "mask_indices", "sparse", "fragment_norms", "quantize")
+MODULES = ("pack", "outer_merge", "mask_indices", "sparse", "fragment_norms", "quantize", "topk")
 SMS = {80: 108, 90: 132}  # A100, H100/H200: the programs per SM of the reductions scale with it
 #: n (or k) of each size kind: how Triton specialises an integer argument
 SIZES = {"n=1": 1, "i32": 4099, "i32/16": 65536, "i64": 2**31 + 3, "i64/16": 2**31 + 16}
@@ -136,7 +136,7 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
 
     # From sys.modules (as _recording patches them), not the package's attributes, which may still
     # point at modules imported earlier under the interpreter.
-    pack, outer_merge, mask_indices, sparse, fragment_norms, quantize = (
+    pack, outer_merge, mask_indices, sparse, fragment_norms, quantize, topk = (
         importlib.import_module(f"{PACKAGE}.{m}") for m in MODULES
     )
     f32, f64, bf16 = torch.float32, torch.float64, torch.bfloat16
@@ -410,13 +410,67 @@ def _cases(quick: bool) -> Iterator[tuple[str, Callable[[], None]]]:
         yield f"fragment_norms x={low[xdt]}", call
 
     yield from _quantize_cases(quantize, quick, name)
+    yield from _topk_cases(topk, quick)
+
+
+#: (k, chunk, bits) of the top-k launches: the defaults, 1 bit (the fp64 sum), a chunk that is not a
+#: power of two, k = chunk, the smallest format, and a chunk over several tiles (the tiled path)
+TOPK_FORMATS = ((64, 4096, 2), (64, 4096, 1), (256, 1000, 4), (4096, 4096, 4), (1, 2, 1), (16, 100000, 2))
+
+
+def _topk_cases(topk: Any, quick: bool) -> Iterator[tuple[str, Callable]]:
+    """topk_encode (fp32 delta and e: fragment views; the payload: an op's or a caller's buffer)
+    and topk_decode_add (into fp32 and fp64)."""
+    import torch
+
+    def payload_bytes(n: int, k: int, chunk: int, bits: int) -> int:
+        kf, kl, nc, val0, ibf, vbf, ib = topk._geometry(k, chunk, bits, n)
+        return val0 + (nc - 1) * vbf + (kl * bits + 7) // 8
+
+    cases = (
+        [(f, list(SIZES)[i % 5], ALIGNS[i % 3]) for i, f in enumerate(TOPK_FORMATS)]
+        if quick
+        else list(itertools.product(TOPK_FORMATS, SIZES, ALIGNS))
+    )
+    for (k, chunk, bits), size, align in cases:
+        n = SIZES[size]
+
+        def call(k=k, chunk=chunk, bits=bits, n=n, align=align):
+            topk.launch_topk_encode(
+                _tensor(n, torch.float32, "view", align),
+                _tensor(n, torch.float32, "view", align),
+                _tensor(payload_bytes(n, k, chunk, bits), torch.uint8, "out", align),
+                _tensor(1, torch.int64, "fresh", align)[0],
+                k,
+                chunk,
+                bits,
+                0.95,
+            )
+
+        yield f"topk_encode k={k} chunk={chunk} bits={bits} n={size} {align}", call
+        for odt in (torch.float32, torch.float64):
+
+            def call(k=k, chunk=chunk, bits=bits, n=n, align=align, odt=odt):
+                topk.launch_topk_decode_add(
+                    _tensor(n, odt, "view", align),
+                    _tensor(payload_bytes(n, k, chunk, bits), torch.uint8, "out", align),
+                    k,
+                    chunk,
+                    bits,
+                )
+
+            yield f"topk_decode_add k={k} chunk={chunk} bits={bits} out={odt} n={size} {align}", call
 
 
 #: The quantized formats as the Triton launchers receive them: (BITS, IS_FLOAT, M, EMIN, QMAX), the
-#: constants ops/quantize.py forms from the same table (lowcomm_kernels.wire_formats).
+#: constants ops/quantize.py forms from its FORMATS (a layer above, not imported here).
 QFORMATS = {
-    s.name: (s.bits, s.grid == "float", s.man_bits, s.emin, s.qmax)
-    for s in importlib.import_module("lowcomm_kernels.wire_formats").QUANTIZED
+    "int8": (8, False, 0, 0, 127.0),
+    "int4": (4, False, 0, 0, 7.0),
+    "fp8_e4m3": (8, True, 3, -6, 448.0),
+    "fp8_e5m2": (8, True, 2, -14, 57344.0),
+    "fp4_e2m1": (4, True, 1, 0, 6.0),
+    "fp4_e3m0": (4, True, 0, -2, 16.0),
 }
 QBLOCKS = (2, 128, 4096)  # the smallest block, the runtime's default, one tile's worth
 SR_KEY = -0x3C6EF372FE94F82B  # a signed 64-bit stochastic-rounding key (a key of 0: no rounding stream)

@@ -48,7 +48,7 @@ import torch
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
-from ._common import LAUNCHERS, code, compiling, declare, launch, launcher, native, traced_call
+from ._common import LAUNCHERS, code, compiling, declare, launch, launcher, native, traced_call, triton
 
 BITS = (1, 2, 4)  # the value widths the format has
 MAX_CHUNK = 1 << 30  # indices fit 30 bits; the kernels key a chunk's entries by value and index
@@ -246,9 +246,17 @@ def _(out, payload, k, chunk, bits):
     topk_decode_add_ref(out, payload, TopKFormat(k, chunk, bits))
 
 
-# No Triton kernel yet: on 'triton' the specification runs in torch on the tensors' device.
-launcher("topk_encode", "triton")(LAUNCHERS[("topk_encode", "ref")])
-launcher("topk_decode_add", "triton")(LAUNCHERS[("topk_decode_add", "ref")])
+triton("topk_encode", "topk", "launch_topk_encode")
+triton("topk_decode_add", "topk", "launch_topk_decode_add")
+_triton_encode = LAUNCHERS[("topk_encode", "triton")]
+
+
+@launcher("topk_encode", "triton")
+def _(delta, e, *rest):
+    # The Triton kernel encodes fp32; fp64 data runs the specification in torch on its device.
+    (_triton_encode if e.dtype == torch.float32 else LAUNCHERS[("topk_encode", "ref")])(delta, e, *rest)
+
+
 native(
     "topk_encode",
     "lc_topk_encode",
@@ -368,8 +376,8 @@ def topk_encode(
             per value (1, 2 or 4).
         beta: e's decay, in [0, 1].
         payload_out: optional preallocated uint8 payload of ``TopKFormat.payload_bytes(n)``.
-        backend: 'ref' | 'cpu' | 'cuda' (fp32, chunk <= 4096) | 'triton' (no kernel yet: the
-            reference on the device); default by device, see ``_dispatch``.
+        backend: 'ref' | 'cpu' | 'cuda' (fp32, chunk <= 4096) | 'triton' (fp32, any chunk; fp64
+            runs the reference on the device); default by device, see ``_dispatch``.
         check_values: True (the default) refuses a non-finite delta or e before anything is
             written (a host read); False (the runtime, which skips such a sync on every rank)
             encodes and reports them: the chunk's scale is NaN and the count is returned.

@@ -1,7 +1,8 @@
 """Triton backend: one module per op, each with ``_<op>_kernel`` (``@triton.jit``) and a
 ``launch_<op>`` launcher that writes into buffers the caller provides. The reductions
 (``launch_fragment_norms``, ``launch_taylor_norms``) also allocate a small float64 scratch of
-per-program partial sums; the other launchers allocate nothing. Every launch runs inside
+per-program partial sums, and ``launch_topk_encode`` an int32 row of selected indices per chunk; the
+other launchers allocate nothing. Every launch runs inside
 ``_launch.on_device(t)``, on the data's device and that device's current stream, whatever device
 is current; no launcher reads device data on the host.
 

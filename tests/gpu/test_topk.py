@@ -19,8 +19,7 @@ pytestmark = pytest.mark.gpu
 CASES = [(3 * 4096 + 77, 64, 4096, 2), (4096, 64, 4096, 1), (1001, 7, 100, 1), (999, 16, 64, 4),
          (37, 5, 16, 2), (40, 16, 16, 2), (3, 5, 8, 2), (1, 1, 2, 1), (65537, 300, 1000, 2),
          (1 << 20, 64, 4096, 2), (5000, 4096, 4096, 2)]  # fmt: skip
-#: the backends with a top-k kernel of their own (the 'triton' backend runs the reference in torch)
-BACKENDS = [b for b in _env.BACKENDS if b != "triton"]
+BACKENDS = list(_env.BACKENDS)  # triton (triton_kernels/topk.py) and cuda (csrc/cuda/topk.cu)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
