@@ -463,14 +463,10 @@ def _topk_cases(topk: Any, quick: bool) -> Iterator[tuple[str, Callable]]:
 
 
 #: The quantized formats as the Triton launchers receive them: (BITS, IS_FLOAT, M, EMIN, QMAX), the
-#: constants ops/quantize.py forms from its FORMATS (a layer above, not imported here).
+#: constants ops/quantize.py forms from the same table (lowcomm_kernels.wire_formats).
 QFORMATS = {
-    "int8": (8, False, 0, 0, 127.0),
-    "int4": (4, False, 0, 0, 7.0),
-    "fp8_e4m3": (8, True, 3, -6, 448.0),
-    "fp8_e5m2": (8, True, 2, -14, 57344.0),
-    "fp4_e2m1": (4, True, 1, 0, 6.0),
-    "fp4_e3m0": (4, True, 0, -2, 16.0),
+    s.name: (s.bits, s.grid == "float", s.man_bits, s.emin, s.qmax)
+    for s in importlib.import_module("lowcomm_kernels.wire_formats").QUANTIZED
 }
 QBLOCKS = (2, 128, 4096)  # the smallest block, the runtime's default, one tile's worth
 SR_KEY = -0x3C6EF372FE94F82B  # a signed 64-bit stochastic-rounding key (a key of 0: no rounding stream)
