@@ -96,7 +96,12 @@ def test_the_walk_sees_every_layer_and_resolves_relative_imports():
     assert {layer(m) for m in MODULES} == set(NAMES)
     found = {m for _, m in imports(f"{PACKAGE}.train.commands", MODULES[f"{PACKAGE}.train.commands"])}
     assert f"{PACKAGE}.train.args" in found  # from .args import ...
-    assert f"{PACKAGE}.runtime.launch" in found  # inside a function: from ..runtime.launch import ...
+    assert f"{PACKAGE}.train.render" in found  # from . import render
+    found = {m for _, m in imports(f"{PACKAGE}.train.tasks.lm", MODULES[f"{PACKAGE}.train.tasks.lm"])}
+    assert f"{PACKAGE}.train.args" in found  # in a sub-package: from ..args import ...
+    assert f"{PACKAGE}.runtime.launch" in found  # from ...runtime.launch import ...
+    found = {m for _, m in imports(f"{PACKAGE}.train.faults", MODULES[f"{PACKAGE}.train.faults"])}
+    assert f"{PACKAGE}.train.worker" in found  # an import over several lines
     found = {m for _, m in imports(f"{PACKAGE}.runtime.cocodc", MODULES[f"{PACKAGE}.runtime.cocodc"])}
     assert f"{PACKAGE}.ops" in found  # from .. import ops
 
@@ -124,3 +129,93 @@ def test_the_simulator_is_a_room_of_its_own():
                     f"{module} line {line}: the simulator reads only the runtime's schedule rules and "
                     f"wire formats, got {target}"
                 )
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm): each holds an
+    import circle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+TRAIN = sorted(m for m in MODULES if m.startswith(f"{PACKAGE}.train"))
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_circle_inside_train():
+    """train's modules import one another without a circle, imports inside functions counted: a
+    function-local import hides a circle, it does not remove it (a piece both sides need belongs in
+    a module below both)."""
+    graph = {m: {t for _, t in imports(m, MODULES[m]) if t in TRAIN and t != m} for m in TRAIN}
+    circles = _circles(graph)
+    assert not circles, "import circles inside train: " + "; ".join(" <-> ".join(c) for c in circles)
+
+
+def test_train_imports_its_own_modules_at_module_level():
+    """No module of train imports another of train inside a function (that is how circles were
+    hidden); function-local imports are left to optional or heavy packages (matplotlib, tqdm,
+    scikit-learn, scipy, torchft), each with a comment saying why."""
+    local = []
+    for m in TRAIN:
+        path = MODULES[m]
+        tree = ast.parse(path.read_text())
+        top = {(n.lineno, n.col_offset) for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))}
+        nested = {
+            n.lineno
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom)) and (n.lineno, n.col_offset) not in top
+        }
+        local += [f"{m} line {line}: {t}" for line, t in imports(m, path) if line in nested and t in TRAIN]
+    assert not local, "function-local imports of train's own modules: " + "; ".join(local)
+
+
+def test_lowcomm_report_finds_a_study_by_its_name_not_by_branches():
+    """``lowcomm report`` and the commands look a study up in ``studies.STUDIES`` (each study's
+    configurations, command and renderer); none of them compares a name with a study's."""
+    from lowcomm_kernels.train.studies import STUDIES
+
+    names = set(STUDIES)
+
+    def study_names(node: ast.AST) -> set[str]:
+        return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in names}
+
+    branches = []
+    for module in ("render", "report", "commands", "studies"):
+        path = MODULES[f"{PACKAGE}.train.{module}"]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and study_names(node):
+                branches.append(f"{path.name} line {node.lineno}: {sorted(study_names(node))}")
+    assert not branches, "branches on a study's name: " + "; ".join(branches)

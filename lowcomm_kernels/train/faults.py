@@ -37,10 +37,37 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.multiprocessing as mp
+from torch.distributed import TCPStore
+
+from ..runtime.base import tensor_hash
+from . import presets, provenance
+from .args import out_dir, parse_methods
+from .corpus import eval_set, sample_batch, worker_shard
 from .errors import UsageError
+from .extras import require
+from .model import TinyLlama, num_parameters
+from .report import EvalPoint, RunResult, auto_target, comparison_rows, format_table, plot_curves, write_json
+from .runner import _Progress
+from .spec import METHODS, PARAM_DTYPES, WIRE_DTYPE_NAMES
+from .strategies import CommTotals, build_strategy
+from .tasks.lm import build_specs, load_checked_corpus
+from .timeline import draw, load_intervals
+from .worker import (
+    _flat_float32,
+    _profiler,
+    _windows_loss_sum,
+    eval_batch_windows,
+    lr_lambda,
+    slim_trace,
+    stretch_s,
+)
 
 FLAG = "--faults"
 SYNTAX = "comma list of kill:W@S and return:W@S (worker W, step S), e.g. kill:2@200,return:2@260"
@@ -159,8 +186,6 @@ def check_fault_spec(spec: Any) -> None:
             f"{FLAG}: --final-eval-bytes is not supported with faults (each replica evaluates its own "
             "model on --eval-bytes at every evaluation); use --eval-bytes"
         )
-    from .spec import WIRE_DTYPE_NAMES
-
     if spec.wire_dtype not in ("fp32", "bf16") and spec.wire_dtype in WIRE_DTYPE_NAMES:
         raise UsageError(
             f"{FLAG}: --wire-dtype {spec.wire_dtype}: a quantized wire format uses a process group of its "
@@ -236,26 +261,7 @@ def _replica_loop(
     kill_step: int | None,
     holds: list[tuple[int, Any]],
 ) -> None:
-    from datetime import timedelta
-
-    import torch
-    from torch.distributed import TCPStore
-    from torchft import Manager, ProcessGroupGloo
-
-    from .corpus import eval_set, sample_batch, worker_shard
-    from .model import TinyLlama, num_parameters
-    from .report import EvalPoint, RunResult
-    from .spec import PARAM_DTYPES
-    from .strategies import CommTotals, build_strategy
-    from .worker import (
-        _flat_float32,
-        _profiler,
-        _windows_loss_sum,
-        eval_batch_windows,
-        lr_lambda,
-        slim_trace,
-        stretch_s,
-    )
+    from torchft import Manager, ProcessGroupGloo  # optional (the ft extra); reads RUST_LOG when imported
 
     torch.set_num_threads(1)
     torch.manual_seed(spec.seed)  # the same initial model on every replica
@@ -379,8 +385,6 @@ def _replica_loop(
 def _state_hash(strategy: Any) -> int:
     """The hash of the global state g that every replica holds after a sync (the dense methods); for
     LOSCAR, which keeps no global copy, of this replica's own parameters."""
-    from ..runtime.base import tensor_hash
-
     g = getattr(strategy, "g", None)
     return tensor_hash(g if g is not None else strategy.frags.flat)
 
@@ -410,12 +414,7 @@ def run_with_faults(
     ``on_progress(step, val_loss | None)`` follows worker 0; each replica's output (torchft's log)
     goes to ``log_dir/worker<i>.log`` (appended; discarded without ``log_dir``). Raises
     :class:`FaultRunError` when a replica fails or nothing happens for ``idle_timeout_s``."""
-    from multiprocessing.connection import wait
-
-    import torch.multiprocessing as mp
-    from torchft._torchft import LighthouseServer
-
-    from .report import RunResult
+    from torchft._torchft import LighthouseServer  # optional (the ft extra); reads RUST_LOG when imported
 
     ctx = mp.get_context("spawn")
     train, val = corpus.train.share_memory_(), corpus.val.share_memory_()
@@ -574,9 +573,6 @@ def _round_gap(spec: Any) -> tuple[int, str]:
 
 
 def fault_methods(args: argparse.Namespace, command: str) -> list[str]:
-    from .args import parse_methods
-    from .spec import METHODS
-
     if command == "train":
         return [args.method]
     if args.methods == ",".join(METHODS):  # compare's default: every method that runs under torchft
@@ -587,13 +583,6 @@ def fault_methods(args: argparse.Namespace, command: str) -> list[str]:
 def run_faults_command(args: argparse.Namespace, command: str) -> int:
     """``lowcomm train|compare --faults``: validate, run each method (and its fault-free twin with
     --fault-free), write results.json, table.md, the curves and the fault plot, print the tables."""
-    from . import presets, provenance
-    from .args import out_dir
-    from .commands import build_specs, load_checked_corpus
-    from .extras import require
-    from .report import auto_target, comparison_rows, format_table, plot_curves, write_json
-    from .runner import _Progress
-
     if getattr(args, "tensorboard", None) is not None:
         raise UsageError(f"--tensorboard is not supported with {FLAG}")
     # torchft's own log (the Lighthouse's quorum lines) at warnings unless the user set RUST_LOG; it is
@@ -678,13 +667,6 @@ def run_faults_profile(args: argparse.Namespace) -> int:
     """``lowcomm profile --faults``: the profile preset's run as torchft replicas through the schedule,
     one Chrome trace per replica process (a returned worker's is ``trace_rank<W>_back<n>.json``; a
     killed process leaves none) and ``timeline.png`` with the quorum and heal ranges."""
-    from . import presets
-    from .args import out_dir
-    from .commands import build_specs, load_checked_corpus
-    from .extras import require
-    from .profile import draw, load_intervals
-    from .runner import _Progress
-
     os.environ.setdefault("RUST_LOG", "warn")
     require("torchft", "ft", FLAG)
     specs = build_specs(args, [args.method], presets.LM["profile"])
@@ -790,7 +772,7 @@ def event_marks(faults: dict) -> list[tuple[int, str, str]]:
 def plot_faults(results: list[Any], path: Path, title: str) -> Path:
     """Validation loss vs step of every run (worker 0's parameters; fault-free twins dashed; the
     other replicas' own curves thin), with a vertical line per kill and per return."""
-    import matplotlib
+    import matplotlib  # optional (the cli extra): only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

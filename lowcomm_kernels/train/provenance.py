@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from .. import __version__
+
 # Libraries whose versions decide the numbers (None when not installed). Read from the installed
 # distributions' metadata, so nothing is imported.
 LIBRARIES = ("torch", "numpy", "torchft", "triton")
@@ -174,8 +176,6 @@ def package_version() -> str | None:
     try:
         return metadata.version("lowcomm-kernels")
     except metadata.PackageNotFoundError:  # run from a source tree that was never installed
-        from .. import __version__
-
         return __version__
 
 
@@ -215,7 +215,7 @@ def torch_cpu_capability() -> str | None:
     """The vector level torch's own CPU kernels dispatch to (``AVX512``, ``AVX2``, ``DEFAULT``…;
     the ``ATEN_CPU_CAPABILITY`` environment variable lowers it)."""
     try:
-        import torch
+        import torch  # kept local: provenance also describes machines without torch
 
         return str(torch.backends.cpu.get_cpu_capability())
     except Exception:  # an old torch, or none: unknown, never an error

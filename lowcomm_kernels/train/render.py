@@ -5,9 +5,9 @@ A source is a run folder or its ``results.json``, written by ``lowcomm compare``
 cocodc-paper, loscar-regimes and wire included), ``lowcomm compare --task logreg`` (kind
 ``logreg``), ``lowcomm simulate --json`` (kind ``simulate``) or ``python -m
 lowcomm_kernels.train.simcheck`` (kind ``simcheck``: the simulator against real runs). Each renders
-as the header and tables its command printed, made by the same functions (report.format_table,
-studies.study_table and wire_table, study_cocodc.study_header and table, study_loscar.from_results
-with its summarise, logreg.summarise, sim.command.markdown, simcheck.table), under one provenance line:
+as the header and tables its command printed, made by the same functions (report.format_table; a
+study by its own renderer, looked up by name in ``studies.STUDIES``; tasks.logreg.summarise,
+sim.command.markdown, simcheck.table), under one provenance line:
 revision, dirty files, date, load and command. With ``--plot``, also the plots the command drew
 (the same plotting functions). Several compare sources (e.g. one per ``--seed``) also get a table of
 mean ± std over them.
@@ -31,14 +31,17 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..sim.command import markdown
+from . import simcheck
 from .errors import UsageError
+from .extras import require
+from .provenance import package_root
 from .report import RunResult, auto_target, format_table, plot_curves
+from .studies import STUDIES, study_table
+from .studykit import labels_of, runs_of
+from .tasks import logreg
 
 KINDS = ("compare", "study", "logreg", "simulate", "simcheck")
-# the studies whose table is studies.study_table / wire_table of the file's runs
-GENERIC_STUDIES = ("matched", "lambda", "gamma", "overlap", "wire")
-# the studies with tables of their own (their modules' functions, over what their results.json holds)
-OWN_STUDIES = ("cocodc-paper", "loscar-regimes")
 # a region: the opening marker alone on its line, then anything, then the closing marker on its line
 MARKER = re.compile(
     r"^<!-- report: (?P<cmd>[^\n]+?) -->\n(?P<body>.*?)^<!-- /report -->$", re.DOTALL | re.MULTILINE
@@ -99,10 +102,9 @@ def load(label: str, base: Path | None = None) -> Source:
             f"{path}: not a results.json of lowcomm compare, train, profile, simulate, a study, the "
             f"logreg task or the simulator's check (found: {keys})"
         )
-    if kind == "study" and data["study"] not in GENERIC_STUDIES + OWN_STUDIES:
+    if kind == "study" and data["study"] not in STUDIES:
         raise UsageError(
-            f"{path}: study {data['study']!r} is none that lowcomm report knows "
-            f"({', '.join(GENERIC_STUDIES + OWN_STUDIES)})"
+            f"{path}: study {data['study']!r} is none that lowcomm report knows ({', '.join(STUDIES)})"
         )
     empty = {"simulate": "rows", "simcheck": "outcomes"}.get(kind)
     if empty and not data[empty]:
@@ -173,16 +175,8 @@ def _made_by(data: dict) -> str:
     return "Runs made by " + "; ".join(codes) + mixed + cpu_note
 
 
-def _runs(src: Source) -> list[RunResult]:
-    return [RunResult.from_dict(r) for r in src.data["runs"]]
-
-
-def _labels(results: list[RunResult]) -> list[str]:
-    return list(dict.fromkeys(r.name for r in results))
-
-
 def _compare(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
-    results, target = _runs(src), float(src.data["target_val_loss"])
+    results, target = runs_of(src.data), float(src.data["target_val_loss"])
     title = src.data.get("title", "lowcomm compare")
     body = (
         f"**{title}**\n\n"
@@ -194,90 +188,32 @@ def _compare(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
 
 
 def _study(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
-    from .studies import study_header, study_plot, study_table, wire_plot, wire_table
-
-    if src.data["study"] == "cocodc-paper":
-        return _cocodc(src, plot_dir)
-    if src.data["study"] == "loscar-regimes":
-        return _loscar(src, plot_dir)
-    d, results = src.data, _runs(src)
-    labels, target, name = _labels(results), float(d["target_val_loss"]), str(d["study"])
-    seeds = d.get("seeds") or max((sum(r.name == lb for r in results) for lb in labels), default=0)
-    base = d.get("base") or (results[0].config if results else None)
-    if isinstance(base, dict) and isinstance(base.get("model"), dict):
-        header = study_header(name, base, seeds, d.get("corpus", "corpus not recorded"))
-    else:
-        header = f"study `{name}`"
-    table = (
-        wire_table(labels, results, target) if name == "wire" else study_table(name, labels, results, target)
-    )
-    body = f"**{header}**\n\nCommand: `{d.get('command', 'not recorded')}`\n\n{table}"
-    plots: list[Path] = []
-    if plot_dir:
-        plots.append(plot_dir / f"{src.prefix}_{name}.png")
-        study_plot(name, labels, results, plots[-1])
-        if name == "wire":
-            plots.append(plot_dir / f"{src.prefix}_wire_bytes.png")
-            wire_plot(labels, results, plots[-1])
-    return body, plots
-
-
-def _cocodc(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
-    """``lowcomm compare --study cocodc-paper``: its header and table (study_cocodc's functions)."""
-    from .studies import study_plot
-    from .study_cocodc import NAME, study_header, table
-
-    d, results = src.data, _runs(src)
-    labels, seeds = _labels(results), [int(s) for s in d["seeds"]]
-    header = study_header(d["base"], len(seeds), str(d["corpus"]), str(d["target_from"]))
-    md, _ = table(labels, results, float(d["target_val_loss"]), seeds)
-    plots: list[Path] = []
-    if plot_dir:
-        plots.append(plot_dir / f"{src.prefix}_{NAME}.png")
-        study_plot(NAME, labels, results, plots[-1])
-    return f"**{header}**\n\nCommand: `{d['command']}`\n\n{md}", plots
-
-
-def _loscar(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
-    """``lowcomm compare --study loscar-regimes``: its header and tables (study_loscar's functions)."""
-    from .study_loscar import NAME, from_results
-
-    saved = from_results(src.data)
-    plots: list[Path] = []
-    if plot_dir:
-        plots.append(plot_dir / f"{src.prefix}_{NAME}.png")
-        saved.plot(plots[-1])
-    return f"**{saved.header()}**\n\nCommand: `{saved.command}`\n\n{saved.tables()}", plots
+    """A study's results.json, rendered by the study itself (``studies.STUDIES``)."""
+    return STUDIES[src.data["study"]].render(src.data, plot_dir, src.prefix)
 
 
 def _logreg(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
-    from .logreg import logreg_header, plot, summarise
-
     d, runs = src.data, src.data["runs"]
     try:
         workers = int(d.get("workers") or len(d["speeds"]))
         seeds = int(d.get("seeds") or len({r["seed"] for r in runs}))
-        header = logreg_header(d["config"], list(d["speeds"])[:workers], seeds)
-        table = summarise(runs)
+        header = logreg.logreg_header(d["config"], list(d["speeds"])[:workers], seeds)
+        table = logreg.summarise(runs)
     except (TypeError, KeyError, ValueError) as exc:
         raise UsageError(f"{src.path}: a logreg run in it is malformed ({exc!r})") from None
     plots = []
     if plot_dir:
         plots.append(plot_dir / f"{src.prefix}_logreg_gap_vs_round.png")
-        plot(runs, plots[-1])
+        logreg.plot(runs, plots[-1])
     return f"**{header}**\n\n{table.rstrip()}", plots
 
 
 def _simulate(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
-    from ..sim.command import markdown
-
     return markdown(src.data), []
 
 
 def _simcheck(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
-    from .simcheck import table
-
-    return f"**{src.data['title']}**\n\n{table(src.data['outcomes'])}", []
+    return f"**{src.data['title']}**\n\n{simcheck.table(src.data['outcomes'])}", []
 
 
 RENDERERS = {
@@ -292,10 +228,8 @@ RENDERERS = {
 def across_runs(sources: list[Source]) -> str:
     """Several compare sources (the same methods, e.g. one per seed): mean ± std over them, per
     method, as the studies tabulate seeds."""
-    from .studies import study_table
-
-    results = [r for s in sources for r in _runs(s)]
-    labels = _labels(results)
+    results = [r for s in sources for r in runs_of(s.data)]
+    labels = labels_of(results)
     table = study_table("compare", labels, results, auto_target(results))
     return f"**mean ± std over the {len(sources)} compare runs above**\n\n{table}"
 
@@ -314,8 +248,6 @@ def render(
         src.prefix = stem if stem not in used else f"{stem}-{i + 1}"
         used.add(src.prefix)
     if plot_dir is not None:
-        from .extras import require
-
         require("matplotlib", "cli", "lowcomm report --plot")
     parts = []
     for src in sources:  # every table first: a bad file stops the command before any plot is drawn
@@ -401,7 +333,5 @@ def update_docs(docs: list[Path], check: bool = False) -> list[Path]:
 
 
 def default_docs() -> list[Path]:
-    from .provenance import package_root
-
     root = package_root()
     return [root / d for d in DOCS if (root / d).is_file()]

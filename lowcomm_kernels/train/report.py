@@ -324,7 +324,7 @@ def plot_curves(
     results: list[RunResult], out_dir: Path, target: float | None = None, prefix: str = ""
 ) -> list[Path]:
     """val loss vs steps, vs wall-clock and vs bytes sent: three PNGs, one line per run."""
-    import matplotlib
+    import matplotlib  # optional (the cli extra): only when a plot is drawn
 
     matplotlib.use("Agg")  # headless: never needs a display
     import matplotlib.pyplot as plt

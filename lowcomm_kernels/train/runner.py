@@ -40,7 +40,7 @@ class _Progress:
             spec = self.specs[run]
             desc = f"[{run + 1}/{len(self.specs)}] {spec.label}"
             if self.tty:
-                from tqdm import tqdm
+                from tqdm import tqdm  # optional (the cli extra): only on a terminal
 
                 # A terminal that reports 0 columns/rows (some ptys) would make tqdm hide the bar.
                 size = shutil.get_terminal_size((100, 20))

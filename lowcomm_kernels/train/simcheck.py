@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..runtime.fragments import FlatFragments
 from ..runtime.schedule import cocodc_auto_syncs, cocodc_max_syncs
 from ..runtime.transport import WAN, ring_wire_bytes
 from ..sim import Link, Method, Workload, simulate
@@ -40,7 +41,9 @@ from ..sim.methods import wire_bytes
 from . import provenance
 from .model import TinyLlama
 from .report import RunResult
+from .runner import run_specs
 from .spec import TrainSpec
+from .tasks.lm import load_checked_corpus
 
 TOLERANCE = 0.15
 #: the emulated link of every check: 100 Mbit/s, 300 ms one way, so that what is exposed is well above
@@ -113,8 +116,6 @@ def sim_method(spec: TrainSpec) -> Method:
 
 def fragment_sizes(spec: TrainSpec) -> tuple[int, ...]:
     """The runtime's fragments of the run's model (one 'layer' per fragment for the simulator)."""
-    from ..runtime.fragments import FlatFragments
-
     if spec.method in ("streaming", "cocodc"):
         return tuple(FlatFragments(TinyLlama(spec.model), spec.num_fragments).sizes())
     return (sum(p.numel() for p in TinyLlama(spec.model).parameters()),)
@@ -197,9 +198,6 @@ def predict(spec: TrainSpec, result: RunResult) -> Outcome:
 
 def run(checks: tuple[Check, ...] | list[Check], progress: bool = False) -> list[Outcome]:
     """Run every check for real (one launch per worker count) and predict each."""
-    from .commands import load_checked_corpus
-    from .runner import run_specs
-
     specs = [c.spec.with_(name=c.label) for c in checks]
     corpus = load_checked_corpus(None, specs)
     outcomes: list[Outcome] = []

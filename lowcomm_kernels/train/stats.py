@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 
 def _t():
     try:
-        from scipy import stats
+        from scipy import stats  # optional: the p-values are '-' without it
     except ImportError:  # pragma: no cover - scipy comes with scikit-learn in the dev and cli setups
         return None
     return stats.t

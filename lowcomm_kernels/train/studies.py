@@ -27,14 +27,34 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from .report import RunResult, auto_target, mean_std, val_loss_basis
+import numpy as np
+
+from ..runtime.launch import WorkerError
+from ..runtime.schedule import WIRE_FORMATS
+from . import study_cocodc, study_loscar
+from .args import out_dir, spec_from_args, usage_error
+from .errors import SpecError, UsageError
+from .presets import LM, STUDY_SEEDS
+from .provenance import collect
+from .report import RunResult, auto_target, write_json
+from .runner import report_failure
 from .spec import RANGES, TrainSpec
+from .studykit import (
+    Study,
+    cell,
+    labels_of,
+    run_resumable,
+    runs_of,
+    sittings,
+    study_plot,
+    table_head,
+)
+from .tasks.lm import load_checked_corpus
 
 
 def matched(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
@@ -92,8 +112,6 @@ def overlap(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
 
 
 def wire(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
-    from ..runtime.schedule import WIRE_FORMATS
-
     configs = []
     for method, label in (("streaming", "Streaming DiLoCo"), ("cocodc", "CoCoDC")):
         b = base.with_(method=method, error_feedback=False)
@@ -106,51 +124,9 @@ def wire(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
     return configs
 
 
-def loscar_regimes(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
-    from .study_loscar import configs  # on the digits MLP: see study_loscar.py
-
-    return configs(base)
-
-
-def cocodc_paper(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
-    from .study_cocodc import configs  # the paper's setup and the Taylor-term controls: see study_cocodc.py
-
-    return configs(base)
-
-
-STUDIES: dict[str, Callable[[TrainSpec], list[tuple[str, TrainSpec]]]] = {
-    "matched": matched,
-    "lambda": lam,
-    "gamma": gamma,
-    "overlap": overlap,
-    "wire": wire,
-    "loscar-regimes": loscar_regimes,
-    "cocodc-paper": cocodc_paper,
-}
-
-
-def _cell(values: list, fmt: str = "{:.4f}") -> str:
-    """'mean ± std' over the seeds' values that exist (None: the run never got there), or n/a."""
-    m, s = mean_std([v for v in values if v is not None])
-    return "n/a" if math.isnan(m) else f"{fmt.format(m)} ± {fmt.format(s)}"
-
-
-def _table_head(target: float, columns: list[str], results: list[RunResult]) -> list[str]:
-    """A study table's first lines: the target, then the header of configuration, seeds, final
-    val loss (naming what it measures: report.val_loss_basis) and `columns`."""
-    basis = val_loss_basis(results)
-    head = ["configuration", "seeds", f"final val loss ({basis})", *columns]
-    return [
-        f"target validation loss ({basis}) {target:.4f} (the lowest loss every run reached)",
-        "",
-        "| " + " | ".join(head) + " |",
-        "|" + "---|" * len(head),
-    ]
-
-
 def wire_table(labels: list[str], results: list[RunResult], target: float) -> str:
     """Markdown for the wire study: loss and bytes, against the fp32 configuration of each method."""
-    lines = _table_head(
+    lines = table_head(
         target, ["bytes/worker to target (MB)", "bytes sent/worker (MB)", "fp32 bytes / these"], results
     )
     for label in labels:
@@ -162,20 +138,19 @@ def wire_table(labels: list[str], results: list[RunResult], target: float) -> st
         sent = [r.bytes_sent for r in runs]
         ratio = sum(ref) / sum(sent) if ref and sum(sent) else float("nan")
         lines.append(
-            f"| {label} | {len(runs)} | {_cell([r.final_loss for r in runs])} | "
-            f"{_cell([h.bytes_sent / 1e6 if h else None for h in hits], '{:.3f}')} | "
-            f"{_cell([b / 1e6 for b in sent], '{:.3f}')} | {ratio:.2f}x |"
+            f"| {label} | {len(runs)} | {cell([r.final_loss for r in runs])} | "
+            f"{cell([h.bytes_sent / 1e6 if h else None for h in hits], '{:.3f}')} | "
+            f"{cell([b / 1e6 for b in sent], '{:.3f}')} | {ratio:.2f}x |"
         )
     return "\n".join(lines)
 
 
 def wire_plot(labels: list[str], results: list[RunResult], path: Path) -> None:
     """Validation loss against bytes sent per worker, mean over seeds, one panel per method."""
-    import matplotlib
+    import matplotlib  # optional (the cli extra): only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     methods = list(dict.fromkeys(label.rsplit(" ", 1)[0] for label in labels))  # in order
     formats = list(dict.fromkeys(label.rsplit(" ", 1)[1].removesuffix("+EF") for label in labels))
@@ -203,119 +178,9 @@ def wire_plot(labels: list[str], results: list[RunResult], path: Path) -> None:
     plt.close(fig)
 
 
-def run_resumable(
-    configs: list[tuple[str, list[TrainSpec]]],
-    corpus: object,
-    folder: Path,
-    progress: bool,
-    run: Callable[[list[TrainSpec]], list[RunResult]] | None = None,
-) -> list[RunResult]:
-    """Run each configuration's specs in one launch and save its results to ``folder`` at once; a
-    configuration whose file holds results of exactly these specs is read back instead of run.
-    ``run`` runs one configuration's specs (default: the LM task on ``corpus``). Each file also
-    records the code that made it (``made_by``: git revision, uncommitted-changes digest, UTC time,
-    load), so a study completed in several sittings says whether its parts ran the same code
-    (:func:`sittings`); reusing a part made by other code prints a warning."""
-    from .report import write_json
-    from .runner import run_specs
-
-    folder.mkdir(parents=True, exist_ok=True)
-    results: list[RunResult] = []
-    for i, (label, specs) in enumerate(configs):
-        key = [json.dumps(dataclasses.asdict(s), sort_keys=True, default=str) for s in specs]
-        path = folder / f"{i:03d}.json"
-        if path.exists():
-            saved = json.loads(path.read_text())
-            if saved.get("specs") == key:
-                results += [RunResult.from_dict(d) for d in saved["runs"]]
-                print(f"reusing {label} ({len(specs)} runs) from {path}")
-                then, now = _code_id(saved.get("made_by")), _code_id(_made_by())
-                if then != now:
-                    print(f"  warning: made by {_code_text(then)}; this checkout is {_code_text(now)}")
-                continue
-        made_by = _made_by()  # at launch: the workers import the code on disk now
-        if run is None:
-            done = run_specs(specs, corpus, progress=progress)  # type: ignore[arg-type]
-        else:
-            done = run(specs)
-        doc = {"label": label, "specs": key, "made_by": made_by, "runs": [r.to_dict() for r in done]}
-        after = _made_by()
-        if _code_id(after) != _code_id(made_by):  # the checkout changed while the part ran
-            doc["code_changed_during_run"] = after
-            print(f"  warning: the checkout changed while {label} ran: {_code_text(_code_id(after))}")
-        write_json(path, doc)
-        results += done
-    return results
-
-
-def _made_by() -> dict:
-    import datetime as dt
-    import os
-
-    from .provenance import git_info
-
-    g = git_info()
-    try:
-        load = [round(v, 2) for v in os.getloadavg()]
-    except (OSError, AttributeError):
-        load = None
-    utc = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {
-        "revision": g["revision"],
-        "dirty": g["dirty"],
-        "diff_sha256": g["diff_sha256"],
-        "utc": utc,
-        "load": load,
-    }
-
-
-def _code_id(made_by: dict | None) -> tuple:
-    """(revision, diff digest) of a part; (None, None) when not recorded (files of older versions)."""
-    made_by = made_by or {}
-    return (made_by.get("revision"), made_by.get("diff_sha256"))
-
-
-def _code_text(code: tuple) -> str:
-    rev, diff = code
-    if rev is None:
-        return "code not recorded"
-    return f"revision {rev[:10]}" + (f" + uncommitted changes {diff[:10]}" if diff else "")
-
-
-def sittings(folder: Path, parts: int | None = None) -> list[dict]:
-    """The distinct codes that made the parts in ``folder`` (each: revision, diff_sha256, the part
-    files it made, its first and last UTC time); more than one means the study mixes code versions.
-    ``parts``: only the first ``parts`` files (000.json ...), the study's configurations, not files left
-    by an earlier, longer list; a part whose checkout changed while it ran counts under both codes."""
-    out: dict[tuple, dict] = {}
-    paths = (
-        sorted(folder.glob("*.json")) if parts is None else [folder / f"{i:03d}.json" for i in range(parts)]
-    )
-    for path in (p for p in paths if p.exists()):
-        doc = json.loads(path.read_text())
-        for made_by in filter(None, [doc.get("made_by", {}), doc.get("code_changed_during_run")]):
-            _add_sitting(out, path.name, made_by)
-        if "made_by" not in doc:
-            _add_sitting(out, path.name, None)
-    return list(out.values())
-
-
-def _add_sitting(out: dict[tuple, dict], name: str, made_by: dict | None) -> None:
-    code = _code_id(made_by)
-    entry = out.setdefault(
-        code, {"revision": code[0], "diff_sha256": code[1], "parts": [], "first_utc": None, "last_utc": None}
-    )
-    if name not in entry["parts"]:
-        entry["parts"].append(name)
-    utc = (made_by or {}).get("utc")
-    if utc is not None:
-        entry["first_utc"] = min(filter(None, [entry["first_utc"], utc]))
-        entry["last_utc"] = max(filter(None, [entry["last_utc"], utc]))
-
-
 def study_table(name: str, labels: list[str], results: list[RunResult], target: float) -> str:
     """Markdown: per configuration, mean +- std over seeds of the headline numbers."""
-    lines = _table_head(
+    lines = table_head(
         target,
         [
             "steps to target",
@@ -336,57 +201,17 @@ def study_table(name: str, labels: list[str], results: list[RunResult], target: 
                 [
                     label,
                     str(len(runs)),
-                    _cell([r.final_loss for r in runs]),
-                    _cell([h.step if h else None for h in hits], "{:.0f}"),
-                    _cell([h.wall_s if h else None for h in hits], "{:.1f}"),
-                    _cell([float(r.syncs) for r in runs], "{:.0f}"),
-                    _cell([r.bytes_sent / 1e6 for r in runs], "{:.2f}"),
-                    _cell([r.exposed_s for r in runs], "{:.2f}"),
+                    cell([r.final_loss for r in runs]),
+                    cell([h.step if h else None for h in hits], "{:.0f}"),
+                    cell([h.wall_s if h else None for h in hits], "{:.1f}"),
+                    cell([float(r.syncs) for r in runs], "{:.0f}"),
+                    cell([r.bytes_sent / 1e6 for r in runs], "{:.2f}"),
+                    cell([r.exposed_s for r in runs], "{:.2f}"),
                 ]
             )
             + " |"
         )
     return "\n".join(lines)
-
-
-def study_plot(name: str, labels: list[str], results: list[RunResult], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    many = len(labels) > 8  # then: legend beside the axes, fainter bands, a line style per 10 colours
-    fig, ax = plt.subplots(figsize=(10.5, 4.8) if many else (7, 4.4))
-    for i, label in enumerate(labels):
-        runs = [r for r in results if r.name == label and r.points]
-        if not runs:
-            continue
-        n = min(len(r.points) for r in runs)
-        steps = [p.step for p in runs[0].points[:n]]
-        losses = np.array([[p.val_loss for p in r.points[:n]] for r in runs])
-        m, s = losses.mean(0), losses.std(0, ddof=1) if len(runs) > 1 else np.zeros(n)
-        style = ("-", "--", ":")[(i // 10) % 3]  # the default cycle has 10 colours
-        (line,) = ax.plot(steps[1:], m[1:], style, label=label)  # skip step 0 (initial loss ~5.5) for scale
-        band = 0.06 if many else 0.15
-        ax.fill_between(steps[1:], (m - s)[1:], (m + s)[1:], color=line.get_color(), alpha=band)
-    # Zoom on the second half of the run, where the configurations separate (full curves: results.json).
-    late = [p.val_loss for r in results for p in r.points if p.step >= r.points[-1].step // 2]
-    if late:
-        lo, hi = min(late), max(late)
-        ax.set_ylim(lo - 0.1 * (hi - lo), hi + 0.1 * (hi - lo))
-        ax.set_xlim(results[0].points[-1].step // 2, results[0].points[-1].step)
-    ax.set_xlabel("inner steps")
-    ax.set_ylabel("validation loss (nats/byte), mean ± std")
-    ax.set_title(f"study: {name}")
-    ax.grid(alpha=0.3)
-    if many:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    else:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def study_header(study: str, base: dict, seeds: int, corpus: str) -> str:
@@ -400,81 +225,134 @@ def study_header(study: str, base: dict, seeds: int, corpus: str) -> str:
     )
 
 
-def run_study(args: argparse.Namespace) -> int:
-    from ..runtime.launch import WorkerError
-    from .args import out_dir, spec_from_args, usage_error
-    from .commands import load_checked_corpus
-    from .errors import SpecError, UsageError
-    from .presets import LM, STUDY_SEEDS
-    from .provenance import collect
-    from .report import write_json
-    from .runner import report_failure
+@dataclass(frozen=True)
+class LMStudy:
+    """A study of the byte-level LM task that the common command runs and ``lowcomm report`` renders:
+    its table (``table(name, labels, results, target)``), the loss-vs-steps plot and, if given,
+    ``extra_plot`` (file stem, ``plot(labels, results, path)``)."""
 
+    name: str
+    configs: Callable[[TrainSpec], list[tuple[str, TrainSpec]]]
+    table: Callable[[str, list[str], list[RunResult], float], str]
+    extra_plot: tuple[str, Callable[[list[str], list[RunResult], Path], None]] | None = None
+
+    def run(self, args: argparse.Namespace) -> int:
+        """``lowcomm compare --study NAME``: every configuration with ``--seeds`` seeds, resumable."""
+        if args.task != "lm":
+            raise UsageError("--study runs on the language-model task (--task lm)")
+        base = spec_from_args(args, "cocodc", LM["study-quick" if args.quick else "study"])
+        seeds = args.seeds or STUDY_SEEDS
+        last_seed, max_seed = base.seed + seeds - 1, RANGES["seed"].hi
+        if max_seed is not None and last_seed > max_seed:
+            raise UsageError(
+                f"--seed {base.seed} with --seeds {seeds} needs seed {last_seed}; the largest is {max_seed}"
+            )
+        try:  # a configuration of the study may not fit the flags given
+            configs = self.configs(base)
+            specs = [
+                spec.with_(name=label, seed=base.seed + s) for label, spec in configs for s in range(seeds)
+            ]
+        except SpecError as exc:
+            raise usage_error(exc) from None
+        labels = [label for label, _ in configs]
+        corpus = load_checked_corpus(args.data, specs)
+        out = out_dir(args, f"study-{self.name}")
+        t0 = time.perf_counter()
+        groups = [(label, [s for s in specs if s.name == label]) for label in labels]
+        try:
+            results = run_resumable(groups, corpus, out / "runs", progress=not args.no_progress)
+        except WorkerError as exc:
+            return report_failure(exc, out, "study")
+        target = args.target if args.target is not None else auto_target(results)
+        table = self.table(self.name, labels, results, target)
+        if self.extra_plot is not None:
+            stem, plot = self.extra_plot
+            plot(labels, results, out / f"{stem}.png")
+        cmd = (
+            f"lowcomm compare --study {self.name}"
+            + (" --quick" if args.quick else "")
+            + (f" --seeds {args.seeds}" if args.seeds else "")
+        )
+        header = study_header(self.name, dataclasses.asdict(base), seeds, corpus.describe())
+        (out / f"{self.name}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{table}\n")
+        study_plot(self.name, labels, results, out / f"{self.name}.png")
+        write_json(
+            out / "results.json",
+            {
+                "study": self.name,
+                "command": cmd,
+                "corpus": corpus.describe(),
+                "base": dataclasses.asdict(base),
+                "seeds": seeds,
+                "target_val_loss": target,
+                "runs": [r.to_dict() for r in results],
+                "elapsed_s": time.perf_counter() - t0,
+                "provenance": collect(),
+                "sittings": sittings(out / "runs", len(groups)),  # the code that made each saved part
+            },
+        )
+        print(f"\n{header}\n\n{table}")
+        print(
+            f"\nwrote {out / (self.name + '.md')}, {out / (self.name + '.png')}, {out / 'results.json'} "
+            f"({time.perf_counter() - t0:.0f} s)"
+        )
+        return 0
+
+    def render(self, data: dict, plot_dir: Path | None, prefix: str) -> tuple[str, list[Path]]:
+        """``lowcomm report`` of the study's results.json: its header, table and (with ``plot_dir``) plots."""
+        results = runs_of(data)
+        labels, target = labels_of(results), float(data["target_val_loss"])
+        seeds = data.get("seeds") or max((sum(r.name == lb for r in results) for lb in labels), default=0)
+        base = data.get("base") or (results[0].config if results else None)
+        if isinstance(base, dict) and isinstance(base.get("model"), dict):
+            header = study_header(self.name, base, seeds, data.get("corpus", "corpus not recorded"))
+        else:
+            header = f"study `{self.name}`"
+        table = self.table(self.name, labels, results, target)
+        body = f"**{header}**\n\nCommand: `{data.get('command', 'not recorded')}`\n\n{table}"
+        plots: list[Path] = []
+        if plot_dir:
+            plots.append(plot_dir / f"{prefix}_{self.name}.png")
+            study_plot(self.name, labels, results, plots[-1])
+            if self.extra_plot is not None:
+                stem, plot = self.extra_plot
+                plots.append(plot_dir / f"{prefix}_{stem}.png")
+                plot(labels, results, plots[-1])
+        return body, plots
+
+
+def _lm_study(
+    name: str,
+    configs: Callable[[TrainSpec], list[tuple[str, TrainSpec]]],
+    table: Callable[[str, list[str], list[RunResult], float], str] = study_table,
+    extra_plot: tuple[str, Callable[[list[str], list[RunResult], Path], None]] | None = None,
+) -> Study:
+    lm = LMStudy(name, configs, table, extra_plot)
+    return Study(name, configs, lm.run, lm.render)
+
+
+def _wire_table(name: str, labels: list[str], results: list[RunResult], target: float) -> str:
+    return wire_table(labels, results, target)
+
+
+#: every study of ``lowcomm compare --study``, by name: the one place the CLI, the command and
+#: ``lowcomm report`` look a study up
+STUDIES: dict[str, Study] = {
+    s.name: s
+    for s in (
+        _lm_study("matched", matched),
+        _lm_study("lambda", lam),
+        _lm_study("gamma", gamma),
+        _lm_study("overlap", overlap),
+        _lm_study("wire", wire, table=_wire_table, extra_plot=("wire_bytes", wire_plot)),
+        study_loscar.STUDY,  # on the digits MLP: see study_loscar.py
+        study_cocodc.STUDY,  # the paper's setup and the Taylor-term controls: see study_cocodc.py
+    )
+}
+
+
+def run_study(args: argparse.Namespace) -> int:
+    """``lowcomm compare --study NAME``: the study's own command."""
     if args.study not in STUDIES:
         raise UsageError(f"unknown study {args.study!r}; choose from {', '.join(STUDIES)}")
-    if args.study == "loscar-regimes":
-        from .study_loscar import run_loscar_regimes
-
-        return run_loscar_regimes(args)
-    if args.study == "cocodc-paper":
-        from .study_cocodc import run_cocodc_paper
-
-        return run_cocodc_paper(args)
-    if args.task != "lm":
-        raise UsageError("--study runs on the language-model task (--task lm)")
-    base = spec_from_args(args, "cocodc", LM["study-quick" if args.quick else "study"])
-    seeds = args.seeds or STUDY_SEEDS
-    last_seed, max_seed = base.seed + seeds - 1, RANGES["seed"].hi
-    if max_seed is not None and last_seed > max_seed:
-        raise UsageError(
-            f"--seed {base.seed} with --seeds {seeds} needs seed {last_seed}; the largest is {max_seed}"
-        )
-    try:  # a configuration of the study may not fit the flags given
-        configs = STUDIES[args.study](base)
-        specs = [spec.with_(name=label, seed=base.seed + s) for label, spec in configs for s in range(seeds)]
-    except SpecError as exc:
-        raise usage_error(exc) from None
-    labels = [label for label, _ in configs]
-    corpus = load_checked_corpus(args.data, specs)
-    out = out_dir(args, f"study-{args.study}")
-    t0 = time.perf_counter()
-    groups = [(label, [s for s in specs if s.name == label]) for label in labels]
-    try:
-        results = run_resumable(groups, corpus, out / "runs", progress=not args.no_progress)
-    except WorkerError as exc:
-        return report_failure(exc, out, "study")
-    target = args.target if args.target is not None else auto_target(results)
-    if args.study == "wire":
-        table = wire_table(labels, results, target)
-        wire_plot(labels, results, out / "wire_bytes.png")
-    else:
-        table = study_table(args.study, labels, results, target)
-    cmd = (
-        f"lowcomm compare --study {args.study}"
-        + (" --quick" if args.quick else "")
-        + (f" --seeds {args.seeds}" if args.seeds else "")
-    )
-    header = study_header(args.study, dataclasses.asdict(base), seeds, corpus.describe())
-    (out / f"{args.study}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{table}\n")
-    study_plot(args.study, labels, results, out / f"{args.study}.png")
-    write_json(
-        out / "results.json",
-        {
-            "study": args.study,
-            "command": cmd,
-            "corpus": corpus.describe(),
-            "base": dataclasses.asdict(base),
-            "seeds": seeds,
-            "target_val_loss": target,
-            "runs": [r.to_dict() for r in results],
-            "elapsed_s": time.perf_counter() - t0,
-            "provenance": collect(),
-            "sittings": sittings(out / "runs", len(groups)),  # the code that made each saved part
-        },
-    )
-    print(f"\n{header}\n\n{table}")
-    print(
-        f"\nwrote {out / (args.study + '.md')}, {out / (args.study + '.png')}, {out / 'results.json'} "
-        f"({time.perf_counter() - t0:.0f} s)"
-    )
-    return 0
+    return STUDIES[args.study].run(args)

@@ -76,10 +76,21 @@ import argparse
 import dataclasses
 import math
 import time
+from pathlib import Path
 
+from ..runtime.fragments import plan_fragments
+from ..runtime.launch import WorkerError
+from ..runtime.transport import ring_wire_bytes
 from . import paper_vs_ours, stats
-from .report import RunResult, auto_target
+from .args import out_dir, spec_from_args, usage_error
+from .errors import SpecError, UsageError
+from .model import TinyLlama
+from .provenance import collect
+from .report import RunResult, auto_target, write_json
+from .runner import report_failure
 from .spec import TrainSpec
+from .studykit import Study, cell, labels_of, run_resumable, runs_of, sittings, study_plot
+from .tasks.lm import load_checked_corpus
 
 NAME = "cocodc-paper"
 REFERENCE = "CoCoDC adaptive"  # every paired difference is against this configuration
@@ -138,10 +149,6 @@ def configs(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
 
 def paper_step_time(spec: TrainSpec) -> float:
     """The emulated step time that makes one fragment sync last SYNC_RATIO steps on spec's link."""
-    from ..runtime.fragments import plan_fragments
-    from ..runtime.transport import ring_wire_bytes
-    from .model import TinyLlama
-
     groups = plan_fragments(TinyLlama(spec.model), spec.num_fragments)
     wire = [ring_wire_bytes(4 * sum(p.numel() for p in g), spec.workers) for g in groups]
     t_s = spec.latency_s + sum(wire) / len(wire) / spec.bandwidth_bytes_per_s
@@ -160,8 +167,6 @@ def _n_cell(runs: list[RunResult | None]) -> str:
 
 def table(labels: list[str], results: list[RunResult], target: float, seeds: list[int]) -> tuple[str, dict]:
     """Markdown and the paired statistics (JSON-safe) of the study."""
-    from .studies import _cell
-
     head = [
         "configuration", "seeds", "final val loss (own models)", "final, averaged model*",
         "steps to target (reached)", "N per period", "syncs",
@@ -210,11 +215,11 @@ def table(labels: list[str], results: list[RunResult], target: float, seeds: lis
                 [
                     label,
                     str(len(done)),
-                    _cell(final),
-                    _cell([_avg_model_final(r) for r in runs]),
-                    f"{_cell(steps, '{:.0f}')} ({reached}/{len(done)})",
+                    cell(final),
+                    cell([_avg_model_final(r) for r in runs]),
+                    f"{cell(steps, '{:.0f}')} ({reached}/{len(done)})",
                     _n_cell(runs),
-                    _cell([float(r.syncs) for r in done], "{:.0f}"),
+                    cell([float(r.syncs) for r in done], "{:.0f}"),
                     d_final,
                     d_steps,
                 ]
@@ -323,15 +328,6 @@ def _steps(run: RunResult | None, target: float) -> float | None:
 
 def run_cocodc_paper(args: argparse.Namespace) -> int:
     """The study's command: ``lowcomm compare --study cocodc-paper [--quick] [--seeds N] [flags]``."""
-    from ..runtime.launch import WorkerError
-    from .args import out_dir, spec_from_args, usage_error
-    from .commands import load_checked_corpus
-    from .errors import SpecError, UsageError
-    from .provenance import collect
-    from .report import write_json
-    from .runner import report_failure
-    from .studies import run_resumable, sittings, study_plot
-
     if args.task != "lm":
         raise UsageError("--study runs on the language-model task (--task lm)")
     args = argparse.Namespace(**vars(args))
@@ -397,3 +393,20 @@ def run_cocodc_paper(args: argparse.Namespace) -> int:
     wrote = f"{out / (NAME + '.md')}, {out / (NAME + '.png')}, {out / 'results.json'}"
     print(f"\nwrote {wrote} ({time.perf_counter() - t0:.0f} s)")
     return 0
+
+
+def render(data: dict, plot_dir: Path | None, prefix: str) -> tuple[str, list[Path]]:
+    """``lowcomm report`` of the study's results.json: its header and table (and with ``plot_dir``
+    the loss-vs-steps plot)."""
+    results = runs_of(data)
+    labels, seeds = labels_of(results), [int(s) for s in data["seeds"]]
+    header = study_header(data["base"], len(seeds), str(data["corpus"]), str(data["target_from"]))
+    md, _ = table(labels, results, float(data["target_val_loss"]), seeds)
+    plots: list[Path] = []
+    if plot_dir:
+        plots.append(plot_dir / f"{prefix}_{NAME}.png")
+        study_plot(NAME, labels, results, plots[-1])
+    return f"**{header}**\n\nCommand: `{data['command']}`\n\n{md}", plots
+
+
+STUDY = Study(NAME, configs, run_cocodc_paper, render)

@@ -89,14 +89,28 @@ import dataclasses
 import math
 import re
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
+import torch
+from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+from .. import ops
+from ..runtime.launch import WorkerError
 from . import stats
-from .mlp import MLPConfig, modeled_time
-from .report import RunResult
+from .args import _SPEC_FIELDS, out_dir
+from .errors import UsageError
+from .provenance import collect
+from .report import RunResult, write_json
+from .runner import report_failure
 from .spec import TrainSpec
+from .studykit import Study, run_resumable, sittings
+from .tasks.common import LM_ONLY, refuse_flags
+from .tasks.mlp import MLPConfig, load_digits_split, make_model, modeled_time, run_mlp_specs, shard_rows
 
 NAME = "loscar-regimes"
 R, K = 16, 4
@@ -353,11 +367,10 @@ def plot(
 ) -> None:
     """One panel per regime: the workers' own models' test loss (mean over seeds) against the time
     model's seconds, one line per method, the target dotted."""
-    import matplotlib
+    import matplotlib  # optional (the cli extra): only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     by_name = {r.name: r for r in results}
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5), sharey=True, squeeze=False)
@@ -474,6 +487,17 @@ def from_results(data: dict) -> Saved:
     return Saved(str(data["command"]), base, outer_lr, seeds, cfg, lrs, tune_seeds, results)
 
 
+def render(data: dict, plot_dir: Path | None, prefix: str) -> tuple[str, list[Path]]:
+    """``lowcomm report`` of the study's results.json: its header and tables (and with ``plot_dir``
+    its plot), from :func:`from_results`."""
+    saved = from_results(data)
+    plots: list[Path] = []
+    if plot_dir:
+        plots.append(plot_dir / f"{prefix}_{NAME}.png")
+        saved.plot(plots[-1])
+    return f"**{saved.header()}**\n\nCommand: `{saved.command}`\n\n{saved.tables()}", plots
+
+
 def choose_outer_lr(results: list[RunResult], lrs: tuple) -> dict:
     """Per method, the outer lr with the lowest mean final own-model loss over the tuning seeds."""
     best = {}
@@ -489,20 +513,8 @@ def choose_outer_lr(results: list[RunResult], lrs: tuple) -> dict:
 
 
 def run_loscar_regimes(args: argparse.Namespace) -> int:
-    from ..runtime.launch import WorkerError
-    from .args import out_dir
-    from .errors import UsageError
-    from .mlp import run_mlp_specs
-    from .provenance import collect
-    from .report import write_json
-    from .runner import report_failure
-    from .studies import run_resumable, sittings
-
     if args.task == "logreg":
         raise UsageError(f"--study {NAME} runs on the digits MLP; leave out --task logreg")
-    from .args import _SPEC_FIELDS
-    from .mlp import LM_ONLY, refuse_flags
-
     fixed = [f for f in [*_SPEC_FIELDS, *LM_ONLY, "latency_ms", "bandwidth_mbps", "target"] if f != "seed"]
     refuse_flags(
         args,
@@ -574,8 +586,6 @@ def run_loscar_regimes(args: argparse.Namespace) -> int:
 def pilot() -> None:
     """One full-length run per method in the homogeneous / long / iid regime: CPU seconds of all ranks
     (the study's sizing)."""
-    from .mlp import run_mlp_specs
-
     cfg = MLPConfig()
     base = base_spec(False, cfg)
     regime = Regime("homogeneous", "long", "iid")
@@ -619,12 +629,6 @@ def reference_run(
       (each coordinate's last merged value, the same on every worker; LOSCAR keeps no such state):
       D = g[S] - mean_j y_j[S], u[S] <- mu u[S] + D, g[S] <- g[S] - eta (D + mu u[S]),
       x_i[S] <- g[S] + beta (z_i - y_i)."""
-    import torch
-    from torch.nn.utils import parameters_to_vector, vector_to_parameters
-
-    from .. import ops
-    from .mlp import load_digits_split, make_model, shard_rows
-
     Xtr, ytr, Xte, yte = load_digits_split()
     cfg = MLPConfig()
     models = [make_model(cfg, seed) for _ in range(workers)]
@@ -694,13 +698,12 @@ def merge_experiments(seeds: Sequence[int] = (0,)) -> None:
         )
 
 
-if __name__ == "__main__":  # pragma: no cover
-    import sys
+STUDY = Study(NAME, configs, run_loscar_regimes, render)
 
+
+if __name__ == "__main__":  # pragma: no cover
     if "--pilot" in sys.argv:
         pilot()
     if "--merge-experiments" in sys.argv:
-        import torch
-
         torch.set_num_threads(1)  # 4 tiny models in one process: threads only contend
         merge_experiments((0, 1, 2))

@@ -23,9 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from ..profiling import nvtx_range
 from ..runtime.launch import send
+from ..runtime.sinks import TensorBoardSink
+from ..runtime.transport import WAN, Transport
 from .corpus import EvalSet, eval_set, sample_batch, worker_shard
 from .model import TinyLlama, num_parameters
 from .report import EvalPoint, RunResult
@@ -56,8 +59,6 @@ class GradAllReduce:
     """
 
     def __init__(self, model: torch.nn.Module, group: Any, latency_s: float, bandwidth: float) -> None:
-        from ..runtime.transport import WAN, Transport
-
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.transport = Transport(group, device=torch.device("cpu"), wan=WAN(latency_s, bandwidth))
         self.world = self.transport.world
@@ -222,16 +223,12 @@ def slim_trace(path: str, min_us: float = 1000.0) -> None:
 def _tensorboard_sink(spec: TrainSpec) -> Any:
     if spec.tensorboard_dir is None:
         return None
-    from ..runtime.sinks import TensorBoardSink
-
     return TensorBoardSink(spec.tensorboard_dir)
 
 
 def _profiler(spec: TrainSpec):
     if spec.profile_dir is None:
         return contextlib.nullcontext(None)
-    from torch.profiler import ProfilerActivity, profile
-
     return profile(activities=[ProfilerActivity.CPU], record_shapes=False)
 
 

@@ -449,8 +449,10 @@ def small_machine(monkeypatch):
 def test_more_workers_than_the_machine_holds_are_refused(capsys, no_workers, small_machine, argv, most):
     assert main(argv) == 2
     line = _one_error_line(capsys)
-    assert line.startswith(f"error: --workers {argv[-1]}: this machine has 2 usable cores and 4.0 GiB of "
-                           f"available memory, enough for at most {most} worker processes"), line
+    assert line.startswith(
+        f"error: --workers {argv[-1]}: this machine has 2 usable cores and 4.0 GiB of "
+        f"available memory, enough for at most {most} worker processes"
+    ), line
     assert line.endswith("use fewer, or --oversubscribe to start them anyway"), line
 
 

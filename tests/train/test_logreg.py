@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from lowcomm_kernels.train.logreg import (
+from lowcomm_kernels.train.tasks.logreg import (
     VARIANTS,
     LogregConfig,
     a9a_synthetic,
@@ -67,7 +67,7 @@ def test_flags_of_the_training_runs_are_refused_not_ignored(tmp_path, capsys, mo
     """--task logreg runs its own fixed setting: a training flag would change nothing, so it is an
     error naming the flag, before any run; the task's own flags still run."""
     from lowcomm_kernels.cli import main
-    from lowcomm_kernels.train import logreg
+    from lowcomm_kernels.train.tasks import logreg
 
     class Ran(Exception):
         pass

@@ -9,10 +9,10 @@ from lowcomm_kernels.cli import main
 from lowcomm_kernels.train import study_loscar as sl
 from lowcomm_kernels.train.corpus import IID_BLOCK, CorpusError, worker_shard
 from lowcomm_kernels.train.errors import SpecError
-from lowcomm_kernels.train.mlp import MLPConfig, modeled_time
 from lowcomm_kernels.train.spec import TrainSpec
 from lowcomm_kernels.train.strategies import CommTotals, build_strategy
 from lowcomm_kernels.train.studies import STUDIES
+from lowcomm_kernels.train.tasks.mlp import MLPConfig, modeled_time
 
 SLOW = dict(
     method="loscar",

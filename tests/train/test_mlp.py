@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lowcomm_kernels.cli import main
-from lowcomm_kernels.train.mlp import PRESETS, load_digits_split, run_mlp_specs, shard_rows
 from lowcomm_kernels.train.spec import TrainSpec
+from lowcomm_kernels.train.tasks.mlp import PRESETS, load_digits_split, run_mlp_specs, shard_rows
 
 
 def test_digits_split_is_fixed_and_sorted_by_label():

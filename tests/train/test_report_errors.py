@@ -43,11 +43,15 @@ MALFORMED = {  # case -> (change, words of the error)
     "syncs_text": (lambda d: _run0(d).__setitem__("syncs", "many"), "runs[0]: syncs should be int"),
     "step_text": (lambda d: _run0(d)["points"][1].__setitem__("step", "ten"), "points[1].step should be int"),
     "loss_bool": (lambda d: _run0(d)["points"][0].__setitem__("val_loss", True), "val_loss should be float"),
-    "workers_text": (lambda d: _run0(d)["points"][0].__setitem__("val_loss_workers", "abc"),
-                     "points[0].val_loss_workers should be list[float], got 'abc'"),
+    "workers_text": (
+        lambda d: _run0(d)["points"][0].__setitem__("val_loss_workers", "abc"),
+        "points[0].val_loss_workers should be list[float], got 'abc'",
+    ),
     "config_list": (lambda d: _run0(d).__setitem__("config", [1, 2]), "runs[0]: config should be dict"),
-    "final_eval": (lambda d: _run0(d).__setitem__("final_eval", {"val_loss": 2.4}),
-                   "final_eval should hold eval_bytes_scored (int) and val_loss"),
+    "final_eval": (
+        lambda d: _run0(d).__setitem__("final_eval", {"val_loss": 2.4}),
+        "final_eval should hold eval_bytes_scored (int) and val_loss",
+    ),
     "no_runs": (lambda d: d.__setitem__("runs", []), "holds no runs"),
 }
 

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 
 from lowcomm_kernels.cli import main
-from lowcomm_kernels.train import mlp, render, runner
+from lowcomm_kernels.train import render, runner
 from lowcomm_kernels.train import study_loscar as sl
 from lowcomm_kernels.train.report import EvalPoint, RunResult
+from lowcomm_kernels.train.tasks import mlp
 from tests.train.test_cli import PNG
 
 ROOT = Path(__file__).resolve().parents[2]

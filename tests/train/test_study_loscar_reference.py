@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from lowcomm_kernels.train import study_loscar as sl
-from lowcomm_kernels.train.mlp import MLPConfig, run_mlp_specs
+from lowcomm_kernels.train.tasks.mlp import MLPConfig, run_mlp_specs
 
 
 @pytest.mark.slow

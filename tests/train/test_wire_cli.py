@@ -15,9 +15,11 @@ from lowcomm_kernels.runtime.schedule import SPARSE_WIRE_FORMATS, WIRE_FORMATS
 from lowcomm_kernels.train.model import ModelConfig, parameter_count
 from lowcomm_kernels.train.spec import WIRE_DTYPE_NAMES
 
-TINY = ("--workers 2 --steps 8 --eval-every 4 --eval-bytes 512 --batch-size 2 --dim 16 --layers 2 "
-        "--heads 2 --mlp-hidden 32 --seq-len 16 --sync-every 4 --delay 1 --fragments 2 --latency-ms 5 "
-        "--bandwidth-mbps 1000 --warmup 2 --no-progress").split()
+TINY = (
+    "--workers 2 --steps 8 --eval-every 4 --eval-bytes 512 --batch-size 2 --dim 16 --layers 2 "
+    "--heads 2 --mlp-hidden 32 --seq-len 16 --sync-every 4 --delay 1 --fragments 2 --latency-ms 5 "
+    "--bandwidth-mbps 1000 --warmup 2 --no-progress"
+).split()
 
 
 def test_the_cli_offers_every_wire_format_of_the_runtime():

@@ -61,7 +61,7 @@ def test_finished_runs_are_saved_and_reused(tmp_path: Path, capsys):
 def test_each_saved_part_records_the_code_that_made_it(tmp_path: Path, capsys, monkeypatch):
     """A study finished in several sittings: every part file says which code made it, sittings()
     lists the distinct codes, and reusing a part made by other code prints a warning."""
-    from lowcomm_kernels.train import studies
+    from lowcomm_kernels.train import studykit
     from lowcomm_kernels.train.report import RunResult
 
     def fake_run(specs):
@@ -69,33 +69,33 @@ def test_each_saved_part_records_the_code_that_made_it(tmp_path: Path, capsys, m
 
     cfgs = [("a", [TrainSpec(name="a")]), ("b", [TrainSpec(name="b", seed=1)])]
     code = {"revision": "1" * 40, "dirty": False, "diff_sha256": None}
-    monkeypatch.setattr(studies, "_made_by", lambda: {**code, "utc": "2026-01-01T00:00:00Z", "load": [1.0]})
-    studies.run_resumable(cfgs[:1], None, tmp_path, progress=False, run=fake_run)
+    monkeypatch.setattr(studykit, "_made_by", lambda: {**code, "utc": "2026-01-01T00:00:00Z", "load": [1.0]})
+    studykit.run_resumable(cfgs[:1], None, tmp_path, progress=False, run=fake_run)
     made = json.loads((tmp_path / "000.json").read_text())["made_by"]
     assert made["revision"] == "1" * 40 and made["load"] == [1.0]
     code = {"revision": "2" * 40, "dirty": True, "diff_sha256": "f" * 64}  # a later sitting, edited tree
-    monkeypatch.setattr(studies, "_made_by", lambda: {**code, "utc": "2026-01-02T00:00:00Z", "load": None})
-    studies.run_resumable(cfgs, None, tmp_path, progress=False, run=fake_run)
+    monkeypatch.setattr(studykit, "_made_by", lambda: {**code, "utc": "2026-01-02T00:00:00Z", "load": None})
+    studykit.run_resumable(cfgs, None, tmp_path, progress=False, run=fake_run)
     out = capsys.readouterr().out
     assert "reusing a (1 runs)" in out
     assert "warning: made by revision 1111111111; this checkout is revision 2222222222 + uncommitted" in out
-    parts = studies.sittings(tmp_path)
+    parts = studykit.sittings(tmp_path)
     assert [(p["revision"][:1], p["parts"]) for p in parts] == [("1", ["000.json"]), ("2", ["001.json"])]
     assert parts[1]["diff_sha256"] == "f" * 64 and parts[1]["first_utc"] == "2026-01-02T00:00:00Z"
     # a part written before parts recorded their code reads as "not recorded", with no error
     doc = json.loads((tmp_path / "000.json").read_text())
     del doc["made_by"]
     (tmp_path / "000.json").write_text(json.dumps(doc))
-    studies.run_resumable(cfgs[:1], None, tmp_path, progress=False, run=fake_run)
+    studykit.run_resumable(cfgs[:1], None, tmp_path, progress=False, run=fake_run)
     assert "made by code not recorded" in capsys.readouterr().out
-    assert studies.sittings(tmp_path)[0]["revision"] is None
+    assert studykit.sittings(tmp_path)[0]["revision"] is None
 
 
 def test_a_part_whose_checkout_changed_while_it_ran_says_so(tmp_path: Path, capsys, monkeypatch):
     """The code is recorded at launch (the workers import what is on disk then); a commit landing
     while the part runs is recorded too, warned about, and sittings() counts the part under both.
     Files beyond the study's configurations (an earlier, longer list) are not counted."""
-    from lowcomm_kernels.train import studies
+    from lowcomm_kernels.train import studykit
     from lowcomm_kernels.train.report import RunResult
 
     codes = iter("12")
@@ -110,12 +110,12 @@ def test_a_part_whose_checkout_changed_while_it_ran_says_so(tmp_path: Path, caps
             "load": None,
         }
 
-    monkeypatch.setattr(studies, "_made_by", made_by)
+    monkeypatch.setattr(studykit, "_made_by", made_by)
     fake = lambda specs: [RunResult(s.label, s.method, s.to_dict()) for s in specs]  # noqa: E731
-    studies.run_resumable([("a", [TrainSpec(name="a")])], None, tmp_path, progress=False, run=fake)
+    studykit.run_resumable([("a", [TrainSpec(name="a")])], None, tmp_path, progress=False, run=fake)
     doc = json.loads((tmp_path / "000.json").read_text())
     assert doc["made_by"]["revision"] == "1" * 40 and doc["code_changed_during_run"]["revision"] == "2" * 40
     assert "the checkout changed while a ran: revision 2222222222" in capsys.readouterr().out
-    assert sorted(p["revision"][:1] for p in studies.sittings(tmp_path, 1)) == ["1", "2"]
+    assert sorted(p["revision"][:1] for p in studykit.sittings(tmp_path, 1)) == ["1", "2"]
     (tmp_path / "001.json").write_text(json.dumps({"made_by": {"revision": "3" * 40}}))  # not a config
-    assert len(studies.sittings(tmp_path, 1)) == 2 and len(studies.sittings(tmp_path)) == 3
+    assert len(studykit.sittings(tmp_path, 1)) == 2 and len(studykit.sittings(tmp_path)) == 3

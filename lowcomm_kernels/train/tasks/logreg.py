@@ -26,16 +26,21 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from .presets import LOGREG
+from ...runtime import LOSCAR
+from ...runtime.launch import WorkerError, send
+from ..args import _SPEC_FIELDS, check_workers, out_dir
+from ..presets import LOGREG
+from ..provenance import collect
+from ..report import mean_std, write_json
+from ..runner import report_failure
+from .common import averaged_and_own, launch_jobs, refuse_flags
 
 SPEEDS = (1, 2, 3, 6)
 DENSITIES = (0.001, 0.01, 0.1, 1.0)
@@ -78,7 +83,7 @@ def a9a_synthetic(n: int = 32561, seed: int = 0) -> tuple[np.ndarray, np.ndarray
 def load_dataset(name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(X (n, d) float32 with a trailing bias column of ones, y (n,) float32 in {-1, 1})."""
     if name == "breast_cancer":
-        from sklearn.datasets import load_breast_cancer
+        from sklearn.datasets import load_breast_cancer  # optional (the cli extra): only this dataset
 
         data = load_breast_cancer()
         X = data.data.astype(np.float64)
@@ -121,34 +126,6 @@ def optimum(X: torch.Tensor, y: torch.Tensor, l2: float) -> float:
     return float(objective(w.detach(), X, y, l2))
 
 
-@torch.no_grad()
-def averaged_and_own(
-    model: torch.nn.Module, loss: Callable[[torch.nn.Module], float], group: Any
-) -> tuple[float, list[float]]:
-    """(loss of the worker-averaged parameters, each worker's own parameters' loss in rank order).
-    Collective over ``group``; the same numbers on every rank. The second is the model each worker
-    actually holds: averaging only at evaluation hides how far apart the workers drifted (and LOSCAR
-    never forms the average). ``model`` is left as it was."""
-    world = dist.get_world_size(group)
-    mine = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
-    own = torch.tensor([loss(model)], dtype=torch.float64)
-    every = [torch.zeros_like(own) for _ in range(world)]
-    avg = mine.clone()
-    dist.all_reduce(avg, group=group)
-    dist.all_gather(every, own, group=group)
-    _copy_into(model, avg.div_(world))  # in place: a strategy's flat buffer stays the parameters' storage
-    avg_loss = loss(model)
-    _copy_into(model, mine)
-    return avg_loss, [float(v) for v in every]
-
-
-def _copy_into(model: torch.nn.Module, vec: torch.Tensor) -> None:
-    offset = 0
-    for p in model.parameters():
-        p.copy_(vec[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
-
-
 def run_one(
     cfg: LogregConfig,
     dataset: str,
@@ -163,8 +140,6 @@ def run_one(
     eval_group: object,
 ) -> list[tuple[int, float, float]]:
     """One LOSCAR run on this rank; returns [(round, f(mean_i x_i))] (identical on all ranks)."""
-    from ..runtime import LOSCAR
-
     speeds = SPEEDS if world == len(SPEEDS) else tuple(SPEEDS[i % len(SPEEDS)] for i in range(world))
     local = [max(1, cfg.local_steps // c) for c in speeds]
     overlap = [0 if variant == "blocking" else max(1, cfg.overlap_steps // c) for c in speeds]
@@ -210,8 +185,6 @@ def run_one(
 def _rank(rank: int, world: int, cfg: LogregConfig, jobs: list) -> list[dict] | None:
     """A worker process's body under :func:`lowcomm_kernels.runtime.launch.launch`: every job in
     turn; rank 0 sends the index of each finished job (the progress bar) and returns the results."""
-    from ..runtime.launch import send
-
     data = {}
     results = []
     for i, (ds, density, variant, seed) in enumerate(jobs):
@@ -238,30 +211,6 @@ def _rank(rank: int, world: int, cfg: LogregConfig, jobs: list) -> list[dict] | 
     return results if rank == 0 else None
 
 
-def launch_jobs(body: Callable, args: tuple, n_jobs: int, workers: int, progress: bool, desc: str) -> Any:
-    """``body(rank, world, *args)`` on ``workers`` ranks (one spawn for every job), with a progress
-    bar of ``n_jobs`` runs that rank 0 advances by ``send(job_index)``; returns rank 0's value.
-    Raises :class:`~lowcomm_kernels.runtime.launch.WorkerError`."""
-    from ..runtime.launch import launch
-
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=n_jobs, desc=desc, unit="run")
-
-    def job_done(rank: int, job: int) -> None:
-        if bar is not None:
-            bar.update(1)
-
-    try:
-        per_rank = launch(body, workers, args, on_message=job_done)
-    finally:
-        if bar is not None:
-            bar.close()
-    return per_rank[0]
-
-
 def run_jobs(cfg: LogregConfig, jobs: list, workers: int, progress: bool) -> list[dict]:
     """Every job on ``workers`` ranks; raises :class:`~lowcomm_kernels.runtime.launch.WorkerError`."""
     return launch_jobs(_rank, (cfg, jobs), len(jobs), workers, progress, "logreg runs")
@@ -270,7 +219,6 @@ def run_jobs(cfg: LogregConfig, jobs: list, workers: int, progress: bool) -> lis
 def summarise(results: list[dict]) -> str:
     """Markdown: per dataset, final gaps (mean +- std over seeds) per density x variant: of the
     averaged model f(x̄) - f* and, after '/', the mean over workers of f(x_i) - f*."""
-    from .report import mean_std
 
     def cell(values: list[float]) -> str:
         m, s = mean_std(values)
@@ -299,7 +247,7 @@ def summarise(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # optional (the cli extra): only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -355,13 +303,6 @@ def logreg_header(config: dict, speeds: tuple[int, ...] | list[int], seeds: int)
 
 
 def run_logreg_compare(args: argparse.Namespace) -> int:
-    from ..runtime.launch import WorkerError
-    from .args import _SPEC_FIELDS, check_workers, out_dir
-    from .mlp import refuse_flags
-    from .provenance import collect
-    from .report import write_json
-    from .runner import report_failure
-
     # its own fixed setting: the flags of the training runs would be silently ignored
     model_and_link = "data dim layers heads mlp_hidden seq_len latency_ms bandwidth_mbps target".split()
     refuse_flags(args, [f for f in _SPEC_FIELDS if f != "workers"] + model_and_link, "--task logreg")

@@ -43,9 +43,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .logreg import averaged_and_own, launch_jobs
-from .report import EvalPoint, RunResult
-from .spec import TrainSpec
+from ...runtime.launch import WorkerError, send
+from ..args import out_dir, parse_methods, spec_from_args
+from ..provenance import collect
+from ..report import EvalPoint, RunResult, auto_target, comparison_rows, format_table, write_json
+from ..runner import report_failure
+from ..spec import TrainSpec
+from ..strategies import CommTotals, build_strategy
+from ..worker import GradAllReduce
+from .common import LM_ONLY, averaged_and_own, launch_jobs, refuse_flags
 
 TEST_FRACTION = 0.2
 
@@ -103,7 +109,7 @@ PRESETS: dict[str, dict] = {
 def load_digits_split() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(X_train, y_train, X_test, y_test): float32 pixels in [0, 1], int64 labels; the training rows
     sorted by label (stable), the split fixed (seed 0)."""
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # optional (the cli extra): only this task needs it
 
     data = load_digits()
     X = (data.data / 16.0).astype(np.float32)
@@ -192,9 +198,6 @@ def run_one(
     spec: TrainSpec, cfg: MLPConfig, data: tuple, rank: int, world: int, group: object, eval_group: object
 ) -> RunResult:
     """One run of ``spec`` on this rank (every rank returns the same RunResult)."""
-    from .strategies import CommTotals, build_strategy
-    from .worker import GradAllReduce
-
     Xtr, ytr, Xte, yte = data
     model = make_model(cfg, spec.seed)
     opt = torch.optim.SGD(model.parameters(), lr=spec.lr)
@@ -260,8 +263,6 @@ def run_one(
 def _rank(rank: int, world: int, cfg: MLPConfig, specs: list[TrainSpec]) -> list[dict] | None:
     """A worker process's body: every spec in turn; rank 0 sends each finished run's index and
     returns the results as dicts."""
-    from ..runtime.launch import send
-
     data = load_digits_split()
     results = []
     for i, spec in enumerate(specs):
@@ -289,33 +290,9 @@ def run_mlp_specs(
     return [RunResult.from_dict(d) for d in dicts]
 
 
-#: flags of the LM task that mean nothing here (the model, its data, AdamW and its schedule)
-LM_ONLY = (
-    "data dim layers heads mlp_hidden seq_len eval_bytes final_eval_bytes warmup_steps weight_decay "
-    "param_dtype grad_clip min_lr_frac"
-).split()
-
-
-def refuse_flags(args: argparse.Namespace, names: list[str], what: str) -> None:
-    """A UsageError naming the first of ``names`` given on the command line, before any run."""
-    from .args import FLAGS
-    from .errors import UsageError
-
-    for name in names:
-        if getattr(args, name, None) not in (None, False):
-            flag = FLAGS.get(name, "--" + name.replace("_", "-"))
-            raise UsageError(f"{flag} does not apply to {what}")
-
-
 def run_mlp_compare(args: argparse.Namespace) -> int:
     """`lowcomm compare --task mlp`: every --methods method on the digits MLP, one seed, the
     comparison table of the LM task (wall-clock = the time model's seconds)."""
-    from ..runtime.launch import WorkerError
-    from .args import out_dir, parse_methods, spec_from_args
-    from .provenance import collect
-    from .report import auto_target, comparison_rows, format_table, write_json
-    from .runner import report_failure
-
     refuse_flags(args, LM_ONLY, "--task mlp (the digits MLP)")
     preset = PRESETS["quick" if args.quick else "default"]
     specs = [spec_from_args(args, m, preset) for m in parse_methods(args.methods)]
