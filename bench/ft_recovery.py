@@ -6,7 +6,7 @@
 (1) Overhead: the wall time of one sync round under a torchft Manager (quorum + SUM all-reduces of
 payload, control and presence + should_commit, median over the rounds before the kill) next to a SUM
 all-reduce of the same tensors over a fixed 3-process gloo group, and the time from a SIGKILL of one
-replica to the first round the survivors commit without it (tests/runtime/ft_worker.py).
+replica to the first round the survivors commit without it (bench/ft_worker.py).
 
 (2) Side by side: the same kill under our DiLoCo (``manager=``) and under torchft's own
 ``torchft.local_sgd.DiLoCo``, on the same model, data, H and outer optimizer (Nesterov SGD), each
@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "runtime" / "ft_worker.py"
+WORKER = ROOT / "bench" / "ft_worker.py"
 REPLICA = ROOT / "bench" / "ft_replica.py"
 IMPLS = ("lowcomm", "torchft")
 LABEL = {"lowcomm": "lowcomm DiLoCo (manager=)", "torchft": "torchft.local_sgd.DiLoCo"}

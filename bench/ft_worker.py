@@ -1,4 +1,5 @@
-"""One fault-tolerant replica for tests/runtime/test_ft.py (run as a script, one process each).
+"""One fault-tolerant replica for bench/ft_recovery.py and tests/runtime/test_ft.py (run as a script,
+one process each).
 
 Trains a small regression model with DiLoCo, Streaming DiLoCo, CoCoDC or LOSCAR under a torchft
 Manager and appends one JSON line per step to ``--out``: step, loss, a hash of g (LOSCAR, which has no

@@ -2,31 +2,30 @@
 # The whole GPU check in one command, at most 8 minutes, on a machine with one NVIDIA GPU and no
 # network (nothing is installed: the package is used from this source tree):
 #   1. build    liblowcomm_cuda (bench/build_cuda.sh --install; sm_80, sm_90 and the GPU's own)  <= 90 s
-#   2. correctness  every op x backend (triton, cuda) x dtype (fp32, fp64, bf16 wire with fp32 and
-#               fp64 data) x buffer offset (0, 1, 3, 5 elements), odd sizes, on a non-default
-#               stream, against the float64 *_ref; opcheck + compile on the GPU
-#               (bench/gpu_correctness.py)                                                     <= 120 s
-#   3. pytest   `pytest -m gpu tests` (the ops' tests parametrized on cuda)                     <= 90 s
-#   4. runtime  the four strategies on the GPU against the float64 simulator (one-rank NCCL group,
-#               two gloo ranks with CUDA tensors; DiLoCo and Streaming DiLoCo also on an FSDP2-
-#               sharded model), host syncs under set_sync_debug_mode, overlap
-#               over an emulated WAN (bench/gpu_runtime.py)                                     <= 90 s
-#   5. bench    every op's result checked against the ref, then its bandwidth against a device
+#   2. pytest   `pytest -m gpu tests/gpu tests/ops`: the GPU tests (tests/gpu: every op x backend
+#               (triton, cuda) x dtype (fp32, fp64, bf16 wire with fp32 and fp64 data) x buffer
+#               offset (0, 1, 3, 5 elements), odd sizes, on a non-default stream, against the float64
+#               *_ref; opcheck + compile on the GPU; the four strategies against the float64
+#               simulator (one-rank NCCL group, two gloo ranks with CUDA tensors, FSDP2), host syncs
+#               under set_sync_debug_mode; the top-k kernels' bits) and the ops' tests parametrized
+#               on cuda                                                                          <= 230 s
+#   3. overlap  Streaming DiLoCo's exposed communication over an emulated WAN on two ranks
+#               (bench/gpu_overlap.py)                                                          <= 60 s
+#   4. bench    every op's result checked against the ref, then its bandwidth against a device
 #               copy of the same bytes at 64M elements (bench/gpu_bench.py)                     <= 90 s
 # Every stage runs under `timeout`, and no stage starts past a 470 s deadline, so the whole script
-# stays under 8 minutes. Results: JSON and markdown per stage, plus gpu_check.json / gpu_check.md
-# (all stages) and gpu.md (the GPU section of bench/RESULTS.md), in $OUT when set, else
-# bench/results/; a short summary is printed.
+# stays under 8 minutes. Results: pytest's junit report (pytest_gpu.xml), JSON and markdown of the
+# other stages, plus gpu_check.json / gpu_check.md (all stages) and gpu.md (the GPU section of
+# bench/RESULTS.md), in $OUT when set, else bench/results/; a short summary is printed.
 #
 # Usage: bash bench/gpu_check.sh [--dry-run] [gpu_bench.py options, e.g. --sizes 16M,64M]
 #   --dry-run  on the CPU, so the script cannot rot unseen (tests/test_gpu_check.py runs it): no build
-#              and no nvidia-smi; correctness on CPU tensors for Triton (TRITON_INTERPRET=1, fp32 only)
-#              and the cpu backend; pytest -m gpu (selects nothing without a GPU); the runtime with
-#              gloo on CPU tensors (the sync-debug part is skipped); the bench at a tiny size. Writes
-#              no gpu.md. About a minute.
+#              and no nvidia-smi; the GPU tests on the CPU (LOWCOMM_GPU_TESTS_DEVICE=cpu: the cpu
+#              backend, gloo on CPU tensors; GPU-only tests skip with their reason); the overlap with
+#              gloo on CPU tensors; the bench at a tiny size. Writes no gpu.md. About two minutes.
 # Environment: PYTHON (default: .venv/bin/python if present, else python3); CUDA_ARCHS (build); OUT.
-# Exit status: 0 every check passed (or no GPU here: says so); 1 a correctness, pytest, runtime or
-# bench result check failed or timed out; 2 a GPU is present but torch cannot use it; 3 only the
+# Exit status: 0 every check passed (or no GPU here: says so); 1 a pytest or overlap run or a bench
+# result check failed or timed out; 2 a GPU is present but torch cannot use it; 3 only the
 # CUDA build failed (Triton is still checked); 4 only the bench's timing failed.
 set -uo pipefail
 
@@ -116,27 +115,24 @@ else
   fi
 fi
 
-# ---- 2. correctness ---------------------------------------------------------------------------
-slot 120
-corr_out=(--json "$results/gpu_correctness.json" --md "$results/gpu_correctness.md")
+# ---- 2. pytest -m gpu ---------------------------------------------------------------------------
+# SIGINT at the limit (pytest then still writes its report); tests not started 30 s before it skip.
+slot $(( dry ? 300 : 230 ))  # a dry run has no build: its time goes to the slower CPU
 if (( dry )); then
-  run correctness env TRITON_INTERPRET=1 "$python" bench/gpu_correctness.py --device cpu --sizes 4097,7,1,0 \
-    --registration opcheck --budget-s $(( limit - 10 )) "${corr_out[@]}"
+  gpu_env=(LOWCOMM_GPU_TESTS_DEVICE=cpu)
 else
-  run correctness "$python" bench/gpu_correctness.py --backends "$backends" --budget-s $(( limit - 15 )) \
-    "${corr_out[@]}"
+  gpu_env=(LOWCOMM_GPU_TESTS_BACKENDS="$backends")
 fi
+run pytest env "${gpu_env[@]}" LOWCOMM_GPU_TESTS_BUDGET_S=$(( limit - 30 )) timeout -s INT $(( limit - 5 )) \
+  "$python" -m pytest -m gpu -q -rfEs -p no:cacheprovider -p no:xdist tests/gpu tests/ops \
+  -o junit_family=xunit1 --junitxml="$results/pytest_gpu.xml"
 
-# ---- 3. pytest -m gpu -------------------------------------------------------------------------
-slot 90
-run pytest "$python" -m pytest -m gpu -q -p no:cacheprovider -p no:xdist tests --junitxml="$results/pytest_gpu.xml"
+# ---- 3. overlap -------------------------------------------------------------------------------
+slot $(( dry ? 120 : 60 ))
+run overlap "$python" bench/gpu_overlap.py --device "$device" --budget-s $(( limit - 15 )) \
+  --json "$results/gpu_overlap.json" --md "$results/gpu_overlap.md"
 
-# ---- 4. runtime -------------------------------------------------------------------------------
-slot 90
-run runtime "$python" bench/gpu_runtime.py --device "$device" --budget-s $(( limit - 5 )) \
-  --json "$results/gpu_runtime.json" --md "$results/gpu_runtime.md"
-
-# ---- 5. bench ---------------------------------------------------------------------------------
+# ---- 4. bench ---------------------------------------------------------------------------------
 slot 90
 bench_out=(--out-md "$results/gpu_bench.md" --out-json "$results/gpu_bench.json")
 if (( dry )); then
@@ -162,14 +158,27 @@ load = lambda name: json.loads(read(name)) if read(name) else None  # noqa: E731
 lines = read("gpu_check_stages.tsv").splitlines()[1:]
 stages = {n: dict(rc=rc, seconds=int(s), limit=int(lim)) for n, rc, s, lim in (ln.split("\t") for ln in lines)}
 rep = dict(dry_run=dry, seconds=total, when=f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC",
-           correctness=load("gpu_correctness.json"), runtime=load("gpu_runtime.json"), bench=load("gpu_bench.json"))
+           overlap=load("gpu_overlap.json"), bench=load("gpu_bench.json"))
+# pytest's junit report: the counts, and every test case (status, reason or failure, properties)
 pytest = {}
 if read("pytest_gpu.xml"):
-    suite = ET.fromstring(read("pytest_gpu.xml"))
-    suite = suite if suite.tag == "testsuite" else suite[0]
+    root = ET.fromstring(read("pytest_gpu.xml"))
+    suite = root if root.tag == "testsuite" else root[0]
     pytest = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    cases = []
+    for tc in suite.iter("testcase"):
+        status, detail = "pass", ""
+        for tag, name in (("failure", "FAIL"), ("error", "ERROR"), ("skipped", "skip")):
+            el = tc.find(tag)
+            if el is not None:
+                status, detail = name, (el.get("message") or el.text or "")[:600]
+                break
+        props = {p.get("name"): p.get("value") for p in tc.iter("property")}
+        cases.append(dict(test=f"{tc.get('classname')}::{tc.get('name')}", status=status, detail=detail,
+                          seconds=float(tc.get("time", 0)), properties=props))
+    pytest["cases"] = cases
 rep["pytest"] = pytest
-for name in ("build", "correctness", "pytest", "runtime", "bench"):
+for name in ("build", "pytest", "overlap", "bench"):
     st = stages.setdefault(name, dict(rc="missing", seconds=0, limit=0))
     rc = st["rc"]
     if rc == "skip":
@@ -178,15 +187,15 @@ for name in ("build", "correctness", "pytest", "runtime", "bench"):
         st["status"] = "FAIL (timed out)"
     elif rc in ("deadline", "missing"):
         st["status"] = f"FAIL (not run: {rc})"
-    elif name == "pytest" and rc == "5" and dry:
-        st["status"] = "skip (no test carries the gpu marker without a GPU)"
+    elif name == "pytest" and not pytest.get("tests"):
+        st["status"] = f"FAIL (exit {rc}: no test ran)"
     elif rc == "0":
         st["status"] = "pass"
     else:
         st["status"] = f"FAIL (exit {rc})"
-untried = sum(r["detail"] == "time budget" for r in (rep["correctness"] or {}).get("results", []))
+untried = sum(c["detail"].startswith("time budget") for c in pytest.get("cases", []))
 untried_bench = (rep["bench"] or {}).get("untimed", 0)
-for name, n in (("correctness", untried), ("bench", untried_bench)):
+for name, n in (("pytest", untried), ("bench", untried_bench)):
     if n and stages[name]["status"] == "pass":
         stages[name]["status"] = f"pass, incomplete ({n} not started within the time budget)"
 rep["stages"] = stages
@@ -197,16 +206,44 @@ if bad - {"build", "bench"} or ("bench" in bad and bench_checks_failed):
 else:
     rep["exit"] = 3 if "build" in bad else 4 if "bench" in bad else 0
 
-device = (rep["correctness"] or rep["runtime"] or {}).get("device", "?")
+
+def pytest_md(pt: dict) -> str:
+    """Per test function: passed / failed / skipped; the skip reasons; the failures; the notes."""
+    if not pt:
+        return ""
+    md = [f"`pytest -m gpu tests/gpu tests/ops`: {pt['tests']} tests, {pt['failures']} failed, "
+          f"{pt['errors']} errors, {pt['skipped']} skipped.", "",
+          "| test | pass | fail | skip |", "| --- | --- | --- | --- |"]
+    count: dict = {}
+    for c in pt["cases"]:
+        fn = c["test"].split("[")[0]
+        k = count.setdefault(fn, {"pass": 0, "fail": 0, "skip": 0})
+        k["pass" if c["status"] == "pass" else "skip" if c["status"] == "skip" else "fail"] += 1
+    md += [f"| {fn} | {k['pass']} | {k['fail']} | {k['skip']} |" for fn, k in count.items()]
+    reasons: dict = {}
+    for c in pt["cases"]:
+        if c["status"] == "skip":
+            reasons[c["detail"]] = reasons.get(c["detail"], 0) + 1
+    if reasons:
+        md += ["", "Skipped:", ""] + [f"- {n} x {r}" for r, n in sorted(reasons.items())]
+    fails = [c for c in pt["cases"] if c["status"] in ("FAIL", "ERROR")]
+    if fails:
+        md += ["", "Failures:", ""] + [f"- {c['test']}: {' '.join(c['detail'].split())[:300]}" for c in fails[:40]]
+    notes = sorted({f"{k[6:]}: {v}" for c in pt["cases"] for k, v in c["properties"].items()
+                    if k.startswith("note: ")})
+    if notes:
+        md += ["", "Notes (not failures):", ""] + [f"- {n}" for n in notes[:40]]
+    return "\n".join(md)
+
+
+device = (rep["overlap"] or {}).get("device", "?")
 md = [("**DRY RUN on the CPU** (`bash bench/gpu_check.sh --dry-run`): a test of the scripts, not a GPU "
        "measurement.\n\n" if dry else "") +
       f"GPU check of {rep['when']} on {device} (`bash bench/gpu_check.sh`): {total} s in all, exit {rep['exit']}.",
       "", "| stage | result | seconds | limit |", "| --- | --- | --- | --- |"]
 md += [f"| {n} | {s['status']} | {s['seconds']} | {s['limit']} |" for n, s in stages.items()]
-pt = (f"{pytest['tests']} tests: {pytest['failures']} failed, {pytest['errors']} errors, "
-      f"{pytest['skipped']} skipped." if pytest else "no junit report.")
-for title, body in (("Correctness", read("gpu_correctness.md")), ("pytest -m gpu", pt),
-                    ("Runtime", read("gpu_runtime.md")), ("Bandwidth", read("gpu_bench.md"))):
+for title, body in (("pytest -m gpu", pytest_md(pytest)), ("Overlap", read("gpu_overlap.md")),
+                    ("Bandwidth", read("gpu_bench.md"))):
     md += ["", f"### {title}", "", body.strip() or "(no report: see the stage's log)"]
 text = "\n".join(md) + "\n"
 (out / "gpu_check.md").write_text(text)

@@ -45,6 +45,7 @@ import contextlib
 import functools
 import math
 import os
+import pathlib
 import re
 import secrets
 from collections.abc import Callable, Iterator, Sequence
@@ -254,13 +255,18 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("backend", [b for b in backends_for(ops, "cpu") if b not in exclude])
 
 
+GPU_TESTS = pathlib.Path(__file__).resolve().parent / "gpu"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     _slow_modules_first(items)
-    if torch.cuda.is_available() or os.environ.get("LOWCOMM_GPU_TESTS_DEVICE") == "cpu":
-        return  # (the CPU asked for: tests/gpu run there, tests/gpu/conftest.py)
+    if torch.cuda.is_available():
+        return
     skip = pytest.mark.skip(reason="needs a CUDA device")
+    # LOWCOMM_GPU_TESTS_DEVICE=cpu: tests/gpu run on the CPU instead (tests/gpu/conftest.py)
+    on_cpu = GPU_TESTS if os.environ.get("LOWCOMM_GPU_TESTS_DEVICE") == "cpu" else None
     for item in items:
-        if item.get_closest_marker("gpu"):
+        if item.get_closest_marker("gpu") and not (on_cpu and item.path.is_relative_to(on_cpu)):
             item.add_marker(skip)
 
 

@@ -1,11 +1,11 @@
 """bench/gpu_check.sh --dry-run: the GPU check's scripts run on the CPU, so they cannot rot unseen.
 
 The GPU check runs only where a GPU is lent; this runs the same script, stage for stage, on the CPU
-(Triton through its interpreter, the cpu backend, gloo on CPU tensors, a tiny bench) and checks the
-report it writes: every stage present, each passed or was skipped for the documented reason, every
-check in the correctness, runtime and bench reports passed. About 40 s on an idle 2-core machine
-(70 s beside a parallel test run), hence marked ``study``: CI runs it in its own step
-(``pytest -m study``).
+(the GPU tests of tests/gpu on the cpu backend and gloo on CPU tensors, the overlap on gloo, a tiny
+bench) and checks the report it writes: every stage present, each passed or was skipped for the
+documented reason, pytest's junit report covers every op, dtype, offset and strategy with no
+failure, the overlap and bench reports passed. About two minutes on a 2-core machine, hence marked
+``study``: CI runs it in its own step (``pytest -m study``).
 """
 
 from __future__ import annotations
@@ -20,16 +20,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.study]
-STAGES = ("build", "correctness", "pytest", "runtime", "bench")
+STAGES = ("build", "pytest", "overlap", "bench")
 
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     env = dict(os.environ, OUT=str(out), PYTHON=sys.executable)
-    env.pop("TRITON_INTERPRET", None)
-    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    for name in (
+        "TRITON_INTERPRET",
+        "LOWCOMM_GPU_TESTS_DEVICE",
+        "LOWCOMM_GPU_TESTS_BACKENDS",
+        "LOWCOMM_GPU_TESTS_BUDGET_S",
+        "PYTEST_XDIST_WORKER",
+        "PYTEST_ADDOPTS",
+    ):
+        env.pop(name, None)
+    proc = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     return proc, out
 
 
@@ -48,50 +62,73 @@ def test_every_stage_passed_or_was_skipped_for_the_documented_reason(dry_run):
     assert rep["dry_run"] is True and rep["exit"] == 0
     status = {name: rep["stages"][name]["status"] for name in STAGES}
     assert status["build"] == "skip"
-    # without a GPU, `pytest -m gpu` selects nothing (exit 5: skip) or only tests that skip (exit 0: pass)
-    assert status["pytest"] == "pass" or status["pytest"].startswith("skip (no test carries the gpu marker")
-    assert status["correctness"] == status["runtime"] == status["bench"] == "pass", status
+    assert status["pytest"] == status["overlap"] == status["bench"] == "pass", status
+    assert (out / "pytest_gpu.xml").exists()
+
+
+def _cases(out: Path) -> dict[str, dict]:
+    return {c["test"]: c for c in json.loads((out / "gpu_check.json").read_text())["pytest"]["cases"]}
 
 
 @pytest.mark.slow
-def test_correctness_report_covers_backends_dtypes_offsets_and_passed(dry_run):
+def test_gpu_tests_ran_on_the_cpu_and_cover_ops_dtypes_offsets(dry_run):
     _, out = dry_run
-    corr = json.loads((out / "gpu_check.json").read_text())["correctness"]
-    rows = corr["results"]
-    assert not [r for r in rows if r["status"] == "FAIL"]
-    passed = {(r["backend"], r["op"]) for r in rows if r["status"] == "pass"}
-    for backend in ("triton", "cpu"):
-        for op in ("pack", "outer_merge_", "sparse", "fragment_norms", "mask_indices"):
-            assert (backend, op) in passed, (backend, op)
-    assert ("cpu", "opcheck") in passed
-    cases = {r["case"] for r in rows if r["status"] == "pass" and r["backend"] == "cpu"}
-    for label in ("fp32", "fp32/bf16", "fp64", "fp64/bf16"):
+    cases = _cases(out)
+    assert not [t for t, c in cases.items() if c["status"] in ("FAIL", "ERROR")]
+    passed = {t for t, c in cases.items() if c["status"] == "pass"}
+    sweep = "tests.gpu.test_ops::test_op_matches_the_float64_ref"
+    for op in ("pack", "outer_merge_", "sparse", "fragment_norms", "quantized", "mask_indices"):
+        assert f"{sweep}[{op}-n4097-fp32-offset0-cpu]" in passed, op
+    for label in ("fp32", "fp32-bf16", "fp64", "fp64-bf16"):
         for off in (0, 1, 3, 5):
-            assert f"n=4097 {label} offset={off}" in cases
-    # the interpreter runs Triton in fp32 only; everything else is skipped for that reason, none for time
-    edge = {(r["backend"], r["op"]): r for r in rows if r["case"] == "edge"}
-    skips = {r["detail"] for r in rows if r["status"] == "skip" and r["case"] != "edge"}
-    assert skips <= {"Triton interpreter: fp32 only"}, skips
-    # the GPU-only edge checks are reported as skipped with their reason, never absent
-    for backend in ("triton", "cpu"):
-        assert edge[(backend, "pack bf16 overflow")]["status"] == "pass"
-        for op in ("pack n=2^31+7", "outer_merge_ n=2^31+7", "second device"):
-            assert edge[(backend, op)]["status"] == "skip" and edge[(backend, op)]["detail"], (backend, op)
+            assert f"{sweep}[pack-n4097-{label}-offset{off}-cpu]" in passed
+    for op in (
+        "pack",
+        "outer_merge_",
+        "mask_indices",
+        "sparse_gather",
+        "sparse_scatter_merge_",
+        "fragment_norms",
+    ):
+        assert f"tests.gpu.test_registered_ops::test_opcheck_on_the_device[{op}-fp32-cpu]" in passed
+    assert "tests.gpu.test_ops::test_pack_to_bf16_where_the_difference_overflows[cpu]" in passed
+    assert "tests.gpu.test_ops::test_bf16_and_fp16_parameters_beside_a_float32_master[cpu]" in passed
+    assert "tests.gpu.test_topk::test_non_finite_chunks[cpu]" in passed
+    # the GPU-only checks are reported as skipped with their reason, never absent
+    for test in (
+        "test_ops::test_past_2_31_elements[pack-cpu]",
+        "test_ops::test_every_op_on_a_second_device[cpu]",
+        "test_registered_ops::test_compiled_fullgraph_matches_eager",
+    ):
+        c = cases[f"tests.gpu.{test}"]
+        assert c["status"] == "skip" and c["detail"], test
+    # none for time: the dry run fits its budget
+    assert not [t for t, c in cases.items() if c["detail"].startswith("time budget")]
+    # the ops' own GPU tests are collected and skip without a GPU
+    ops_gpu = [c for t, c in cases.items() if t.startswith("tests.ops.")]
+    assert ops_gpu and all(c["status"] == "skip" and c["detail"] for c in ops_gpu)
 
 
 @pytest.mark.slow
-def test_runtime_report_matches_the_simulator_and_measures_overlap(dry_run):
+def test_runtime_tests_match_the_simulator_on_the_cpu(dry_run):
     _, out = dry_run
-    rt = json.loads((out / "gpu_check.json").read_text())["runtime"]
-    rows = {(r["part"], r["name"]): r for r in rt["rows"]}
+    cases = _cases(out)
+    rt = "tests.gpu.test_runtime"
     for strategy in ("diloco", "streaming", "cocodc", "loscar"):
-        a = rows[("a", f"{strategy} (gloo, 1 rank)")]
-        assert a["status"] == "pass" and a["max_abs_diff"] <= 1e-7 and a["syncs"] > 0, a
+        assert cases[f"{rt}::test_one_rank_matches_the_simulator[{strategy}]"]["status"] == "pass"
         for rank in (0, 1):
-            b = rows[("b", f"{strategy} (gloo, rank {rank} of 2)")]
-            assert b["status"] == "pass" and b["max_abs_diff"] <= 1e-7, b
-    assert rows[("c", "sync debug mode")]["status"] == "skip"
-    sd = rt["overlap"]["Streaming DiLoCo"]
+            assert cases[f"{rt}::test_two_ranks_match_the_simulator[{strategy}-{rank}]"]["status"] == "pass"
+    for strategy in ("diloco", "streaming"):
+        assert cases[f"{rt}::test_one_rank_fsdp2_matches_the_simulator[{strategy}]"]["status"] == "pass"
+    sync = [c for t, c in cases.items() if t.startswith(f"{rt}::test_step_does_not_synchronise")]
+    assert len(sync) == 3 and all(c["status"] == "skip" for c in sync)
+
+
+@pytest.mark.slow
+def test_overlap_measured(dry_run):
+    _, out = dry_run
+    ov = json.loads((out / "gpu_check.json").read_text())["overlap"]["overlap"]
+    sd = ov["Streaming DiLoCo"]
     assert sd["syncs"] > 0 and 0.0 <= sd["exposed_fraction"] <= 1.0
 
 
@@ -108,9 +145,10 @@ def test_bench_checked_every_result_then_timed(dry_run):
 def test_markdown_has_every_section(dry_run):
     _, out = dry_run
     md = (out / "gpu_check.md").read_text()
-    for title in ("### Correctness", "### pytest -m gpu", "### Runtime", "### Bandwidth"):
+    for title in ("### pytest -m gpu", "### Overlap", "### Bandwidth"):
         assert title in md
     for stage in STAGES:
         assert f"| {stage} |" in md
-    for name in ("gpu_correctness.md", "gpu_runtime.md", "gpu_bench.md"):
+    assert "| tests.gpu.test_ops::test_op_matches_the_float64_ref |" in md
+    for name in ("gpu_overlap.md", "gpu_bench.md"):
         assert (out / name).read_text().strip()

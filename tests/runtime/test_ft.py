@@ -1,6 +1,6 @@
 """Fault tolerance on torchft (runtime.ft): real replica processes, an in-process Lighthouse, gloo.
 
-Each replica is tests/runtime/ft_worker.py in its own process; the test kills, stops and restarts
+Each replica is bench/ft_worker.py in its own process; the test kills, stops and restarts
 them and reads the per-step JSON lines they write.
 """
 
@@ -17,7 +17,7 @@ import pytest
 torchft = pytest.importorskip("torchft")
 from torchft._torchft import LighthouseServer  # noqa: E402
 
-WORKER = Path(__file__).with_name("ft_worker.py")
+WORKER = Path(__file__).resolve().parents[2] / "bench" / "ft_worker.py"  # also bench/ft_recovery.py's
 pytestmark = pytest.mark.slow
 
 
