@@ -781,6 +781,7 @@ class Strategy(abc.ABC):
             "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
             "optimizer": self.inner_optimizer.state_dict(),
             "optimizer_type": _qualname(self.inner_optimizer),
+            "rank": self.rank,  # the file is this rank's: its parameters, residual, results in flight
         }
         write_checkpoint(obj, path)
 
@@ -788,11 +789,19 @@ class Strategy(abc.ABC):
         """Restore what ``save_checkpoint`` wrote. Refuses, with ``CheckpointError`` and nothing
         changed, a file that fails its checksum, belongs to another method, model or world size,
         holds a tensor of the wrong dtype or shape, or was written with another inner optimizer or
-        with optimizer state that does not fit its parameters: everything is checked first, then
-        the model, the inner optimizer and the strategy are loaded."""
+        with optimizer state that does not fit its parameters, or was written by another rank of the
+        group: everything is checked first, then the model, the inner optimizer and the strategy are
+        loaded."""
         refuse_sharded_checkpoint(self.model, "load_checkpoint")
         obj = read_checkpoint(path)
         self._check_shape(obj)
+        written_by = obj.get("rank", self.rank)  # (files of older builds do not say)
+        if written_by != self.rank:
+            raise CheckpointError(
+                f"checkpoint was written by rank {written_by!r} but this is rank {self.rank}: a checkpoint "
+                "file holds one rank's state (its parameters, inner optimizer, results in flight, error-"
+                "feedback residual); load each rank's own file"
+            )
         self._validate(obj.get("strategy"))
         want = _qualname(self.inner_optimizer)
         if obj.get("optimizer_type") != want:

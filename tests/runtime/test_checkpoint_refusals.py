@@ -1,6 +1,7 @@
 """load_checkpoint checks everything before it changes anything: the inner optimizer's state against
-the parameters (shapes, a finite step >= 0), its parameter groups, LOSCAR's seed and density; after a
-refused load the model, the inner optimizer and the strategy are bit-identical to before."""
+the parameters (shapes, a finite step >= 0), its parameter groups, LOSCAR's seed and density, the rank
+that wrote the file; after a refused load the model, the inner optimizer and the strategy are
+bit-identical to before."""
 
 from __future__ import annotations
 
@@ -86,6 +87,13 @@ CASES = {
     "group_size": (
         "streaming", lambda o: o["optimizer"]["param_groups"][0]["params"].pop(),
         "optimizer param_groups[0] holds 11 parameters but this inner optimizer's group 0 holds 12"),
+    # a per-rank file loaded by another rank of the group (here: written by rank 1, loaded by rank 0)
+    "another_ranks_file": (
+        "streaming", lambda o: o.__setitem__("rank", 1), "checkpoint was written by rank 1 but this is rank 0"
+    ),
+    "another_ranks_file_loscar": (
+        "loscar", lambda o: o.__setitem__("rank", 1), "checkpoint was written by rank 1 but this is rank 0"
+    ),
     "loscar_other_seed": ("loscar", {"seed": 7}, "checkpoint has seed=7, k="),
     "loscar_other_density": (
         "loscar", {"density": 0.25}, "has seed=0, k=85 but this LOSCAR has seed=0, k=169 (density=0.5)"),
@@ -141,6 +149,7 @@ def test_a_good_checkpoint_still_loads(tmp_path):
         st.save_checkpoint(path)
         saved = _snapshot(model, opt, st)
         st.close()
+        assert read_checkpoint(path)["rank"] == 0  # the file says which rank wrote it
         model, opt, st = _build("streaming", 7)
         st.load_checkpoint(path)
         _bit_identical(saved, _snapshot(model, opt, st))
