@@ -45,6 +45,7 @@ class Claim:
     method: str  # our configuration's label
     baseline: str  # our baseline's label
     direction: int = 0  # for a claim with no number (paper None): -1 lower, +1 higher, 0 none
+    words: str = ""  # what the paper says when it gives no number and no direction ("about the same")
 
 
 def relative(values: Sequence[float | None], reference: Sequence[float | None]) -> stats.Paired:
@@ -91,7 +92,7 @@ def table(claims: Sequence[Claim], ours: dict[tuple[str, str], stats.Paired], pa
         "comparison",
         "metric",
         f"{paper_name}",
-        "the paper's numbers",
+        "from (the paper's numbers or figure)",
         "ours: mean [95 % interval]",
         "seeds",
         "verdict",
@@ -102,7 +103,7 @@ def table(claims: Sequence[Claim], ours: dict[tuple[str, str], stats.Paired], pa
         cell = "n/a" if o.n == 0 else _pct(o.mean)
         if o.ci_low is not None and o.ci_high is not None:
             cell += f" [{_pct(o.ci_low)}, {_pct(o.ci_high)}]"
-        paper = _pct(c.paper) if c.paper is not None else _WORDS.get(c.direction, "not measured")
+        paper = _pct(c.paper) if c.paper is not None else (c.words or _WORDS.get(c.direction, "not measured"))
         v = verdict(o, c.paper, c.direction)
         lines.append(f"| {c.what} | {c.metric} | {paper} | {c.source} | {cell} | {o.n} | {v} |")
     return "\n".join(lines)
