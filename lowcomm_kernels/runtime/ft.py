@@ -350,7 +350,7 @@ class FTTransport(Transport):
         if not self._open_round:
             last_heal, self.healed_at = self.healed_at, None
             with nvtx_range("quorum"):
-                self.manager.start_quorum()
+                self._start_quorum(name)
             if self.healed_at is None:
                 self.healed_at = last_heal  # the step of this replica's last heal stays readable
             else:
@@ -401,6 +401,18 @@ class FTTransport(Transport):
         self.round_s.append(blocked)
         wire = ring_wire_bytes(payload_bytes, max(int(n), 1))
         return FTHandle(self, name, t0, wire, values, blocked)
+
+    def _start_quorum(self, what: str) -> None:
+        """``manager.start_quorum()``; a quorum that does not form in time is a SyncError naming the
+        likely cause, not torchft's raw gRPC 'Timeout expired'."""
+        try:
+            self.manager.start_quorum()
+        except TimeoutError as e:
+            raise SyncError(
+                f"{what}: no torchft quorum within the Manager's quorum_timeout: the Lighthouse did not "
+                "answer (it is down, or not reachable at the Manager's lighthouse_addr), or fewer replicas "
+                f"than its min_replicas joined (torchft: {e})"
+            ) from e
 
     def finish_heal(self, strategy: Any, healed: int | None, joining: bool = False) -> bool:
         """After a quorum that is still open (``join``, or a heal inside a round): replay the rest of
@@ -454,7 +466,7 @@ class FTTransport(Transport):
         for _ in range(JOIN_ATTEMPTS):
             self.healed_at = None
             with nvtx_range("quorum"):
-                self.manager.start_quorum()  # a heal runs inside (lowcomm/heal)
+                self._start_quorum("the joining round")  # a heal runs inside (lowcomm/heal)
             self._open_round = True
             healed = self.healed_at
             if self.replica_group is not None:  # every rank takes group rank 0's state (and heal)
@@ -545,10 +557,17 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
 
     def state_dict() -> dict[str, Any]:
         # LOSCAR keeps no global copy: a healthy peer sends its own parameters and round (heal_state)
-        return {"digest": digest, "strategy": sparse.heal_state() if sparse else strategy.state_dict()}
+        state = sparse.heal_state() if sparse else strategy.state_dict()
+        return {"digest": digest, "num_replicas": tr.world, "strategy": state}
 
     def load_state_dict(sd: dict[str, Any], source: str = "a peer") -> None:
         with nvtx_range("heal"):
+            theirs = sd.get("num_replicas", tr.world)
+            if theirs != tr.world:  # (else refused below as another world size of the state's shape)
+                raise ValueError(
+                    f"num_replicas: this replica was built with num_replicas={tr.world} but the healthy peer "
+                    f"it heals from with num_replicas={theirs}; every replica must pass the same num_replicas"
+                )
             if sd.get("digest") != digest:
                 raise ValueError(
                     f"{strategy.method}: this replica's configuration or model differs from the healthy "

@@ -246,3 +246,76 @@ def test_dcp_resume_with_another_num_replicas(lone_managers, tmp_path):
     torch.testing.assert_close(strat.g, g7, rtol=1e-6, atol=1e-7)
     assert not torch.equal(strat.g, g6)
     strat.close()
+
+
+def test_a_num_replicas_mismatch_at_a_heal_is_named(lone_managers):
+    """A replica built with another num_replicas than the healthy peer it heals from: the error names
+    num_replicas (it used to be a CheckpointError about a checkpoint's world size: there is no
+    checkpoint, the heal state carries the control vector's width)."""
+    from lowcomm_kernels.runtime import DiLoCo
+    from lowcomm_kernels.runtime.checkpoint import CheckpointError
+    from lowcomm_kernels.runtime.ft import STATE_KEY
+
+    def build(n):
+        model = nn.Linear(4, 1)
+        manager = lone_managers()
+        strat = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, manager=manager,
+                       num_replicas=n)  # fmt: skip
+        return manager, strat
+
+    (peer, a), (mine, b) = build(2), build(3)
+    sd = peer._user_state_dicts[STATE_KEY]()
+    g = b.g.clone()
+    with pytest.raises(ValueError, match="num_replicas") as err:
+        mine._load_state_dict_fns[STATE_KEY](sd)
+    assert not isinstance(err.value, CheckpointError) and "world_size" not in str(err.value), err.value
+    assert "num_replicas=3" in str(err.value) and "num_replicas=2" in str(err.value), err.value
+    assert torch.equal(b.g, g)  # refused before anything changed
+    a.close()
+    b.close()
+
+
+def test_a_dead_lighthouse_is_named():
+    """The Lighthouse dies mid-run: the next quorum fails with a SyncError that names the Lighthouse
+    and the quorum timeout, not torchft's raw gRPC 'Timeout expired'."""
+    pytest.importorskip("torchft")
+    import time
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+    from torchft import Manager, ProcessGroupGloo
+    from torchft._torchft import LighthouseServer
+
+    from lowcomm_kernels.runtime import DiLoCo, SyncError
+
+    lh = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=100, heartbeat_timeout_ms=1000)
+    store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=10)), min_replica_size=1, load_state_dict=None,
+        state_dict=None, replica_id="replica_0", store_addr="localhost", store_port=store.port, rank=0,
+        world_size=1, lighthouse_addr=lh.address(), use_async_quorum=False, timeout=timedelta(seconds=10),
+        quorum_timeout=timedelta(seconds=3),
+    )  # fmt: skip
+    try:
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        strat = DiLoCo(model, opt, sync_every=2, manager=manager, num_replicas=1)
+
+        def step():
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            strat.step()
+
+        step()
+        step()  # joined and synced once with the Lighthouse up
+        lh.shutdown()
+        del lh
+        time.sleep(2)  # (the server goes away in the background)
+        with pytest.raises(SyncError, match="Lighthouse") as err:
+            for _ in range(8):
+                step()
+        assert "quorum_timeout" in str(err.value), err.value
+        strat.close()
+    finally:
+        manager.shutdown(wait=False)
