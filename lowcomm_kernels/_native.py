@@ -34,44 +34,68 @@ _c_int, _c_i64, _c_dbl, _vp = ctypes.c_int, ctypes.c_int64, ctypes.c_double, cty
 # One letter each in SIGNATURES, so every entry point's argument list reads on one line.
 I, N, D, P = _c_int, _c_i64, _c_dbl, _vp  # noqa: E741 (int, int64_t, double, pointer)
 
-# name -> argtypes; every entry point returns RESTYPE, and the CUDA variants (``lc_cuda_<name>``)
-# append CUDA_EXTRA.
+# Every entry point returns RESTYPE, and the CUDA variants (``lc_cuda_<name>``) append CUDA_EXTRA.
 RESTYPE = _c_int
 CUDA_EXTRA = [_vp]  # cudaStream_t
-SIGNATURES: dict[str, list] = {
-    # dtype, wire_dtype, g, x, delta, snapshot|NULL, n, nonfinite*
-    "lc_pack": [I, I, P, P, P, P, N, P],
-    # dtype, avg_dtype, g, u, delta_avg, x, x_sent|NULL, n, lr, momentum, nesterov, alpha, beta, lam,
-    # lam_sums|NULL (double[2] of lc_taylor_norms: lam is then normalized by the kernel)
-    "lc_outer_merge": [I, I, P, P, P, P, P, N, D, D, I, D, D, D, P],
-    # dtype, avg_dtype, g, u, delta_avg, x, x_sent, n, lr, momentum, nesterov, out(double[2])
-    "lc_taylor_norms": [I, I, P, P, P, P, P, N, D, D, I, P],
-    # n, k, adds(int64[4]), muls(int64[4]), shift, bitmask, out(int64[k])
-    "lc_mask_perm": [N, N, P, P, I, N, P],
-    # dtype, x, idx, k, out
-    "lc_sparse_gather": [I, P, P, N, P],
-    # dtype, avg_dtype, x, idx, k, avg, sent, beta
-    "lc_sparse_scatter_merge": [I, I, P, P, N, P, P, D],
-    # dtype, buf, offsets(int64[nseg+1]), nseg, ord, out(double[nseg])
-    "lc_fragment_norms": [I, P, P, N, I, P],
-    # dst, src, nbytes: memcpy with non-temporal stores (the benchmarks' roofline row)
-    "lc_copy_nt": [P, P, N],
-    # dtype, fmt, g, x|NULL, residual|NULL, snapshot|NULL, n, block, sr, key, codes, scales, nonfinite|NULL
-    "lc_pack_quantized": [I, I, P, P, P, P, N, N, I, N, P, P, P],
-    # fmt, codes, scales, n, block, out_dtype, out
-    "lc_dequantize": [I, P, P, N, N, I, P],
-    # fmt, codes(m x payload), scales(m x nscales), m, n, block, scale, out_codes, out_scales
-    "lc_reduce_quantized": [I, P, P, N, N, N, D, P, P],
-    # dtype, fmt, g, u, codes, scales, block, x, x_sent|NULL, n, lr, momentum, nesterov, alpha, beta,
-    # lam, lam_sums|NULL
-    "lc_outer_merge_quantized": [I, I, P, P, P, P, N, P, P, N, D, D, I, D, D, D, P],
-    # dtype, fmt, x, idx, k, codes, scales, block, sent, beta
-    "lc_sparse_scatter_merge_quantized": [I, I, P, P, N, P, P, N, P, D],
-    # dtype, delta, e, n, k, chunk, bits, beta, payload, nonfinite*
-    "lc_topk_encode": [I, P, P, N, N, N, I, D, P, P],
-    # dtype, payload, n, k, chunk, bits, out
-    "lc_topk_decode_add": [I, P, N, N, N, I, P],
+_TYPES = {"I": I, "N": N, "D": D, "P": P}
+
+
+def _params(spec: str) -> tuple[tuple[str, type], ...]:
+    """'I dtype, P g, N n' -> (("dtype", c_int), ("g", c_void_p), ("n", c_int64))."""
+    return tuple((name, _TYPES[kind]) for kind, name in (p.split() for p in spec.split(",")))
+
+
+#: The op contract's C side, once: name -> (parameter name, ctype) in abi.h's order and with its
+#: names (a test compares both with the header). ``SIGNATURES`` (the ctypes argtypes) and each
+#: op's C arguments (``ops._common.native`` fills a parameter from the launcher argument of its
+#: name, or from the op's rule for it) come from here. NULL-able pointers and arrays as noted.
+ABI: dict[str, tuple[tuple[str, type], ...]] = {
+    # snapshot|NULL
+    "lc_pack": _params("I dtype, I wire_dtype, P g, P x, P delta, P snapshot, N n, P nonfinite"),
+    # x_sent|NULL iff beta == lam == 0; lam_sums|NULL (double[2] of lc_taylor_norms: lam is then
+    # normalized by the kernel)
+    "lc_outer_merge": _params(
+        "I dtype, I avg_dtype, P g, P u, P delta_avg, P x, P x_sent, N n, D lr, D momentum, I nesterov, "
+        "D alpha, D beta, D lam, P lam_sums"
+    ),
+    # out2: double[2]
+    "lc_taylor_norms": _params(
+        "I dtype, I avg_dtype, P g, P u, P delta_avg, P x, P x_sent, N n, D lr, D momentum, I nesterov, "
+        "P out2"
+    ),
+    # adds, muls: int64[4]; out: int64[k]
+    "lc_mask_perm": _params("N n, N k, P adds, P muls, I shift, N bitmask, P out"),
+    "lc_sparse_gather": _params("I dtype, P x, P idx, N k, P out"),
+    "lc_sparse_scatter_merge": _params("I dtype, I avg_dtype, P x, P idx, N k, P avg, P sent, D beta"),
+    # offsets: int64[nseg + 1]; out: double[nseg]
+    "lc_fragment_norms": _params("I dtype, P buf, P offsets, N nseg, I ord, P out"),
+    # memcpy with non-temporal stores (the benchmarks' roofline row)
+    "lc_copy_nt": _params("P dst, P src, N nbytes"),
+    # x|NULL, residual|NULL, snapshot|NULL, nonfinite|NULL
+    "lc_pack_quantized": _params(
+        "I dtype, I fmt, P g, P x, P residual, P snapshot, N n, N block, I sr, N key, P codes, P scales, "
+        "P nonfinite"
+    ),
+    "lc_dequantize": _params("I fmt, P codes, P scales, N n, N block, I out_dtype, P out"),
+    # codes: m x payload; scales: m x nscales
+    "lc_reduce_quantized": _params(
+        "I fmt, P codes, P scales, N m, N n, N block, D scale, P out_codes, P out_scales"
+    ),
+    # x_sent|NULL, lam_sums|NULL
+    "lc_outer_merge_quantized": _params(
+        "I dtype, I fmt, P g, P u, P codes, P scales, N block, P x, P x_sent, N n, D lr, D momentum, "
+        "I nesterov, D alpha, D beta, D lam, P lam_sums"
+    ),
+    "lc_sparse_scatter_merge_quantized": _params(
+        "I dtype, I fmt, P x, P idx, N k, P codes, P scales, N block, P sent, D beta"
+    ),
+    "lc_topk_encode": _params(
+        "I dtype, P delta, P e, N n, N k, N chunk, I bits, D beta, P payload, P nonfinite"
+    ),
+    "lc_topk_decode_add": _params("I dtype, P payload, N n, N k, N chunk, I bits, P out"),
 }
+#: name -> argtypes
+SIGNATURES: dict[str, list] = {name: [t for _, t in params] for name, params in ABI.items()}
 #: entry points without arguments that return a C string (not kernels; the CUDA library's are
 #: lc_cuda_<name>): the library's identity, and the calling thread's last failure message.
 STRINGS = ("lc_version", "lc_last_error")

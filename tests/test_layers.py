@@ -219,3 +219,20 @@ def test_lowcomm_report_finds_a_study_by_its_name_not_by_branches():
             if isinstance(node, ast.Compare) and study_names(node):
                 branches.append(f"{path.name} line {node.lineno}: {sorted(study_names(node))}")
     assert not branches, "branches on a study's name: " + "; ".join(branches)
+
+
+OPS = sorted(m for m in MODULES if m == f"{PACKAGE}.ops" or m.startswith(f"{PACKAGE}.ops."))
+
+
+def test_no_import_circle_inside_ops():
+    """ops' modules (their ``__init__`` included) import one another without a circle, imports
+    inside functions counted: the merges with a quantized average live beside their dense ops and
+    import the quantize modules, which import neither of them."""
+    import graphlib
+
+    graph = {m: {t for _, t in imports(m, MODULES[m]) if t in OPS and t != m} for m in OPS}
+    assert f"{PACKAGE}.ops.quantize" in graph[f"{PACKAGE}.ops.outer_merge"]  # the walk sees ops' imports
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        raise AssertionError("import circle inside ops: " + " -> ".join(e.args[1])) from None

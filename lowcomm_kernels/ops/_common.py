@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -56,17 +57,59 @@ def launcher(kernel: str, backend: str) -> Callable[[Callable[..., None]], Calla
     return register
 
 
-def native(kernel: str, entry: str, c_args: Callable[..., tuple]) -> None:
+#: How ``native`` fills a C parameter that is not the launcher argument of its name: the name of
+#: another launcher argument, or (argument name or names, function of their values).
+Rule = str | tuple[str | tuple[str, ...], Callable[..., object]]
+
+
+def c_layout(kernel: str, entry: str, rules: dict[str, Rule]) -> Callable[[tuple], list]:
+    """The function from `kernel`'s launcher arguments (named as its ``ref`` launcher names them)
+    to the C arguments of `entry`, in ``_native.ABI``'s order: each parameter the launcher
+    argument of its name, unless `rules` has one for it. A parameter neither covers, or a rule
+    for no parameter, is a TypeError here, at import."""
+    names = tuple(inspect.signature(LAUNCHERS[(kernel, "ref")]).parameters)
+    params = [p for p, _ in _native.ABI[entry]]
+    if set(rules) - set(params):
+        raise TypeError(f"{entry}: rules for no parameter: {sorted(set(rules) - set(params))}")
+
+    def index(name: str) -> int:
+        if name not in names:
+            raise TypeError(f"{entry}: {kernel}'s launcher has no argument {name!r} (it has {names})")
+        return names.index(name)
+
+    plan: list[tuple[int | tuple[int, ...], Callable[..., object] | None]] = []
+    for p in params:
+        rule = rules.get(p, p)
+        if isinstance(rule, str):
+            plan.append((index(rule), None))
+        elif isinstance(rule[0], str):
+            plan.append((index(rule[0]), rule[1]))
+        else:
+            plan.append((tuple(index(n) for n in rule[0]), rule[1]))
+
+    def layout(args: tuple) -> list:
+        return [
+            args[i] if f is None else f(args[i]) if type(i) is int else f(*[args[j] for j in i])
+            for i, f in plan
+        ]
+
+    return layout
+
+
+def native(kernel: str, entry: str, **rules: Rule) -> None:
     """`kernel` on ``cpu`` calls ``<entry>`` of liblowcomm_cpu, on ``cuda`` ``lc_cuda_<...>`` of
     liblowcomm_cuda on the current stream of the data's device (the first tensor argument's), both
-    with ``c_args(*launcher_args)``: the C arguments in csrc/include/lowcomm/abi.h order, with a
-    tensor (or None for NULL) wherever the ABI takes a pointer."""
+    with the C arguments ``c_layout`` makes of the launcher arguments (``_native.ABI[entry]``: the
+    parameters of csrc/include/lowcomm/abi.h, by name), a tensor (or None for NULL) wherever the
+    ABI takes a pointer. `rules`: how the parameters that are not a launcher argument of their
+    name are made (dtype codes, element counts, ...)."""
+    c_args = c_layout(kernel, entry, rules)
     pointer_at = tuple(i for i, t in enumerate(_native.SIGNATURES[entry]) if t is ctypes.c_void_p)
     cuda_entry = entry.replace("lc_", "lc_cuda_", 1)
 
     def c_call(lib: ctypes.CDLL | None, name: str, args: tuple, *extra: object) -> None:
         assert lib is not None, f"dispatch chose a backend without the library that has {name}"
-        layout = c_args(*args)  # held until the call returns: mask_perm builds its round-key tensors
+        layout = c_args(args)  # held until the call returns: mask_perm builds its round-key tensors
         c = list(layout)
         for i in pointer_at:
             if c[i] is not None:

@@ -54,7 +54,9 @@ def _(buf, offsets, ord, acc):
 native(
     "fragment_norms",
     "lc_fragment_norms",
-    lambda buf, offsets, ord, acc: (code(buf), buf, offsets, offsets.numel() - 1, ord, acc),
+    dtype=("buf", code),
+    nseg=("offsets", lambda offsets: offsets.numel() - 1),
+    out="acc",
 )
 triton("fragment_norms", "fragment_norms", "launch_fragment_norms")
 

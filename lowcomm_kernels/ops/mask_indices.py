@@ -99,15 +99,8 @@ def keys_on(values: list[int], device: torch.device) -> torch.Tensor:
 native(
     "mask_perm",
     "lc_mask_perm",
-    lambda n, k, adds, muls, shift, bitmask, out: (
-        n,
-        k,
-        keys_on(adds, out.device),
-        keys_on(muls, out.device),
-        shift,
-        bitmask,
-        out,
-    ),
+    adds=(("adds", "out"), lambda adds, out: keys_on(adds, out.device)),
+    muls=(("muls", "out"), lambda muls, out: keys_on(muls, out.device)),
 )
 triton("mask_perm", "mask_indices", "launch_mask_perm")
 

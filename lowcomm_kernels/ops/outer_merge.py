@@ -33,6 +33,16 @@ import torch.nn.functional as F
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
 from ._common import code, compiling, declare, launch, launcher, native, traced_call, triton
+from .quant_format import (
+    _FMT_CODE,
+    Quantized,
+    _check_fmt_block,
+    _check_wire,
+    as_format,
+    as_quantized,
+)
+from .quant_ref import dequantize_ref
+from .quantize import dequantize_launch
 
 LAM_MODES = ("absolute", "normalized")
 
@@ -182,27 +192,16 @@ def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_
     outer_merge_ref(g, u, delta_avg, x, x_sent, **step, alpha=alpha, beta=beta, lam=lam)
 
 
-def _c_args(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, *rest) -> tuple:
-    """Both entry points' C arguments: dtype codes, the five buffers, n, the outer step, then the
-    rest as given (taylor_norms: out; outer_merge: alpha, beta, lam, lam_sums)."""
-    return (
-        code(x),  # the parameters' dtype; g's, u's and x_sent's are implied (abi.h)
-        code(delta_avg),
-        g,
-        u,
-        delta_avg,
-        x,
-        x_sent,
-        g.numel(),
-        lr,
-        momentum,
-        int(nesterov),
-        *rest,
-    )
-
-
-native("taylor_norms", "lc_taylor_norms", _c_args)
-native("outer_merge", "lc_outer_merge", _c_args)
+# Both entry points: the dtype codes (dtype the parameters' (x's); g's, u's and x_sent's are implied,
+# abi.h), n, the step's nesterov as an int; the rest the launcher arguments of their names.
+_STEP = {
+    "dtype": ("x", code),
+    "avg_dtype": ("delta_avg", code),
+    "n": ("g", torch.Tensor.numel),
+    "nesterov": ("nesterov", int),
+}
+native("taylor_norms", "lc_taylor_norms", **_STEP, out2="out")
+native("outer_merge", "lc_outer_merge", **_STEP)
 triton("taylor_norms", "outer_merge", "launch_taylor_norms")
 triton("outer_merge", "outer_merge", "launch_outer_merge")
 
@@ -332,9 +331,7 @@ def outer_merge_(
     Raises:
         TypeError / ValueError naming the argument, before anything is written.
     """
-    if not isinstance(delta_avg, torch.Tensor):  # a quantized Δ̄: ops/quantize.py merges it
-        from .quantize import outer_merge_quantized_
-
+    if not isinstance(delta_avg, torch.Tensor):  # a quantized Δ̄: outer_merge_quantized_ (below)
         kw = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "alpha": alpha, "beta": beta, "lam": lam}
         return outer_merge_quantized_(g, u, delta_avg, x, x_sent, **kw, lam_mode=lam_mode, backend=backend)
     args = (g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend)
@@ -342,3 +339,121 @@ def outer_merge_(
         traced_call("outer_merge_", *args)
     else:
         _outer_merge_impl(*args)
+
+
+# ---- with Δ̄ quantized (codes, scales, fmt, block): dequantized inside the merge ----------------
+
+
+def outer_merge_quantized_ref(
+    g: torch.Tensor, u: torch.Tensor, delta_avg: Quantized, x: torch.Tensor,
+    x_sent: torch.Tensor | None = None, **kwargs: object,
+) -> None:  # fmt: skip
+    """``outer_merge_ref`` with Δ̄ = dequantize_ref(delta_avg) in g's dtype (in place on g, u, x)."""
+    f = as_format(delta_avg.fmt)
+    d = dequantize_ref(delta_avg.codes, delta_avg.scales, f, delta_avg.block, g.numel(), out_dtype=g.dtype)
+    outer_merge_ref(g, u, d, x, x_sent, **kwargs)
+
+
+@launcher("outer_merge_quantized", "ref")
+def _(g, u, codes, scales, fmt, block, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_sums):
+    step = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "alpha": alpha, "beta": beta, "lam": lam}
+    outer_merge_quantized_ref(g, u, Quantized(codes, scales, fmt, block), x, x_sent, **step)
+
+
+native(
+    "outer_merge_quantized",
+    "lc_outer_merge_quantized",
+    dtype=("x", code),
+    fmt=("fmt", _FMT_CODE.__getitem__),
+    n=("g", torch.Tensor.numel),
+    nesterov=("nesterov", int),
+)
+
+
+def _outer_merge_quantized_impl(
+    g, u, codes, scales, fmt, block, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend
+) -> None:
+    """outer_merge_'s checks with Δ̄ as (codes, scales); then one fused pass (cpu, cuda), or
+    dequantize into a temporary and the dense merge (the normalized Taylor mode, and triton)."""
+    f, block = _check_fmt_block(fmt, block)
+    for name, t in (("g", g), ("u", u)):
+        _checks.tensor(name, t, dtypes=_checks.FLOAT_DTYPES)
+    _checks.tensor("x", x, dtypes=_checks.PARAM_DTYPES)
+    _checks.params_of("x", x, "g", g)
+    _checks.same_dtype("g", g, u=u)
+    _checks.same_device("g", g, u=u, x=x, x_sent=x_sent)
+    _checks.same_numel("g", g, u=u, x=x, x_sent=x_sent)
+    _check_wire(f, block, g.numel(), codes, scales, g.device, prefix="delta_avg.")
+    lr = _checks.scalar("lr", lr, lo=0.0)
+    momentum = _checks.scalar("momentum", momentum, lo=0.0, hi=1.0, hi_open=True)
+    alpha = _checks.scalar("alpha", alpha, lo=0.0, hi=1.0)
+    beta = _checks.scalar("beta", beta, lo=0.0)
+    lam = _checks.scalar("lam", lam, lo=0.0)
+    _checks.flag("nesterov", nesterov)
+    if lam_mode not in LAM_MODES:
+        raise ValueError(f"lam_mode must be one of {LAM_MODES}, got {lam_mode!r}")
+    if x_sent is None and (beta != 0.0 or lam != 0.0):
+        raise ValueError("x_sent is required when beta or lam is non-zero")
+    if x_sent is not None:
+        _checks.tensor("x_sent", x_sent, dtypes=(g.dtype,))
+    _checks.distinct(
+        {"g": g, "u": u, "delta_avg.codes": codes, "delta_avg.scales": scales, "x": x, "x_sent": x_sent}
+    )
+    b = _dispatch.resolve(backend, g.device, "lc_outer_merge_quantized")
+    if g.numel() == 0:
+        return
+    with nvtx_range("outer_merge"):
+        fused = (b in ("ref", "cpu", "cuda")) and not (lam_mode == "normalized" and lam != 0.0)
+        if fused:
+            merge = (lr, momentum, nesterov, alpha, beta, lam)
+            launch("outer_merge_quantized", b, g, u, codes, scales, f.name, block, x, x_sent, *merge, None)
+            return
+        # The normalized mode's scale is a reduction over Δ̄ that the merge needs before its first
+        # element, and Triton has no fused kernel yet: Δ̄ is dequantized once here.
+        d = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        dequantize_launch(b, codes, scales, d, f.name, block)
+        _outer_merge_impl(g, u, d, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, b)
+
+
+# outer_merge_'s schema with Δ̄ as (codes, scales, fmt, block), written out (the impl is unannotated).
+_outer_merge_quantized_op = torch.library.custom_op(
+    "lowcomm::outer_merge_quantized_",
+    _outer_merge_quantized_impl,
+    mutates_args=("g", "u", "x"),
+    schema="(Tensor(a0!) g, Tensor(a1!) u, Tensor codes, Tensor scales, str fmt, SymInt block, "
+    "Tensor(a6!) x, Tensor? x_sent, float lr, float momentum, bool nesterov, float alpha, float beta, "
+    "float lam, str lam_mode, str? backend) -> ()",
+)
+
+
+@_outer_merge_quantized_op.register_fake
+def _(
+    g, u, codes, scales, fmt, block, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend
+):
+    _checks.same_device("g", g, u=u, codes=codes, scales=scales, x=x, x_sent=x_sent)
+
+
+declare("outer_merge_quantized_")
+
+
+@torch.no_grad()
+def outer_merge_quantized_(
+    g: torch.Tensor, u: torch.Tensor, delta_avg: Quantized | tuple, x: torch.Tensor,
+    x_sent: torch.Tensor | None = None, *, lr: float, momentum: float = 0.0, nesterov: bool = True,
+    alpha: float = 0.0, beta: float = 0.0, lam: float = 0.0, lam_mode: str = "absolute",
+    backend: str | None = None,
+) -> None:  # fmt: skip
+    """``outer_merge_`` with the averaged pseudo-gradient given quantized (what ``outer_merge_``
+    calls for a Quantized delta_avg): Δ̄ is dequantized inside the merge on the cpu backend
+    (chunk by chunk) and the cuda backend (in registers), never stored whole (normalized λ, and
+    triton for now, dequantize it once into a temporary). Arguments and results as
+    ``outer_merge_``'s."""
+    q = as_quantized(delta_avg, "delta_avg")
+    f = as_format(q.fmt)
+    wire = (q.codes, q.scales, f.name, q.block)
+    merge = (lr, momentum, nesterov, alpha, beta, lam, lam_mode)
+    args = (g, u, *wire, x, x_sent, *merge, backend)
+    if compiling():
+        traced_call("outer_merge_quantized_", *args)
+    else:
+        _outer_merge_quantized_impl(*args)

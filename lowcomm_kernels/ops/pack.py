@@ -46,20 +46,8 @@ def _(g, x, delta, snapshot, nonfinite):
     nonfinite.copy_(nf)
 
 
-native(
-    "pack",
-    "lc_pack",
-    lambda g, x, delta, snapshot, nonfinite: (
-        code(x),  # the parameters' dtype; g's is implied (abi.h)
-        code(delta),
-        g,
-        x,
-        delta,
-        snapshot,
-        g.numel(),
-        nonfinite,
-    ),
-)
+# dtype: the parameters' (x's); g's is implied (abi.h)
+native("pack", "lc_pack", dtype=("x", code), wire_dtype=("delta", code), n=("g", torch.Tensor.numel))
 triton("pack", "pack", "launch_pack")
 
 

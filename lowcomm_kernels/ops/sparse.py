@@ -17,6 +17,16 @@ import torch
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
 from ._common import code, compiling, declare, launch, launcher, native, traced_call, triton
+from .quant_format import (
+    _FMT_CODE,
+    Quantized,
+    _check_fmt_block,
+    _check_wire,
+    as_format,
+    as_quantized,
+)
+from .quant_ref import dequantize_ref
+from .quantize import dequantize_launch
 
 
 def sparse_gather_ref(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -46,11 +56,13 @@ def _(x, idx, avg, sent, beta):
     sparse_scatter_merge_ref(x, idx, avg, sent, beta=beta)
 
 
-native("sparse_gather", "lc_sparse_gather", lambda x, idx, out: (code(x), x, idx, idx.numel(), out))
+native("sparse_gather", "lc_sparse_gather", dtype=("x", code), k=("idx", torch.Tensor.numel))
 native(
     "sparse_scatter_merge",
     "lc_sparse_scatter_merge",
-    lambda x, idx, avg, sent, beta: (code(x), code(avg), x, idx, idx.numel(), avg, sent, beta),
+    dtype=("x", code),
+    avg_dtype=("avg", code),
+    k=("idx", torch.Tensor.numel),
 )
 triton("sparse_gather", "sparse", "launch_sparse_gather")
 triton("sparse_scatter_merge", "sparse", "launch_sparse_scatter_merge")
@@ -212,12 +224,103 @@ def sparse_scatter_merge_(
     Raises:
         TypeError / ValueError naming the argument, before anything is written.
     """
-    if not isinstance(avg, torch.Tensor):  # a quantized avg: ops/quantize.py merges it
-        from .quantize import sparse_scatter_merge_quantized_
-
+    if not isinstance(avg, torch.Tensor):  # a quantized avg: sparse_scatter_merge_quantized_ (below)
         kw = {"beta": beta, "backend": backend, "check_values": check_values}
         return sparse_scatter_merge_quantized_(x, idx, avg, sent, **kw)
     if compiling():
         traced_call("sparse_scatter_merge_", x, idx, avg, sent, beta, backend, check_values)
     else:
         _scatter_merge_impl(x, idx, avg, sent, beta, backend, check_values)
+
+
+# ---- with avg quantized (codes, scales, fmt, block): dequantized inside the merge --------------
+
+
+def sparse_scatter_merge_quantized_ref(
+    x: torch.Tensor, idx: torch.Tensor, avg: Quantized, sent: torch.Tensor, *, beta: float = 1.0
+) -> None:
+    """``sparse_scatter_merge_ref`` with avg = dequantize_ref(avg) (k values) in x's dtype."""
+    f = as_format(avg.fmt)
+    a = dequantize_ref(avg.codes, avg.scales, f, avg.block, idx.numel(), out_dtype=sent.dtype)
+    sparse_scatter_merge_ref(x, idx, a, sent, beta=beta)
+
+
+@launcher("sparse_scatter_merge_quantized", "ref")
+def _(x, idx, codes, scales, fmt, block, sent, beta):
+    sparse_scatter_merge_quantized_ref(x, idx, Quantized(codes, scales, fmt, block), sent, beta=beta)
+
+
+native(
+    "sparse_scatter_merge_quantized",
+    "lc_sparse_scatter_merge_quantized",
+    dtype=("x", code),
+    fmt=("fmt", _FMT_CODE.__getitem__),
+    k=("idx", torch.Tensor.numel),
+)
+
+
+def _scatter_merge_quantized_impl(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: str,
+    block: int,
+    sent: torch.Tensor,
+    beta: float,
+    backend: str | None,
+    check_values: bool = True,
+) -> None:
+    f, block = _check_fmt_block(fmt, block)
+    idx = _checked_x_idx(x, idx, check_values, strictly_increasing=True)
+    _checks.tensor("sent", sent, dtypes=(x.dtype,))
+    _checks.same_device("x", x, sent=sent)
+    _checks.same_numel("idx", idx, sent=sent)
+    _check_wire(f, block, idx.numel(), codes, scales, x.device, prefix="avg.")
+    beta = _checks.scalar("beta", beta, lo=0.0)
+    _checks.distinct({"x": x, "idx": idx, "avg.codes": codes, "avg.scales": scales, "sent": sent})
+    b = _dispatch.resolve(backend, x.device, "lc_sparse_scatter_merge_quantized")
+    if idx.numel() == 0:
+        return
+    with nvtx_range("sparse_scatter_merge"):
+        if b in ("ref", "cpu", "cuda"):
+            launch("sparse_scatter_merge_quantized", b, x, idx, codes, scales, f.name, block, sent, beta)
+            return
+        avg = torch.empty(idx.numel(), dtype=x.dtype, device=x.device)  # k values: small
+        dequantize_launch(b, codes, scales, avg, f.name, block)
+        launch("sparse_scatter_merge", b, x, idx, avg, sent, beta)
+
+
+_scatter_merge_quantized_op = torch.library.custom_op(
+    "lowcomm::sparse_scatter_merge_quantized_", _scatter_merge_quantized_impl, mutates_args=("x",)
+)
+
+
+@_scatter_merge_quantized_op.register_fake
+def _(x, idx, codes, scales, fmt, block, sent, beta, backend, check_values=True):
+    _checks.same_device("x", x, idx=idx, codes=codes, scales=scales, sent=sent)
+
+
+declare("sparse_scatter_merge_quantized_")
+
+
+@torch.no_grad()
+def sparse_scatter_merge_quantized_(
+    x: torch.Tensor,
+    idx: torch.Tensor,
+    avg: Quantized | tuple,
+    sent: torch.Tensor,
+    *,
+    beta: float = 1.0,
+    backend: str | None = None,
+    check_values: bool = True,
+) -> None:
+    """``sparse_scatter_merge_`` with avg (k values) given quantized (what it calls for a
+    Quantized avg); dequantized inside the merge on the cpu and cuda backends."""
+    q = as_quantized(avg, "avg")
+    f = as_format(q.fmt)
+    args = (x, idx, q.codes, q.scales, f.name, q.block, sent, beta, backend, check_values)
+    if compiling():
+        traced_call("sparse_scatter_merge_quantized_", *args)
+    else:
+        _scatter_merge_quantized_impl(*args)

@@ -257,18 +257,8 @@ def _(delta, e, *rest):
     (_triton_encode if e.dtype == torch.float32 else LAUNCHERS[("topk_encode", "ref")])(delta, e, *rest)
 
 
-native(
-    "topk_encode",
-    "lc_topk_encode",
-    lambda delta, e, payload, nonfinite, k, chunk, bits, beta: (
-        code(e), delta, e, e.numel(), k, chunk, bits, beta, payload, nonfinite,
-    ),
-)  # fmt: skip
-native(
-    "topk_decode_add",
-    "lc_topk_decode_add",
-    lambda out, payload, k, chunk, bits: (code(out), payload, out.numel(), k, chunk, bits, out),
-)
+native("topk_encode", "lc_topk_encode", dtype=("e", code), n=("e", torch.Tensor.numel))
+native("topk_decode_add", "lc_topk_decode_add", dtype=("out", code), n=("out", torch.Tensor.numel))
 
 
 # ---- implementations (the registered ops' bodies and the eager paths) ---------------------------

@@ -57,6 +57,31 @@ def test_signatures_match_the_header():
         assert expected[name] == (restype, argtypes), f"{name}: _native {expected[name]} vs abi.h"
 
 
+def test_parameter_names_match_the_header():
+    """_native.ABI names every parameter as abi.h does: the launchers fill them by those names."""
+    text = re.sub(r"//[^\n]*", "", HEADER.read_text())
+    declaration = r"LOWCOMM_EXPORT\s+[\w\s\*]+?\s*\b(lc_\w+)\s*\(([^)]*)\)\s*;"
+    names = {
+        name: [re.findall(r"\w+", p)[-1] for p in params.split(",") if p.strip() not in ("", "void")]
+        for name, params in re.findall(declaration, text)
+    }
+    for name, params in _native.ABI.items():
+        assert [p for p, _ in params] == names[name], name
+        assert [p for p, _ in params] + ["stream"] == names[name.replace("lc_", "lc_cuda_", 1)], name
+
+
+def test_every_native_launcher_fills_every_parameter():
+    """ops._common.native builds each entry's C arguments by name at import (so importing the ops
+    checked every op's layout); a rule for no parameter, or a parameter with neither a launcher
+    argument nor a rule, fails there."""
+    from lowcomm_kernels.ops import _common
+
+    with pytest.raises(TypeError, match="rules for no parameter"):
+        _common.c_layout("pack", "lc_pack", {"nope": "g"})
+    with pytest.raises(TypeError, match="has no argument 'wire_dtype'"):
+        _common.c_layout("pack", "lc_pack", {"dtype": ("x", int)})
+
+
 def test_dtype_codes_match_the_header():
     defines = dict(re.findall(r"#define\s+(LC_\w+)\s+(\d+)", HEADER.read_text()))
     names = {"float32": "LC_F32", "float64": "LC_F64", "bfloat16": "LC_BF16", "float16": "LC_F16"}

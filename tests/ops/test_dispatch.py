@@ -90,8 +90,8 @@ def test_every_kernel_has_a_launcher_on_every_backend():
     assert kernels == {"pack", "outer_merge", "taylor_norms", "mask_perm", "sparse_gather",
                        "sparse_scatter_merge", "fragment_norms", "pack_quantized", "dequantize",
                        "reduce_quantized", "topk_encode", "topk_decode_add"} | fused_merges
-    # The merges with a quantized average have no Triton kernel: on 'triton' ops/quantize.py
-    # dequantizes (a Triton launch) and runs the dense Triton merge, never launching these two.
+    # The merges with a quantized average have no Triton kernel: on 'triton' they dequantize (a
+    # Triton launch) and run the dense Triton merge, never launching these two.
     missing = {(k, "triton") for k in fused_merges}
     assert {(k, b) for k in kernels for b in _config.BACKENDS} - missing == set(LAUNCHERS)
     with pytest.raises(ValueError, match="backend 'numpy' has no launcher for pack"):

@@ -28,7 +28,7 @@ from lowcomm_kernels.ops import (
     sparse_scatter_merge_,
     sparse_scatter_merge_ref,
 )
-from lowcomm_kernels.ops.quantize import _encode, _round_magnitude, _spacing, code_values
+from lowcomm_kernels.ops.quant_format import _encode, _round_magnitude, _spacing, code_values
 
 from ._contract import SETTINGS
 

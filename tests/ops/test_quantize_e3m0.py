@@ -22,7 +22,7 @@ from lowcomm_kernels.ops import (
     reduce_quantized,
     reduce_quantized_ref,
 )
-from lowcomm_kernels.ops.quantize import _FMT_CODE, code_values
+from lowcomm_kernels.ops.quant_format import _FMT_CODE, code_values
 
 CPU = torch.device("cpu")
 FMT = "fp4_e3m0"
