@@ -35,6 +35,7 @@ Under ``torch.compile``
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import inspect
 from collections.abc import Callable
@@ -188,3 +189,45 @@ def traced_call(name: str, *args: object) -> object:
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise TypeError(f"{arg} must be {wording}, got {type(value).__name__}")
     return getattr(torch.ops.lowcomm, name)(*args)
+
+
+# ---- host-value refusals under torch.compile ------------------------------------------------------
+
+
+@torch.library.custom_op("lowcomm::refuse", mutates_args=())
+def _refuse(message: str) -> torch.Tensor:
+    """Raise, when the compiled code runs, the ValueError a public function's host-value check
+    raised while torch.compile traced it (``refusing``)."""
+    raise ValueError(message)
+
+
+@_refuse.register_fake
+def _(message):
+    return torch.empty(0)
+
+
+torch.fx.node.has_side_effect(torch.ops.lowcomm.refuse.default)  # never dropped as unused
+
+
+def refusing(outputs: int) -> Callable[[Callable[..., object]], Callable[..., object]]:
+    """A public function whose host values (formats, block sizes, seeds, counts: Python objects known
+    while tracing) are checked in Python: under torch.compile those checks run while dynamo traces
+    it, and their ValueError would reach the user wrapped in dynamo's own error (``Unsupported:
+    Observed exception`` with fullgraph=True). Here it becomes a lowcomm::refuse op in the graph,
+    which raises the same ValueError when the compiled code runs. `outputs`: how many tensors the
+    function returns (0: a single tensor), so that tracing goes on with placeholders."""
+
+    def wrap(fn: Callable[..., object]) -> Callable[..., object]:
+        @functools.wraps(fn)
+        def public(*args: object, **kwargs: object) -> object:
+            if not compiling():
+                return fn(*args, **kwargs)
+            try:
+                return fn(*args, **kwargs)
+            except ValueError as e:
+                r = torch.ops.lowcomm.refuse(str(e))
+                return r if outputs == 0 else (r,) * outputs
+
+        return public
+
+    return wrap

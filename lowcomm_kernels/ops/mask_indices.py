@@ -17,7 +17,7 @@ import torch
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
-from ._common import compiling, declare, launch, launcher, native, traced_call, triton
+from ._common import compiling, declare, launch, launcher, native, refusing, traced_call, triton
 
 ROUNDS = 4
 _M64 = (1 << 64) - 1
@@ -149,6 +149,7 @@ def _(seed, round, n, k, device, backend):
 declare("mask_indices")
 
 
+@refusing(0)
 def mask_indices(
     seed: int,
     round: int,

@@ -21,7 +21,7 @@ import torch
 
 from .. import _checks, _dispatch
 from ..profiling import nvtx_range
-from ._common import code, compiling, declare, launch, launcher, native, traced_call
+from ._common import code, compiling, declare, launch, launcher, native, refusing, traced_call
 from .quant_format import (
     _FMT_CODE,
     _KEY,
@@ -357,6 +357,7 @@ def _pack_call(*args: object) -> torch.Tensor:
     return _call("pack_quantized", _pack_quantized_impl, *args)
 
 
+@refusing(2)
 @torch.no_grad()
 def quantize(
     v: torch.Tensor,
@@ -391,6 +392,7 @@ def quantize(
     return codes, scales
 
 
+@refusing(0)
 @torch.no_grad()
 def dequantize(
     codes: torch.Tensor,
@@ -429,6 +431,7 @@ def dequantize(
     return out
 
 
+@refusing(4)
 @torch.no_grad()
 def pack_quantized(
     g: torch.Tensor,
@@ -497,6 +500,7 @@ def pack_quantized(
     return codes, scales, snapshot, nonfinite
 
 
+@refusing(2)
 @torch.no_grad()
 def reduce_quantized(
     codes: torch.Tensor,

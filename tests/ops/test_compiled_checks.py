@@ -7,8 +7,10 @@ everything at run time on the real data (see ``lowcomm_kernels/ops/_common.py``)
   (``through_registered_ops``): the same refusal as the eager path, nothing written;
 * real ``torch.compile(fullgraph=True)`` calls per op: good input matches the ref; aliased, strided
   or out-of-range input raises the ValueError/TypeError of eager, naming the argument, with every
-  buffer unchanged; a wrong argument kind is refused while tracing, where dynamo wraps the error
-  (the test checks that the original message is in the text the user sees).
+  buffer unchanged; a bad host value (a format, block, seed, round or count) raises the documented
+  ValueError when the compiled code runs (``ops._common.refusing``); a wrong argument kind is
+  refused while tracing, where dynamo wraps the error (the test checks that the original message
+  is in the text the user sees).
 """
 
 from __future__ import annotations
@@ -222,9 +224,38 @@ def test_compiled_mask_indices():
     for rnd in range(3):  # a changing round becomes a symbolic int after the first recompile
         assert torch.equal(f(5, rnd, 10 + rnd), lk.mask_indices_ref(5, rnd, 1000, 10 + rnd))
     assert torch.equal(f(2**63 - 1, 1, 10), lk.mask_indices_ref(2**63 - 1, 1, 1000, 10))
-    _refused_while_tracing(lambda: f(2**64, 1, 10), "seed must be in [0, 9223372036854775807]")
-    _refused_while_tracing(lambda: f(5, -1, 10), "round must be in [0, 9223372036854775807]")
-    _refused_while_tracing(lambda: f(5, 1, 1001), "k must be <= n, got k=1001 > n=1000")
+    # host values checked while tracing: the documented ValueError when the compiled code runs, not
+    # dynamo's Unsupported wrapping it (ops._common.refusing)
+    with pytest.raises(ValueError, match=re.escape("seed must be in [0, 9223372036854775807]")):
+        f(2**64, 1, 10)
+    with pytest.raises(ValueError, match=re.escape("round must be in [0, 9223372036854775807]")):
+        f(5, -1, 10)  # (round is a symbolic int by now)
+    with pytest.raises(ValueError, match="k must be <= n, got k=1001 > n=1000"):
+        f(5, 1, 1001)
+
+
+@pytest.mark.slow
+def test_compiled_quantize_family_refuses_bad_host_values():
+    """quantize, dequantize, pack_quantized and reduce_quantized under torch.compile(fullgraph=True):
+    good input gives the eager result; a bad format, block, seed or count raises the documented
+    ValueError naming it when the compiled code runs (it used to surface as dynamo's Unsupported)."""
+    v = _randn(64)
+    q = _compiled(lambda v, block: lk.quantize(v, "int8", block))
+    codes, scales = q(v, 16)
+    ref_codes, ref_scales = lk.quantize(v, "int8", 16)
+    assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)
+    with pytest.raises(ValueError, match="block must be a power of two >= 2, got 3"):
+        q(v, 3)
+    with pytest.raises(ValueError, match="fmt must be one of"):
+        _compiled(lambda v: lk.quantize(v, "int9", 16))(v)
+    dq = _compiled(lambda c, s, n: lk.dequantize(c, s, "int8", 16, n))
+    assert torch.equal(dq(codes, scales, 64), lk.dequantize(codes, scales, "int8", 16, 64))
+    with pytest.raises(ValueError, match="n must be >= 0, got -1"):
+        dq(codes, scales, -1)
+    with pytest.raises(ValueError, match=re.escape("seed must be in [0, 9223372036854775807]")):
+        _compiled(lambda g, x: lk.pack_quantized(g, x, "int4", 16, seed=-5))(v, v.clone())
+    with pytest.raises(ValueError, match="n must be >= 0, got -3"):
+        _compiled(lambda c, s: lk.reduce_quantized(c, s, "int8", 16, -3))(codes[None], scales[None])
 
 
 # ---- meta tensors ------------------------------------------------------------------------------
