@@ -37,6 +37,12 @@ def main() -> None:
     ap.add_argument("--ready-file", default="", help="touched just before the training loop")
     ap.add_argument("--hold-at", type=int, default=-1, help="after this step, wait for --hold-for")
     ap.add_argument("--hold-for", default="")
+    ap.add_argument(
+        "--start-gate",
+        default="",
+        help="with the Manager up (heartbeating), touch GATE.<replica>_<group rank> and wait for GATE "
+        "before the first step: replicas started together all join the first quorum",
+    )
     ap.add_argument("--group-size", type=int, default=1, help="ranks in this replica (inner DDP)")
     ap.add_argument("--group-rank", type=int, default=0)
     ap.add_argument("--group-port", type=int, default=0, help="the replica's store (group rank 0 hosts it)")
@@ -101,6 +107,10 @@ def main() -> None:
     w_true = torch.linspace(-1, 1, 8)
     if a.ready_file:
         open(a.ready_file, "w").close()
+    if a.start_gate:
+        open(f"{a.start_gate}.{a.replica}_{a.group_rank}", "w").close()
+        while not os.path.exists(a.start_gate):
+            time.sleep(0.05)
     with open(a.out, "a") as f, strat:
         while strat.step_count < a.steps:  # the step, not the iteration: a healed replica jumps ahead
             x = torch.randn(32, 8, generator=gen)

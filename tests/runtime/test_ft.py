@@ -28,6 +28,44 @@ def _start(lh, i, out: Path, steps: int, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
+def _start_together(procs: dict, out: Path, timeout: float = 240.0) -> None:
+    """Release replicas started with ``--start-gate out/go`` once every one of them (its Manager up
+    and heartbeating) waits at the gate: the Lighthouse then waits for all of them in the first
+    quorum. (Without the gate a replica still importing torch on a loaded machine is not yet known
+    to the Lighthouse, which forms the first quorum without it: a late starter.)"""
+    t_end = time.time() + timeout
+    while not all((out / f"go.{i}_{r}").exists() for i, r in procs):
+        dead = [key for key, p in procs.items() if p.poll() is not None]
+        assert not dead, f"replica(s) {dead} exited before the start (see their logs)"
+        assert time.time() < t_end, f"not every replica reached the start gate within {timeout} s"
+        time.sleep(0.05)
+    (out / "go").touch()
+
+
+def _start_all(lh, out: Path, n: int, steps: int, *extra: str, args=None) -> list[subprocess.Popen]:
+    """n replicas started together (``_start_together``); args(i): replica i's own extra arguments."""
+    procs = {
+        (i, 0): _start(lh, i, out, steps, *extra, *(args(i) if args else ()), "--start-gate", str(out / "go"))
+        for i in range(n)
+    }
+    _start_together(procs, out)
+    return [procs[i, 0] for i in range(n)]
+
+
+def _fresh_start(out: Path, names: list, participants: int) -> None:
+    """Replicas started together: each one's first run recorded every step from step 1 (it trained its
+    own first steps: nobody healed into the run late) and its first sync averaged all replicas."""
+    for i in names:
+        recs = _records(out, i)
+        first = [r for r in recs if r["pid"] == recs[0]["pid"]] if recs else []
+        steps = [r["step"] for r in first]
+        assert steps and steps == list(range(1, len(steps) + 1)), f"replica {i} started at {steps[:3]}"
+        # (the joining round heals the non-primary replicas at step 0; none heals at a later step)
+        assert all(r["healed_at"] in (None, 0) for r in first), f"replica {i} healed into the run late"
+        synced = [r["participants"] for r in first if r["participants"]]
+        assert synced and synced[0] == participants, f"replica {i}: the first syncs averaged {synced[:3]}"
+
+
 def _records(out: Path, i: int | str) -> list[dict]:
     p = out / f"r{i}.jsonl"
     if not p.exists():
@@ -98,7 +136,6 @@ def test_kill_then_heal(lighthouse, tmp_path, method):
     steps, hold = 100, 50
     killed_at, (r0, r1, r2) = _hold_run(lighthouse, tmp_path, method, steps, hold, 12)
     # the survivors trained through the failure: every step recorded, same g, loss went down
-    # (a replica that started late healed at the first sync: no records before it)
     common = _survivors_common_steps(r0, r1, killed_at, steps)
     assert all(r0[s]["g"] == r1[s]["g"] for s in common)
     losses = [r0[s]["loss"] for s in common]
@@ -115,7 +152,7 @@ def test_kill_then_heal(lighthouse, tmp_path, method):
 def test_stopped_replica_is_dropped(lighthouse, tmp_path):
     """A SIGSTOPped replica stops heartbeating: after the timeouts the others form quorums without it."""
     steps = 60
-    procs = [_start(lighthouse, i, tmp_path, steps, "--step-sleep", "0.05") for i in range(3)]
+    procs = _start_all(lighthouse, tmp_path, 3, steps, "--step-sleep", "0.05")
     try:
         _wait_step(tmp_path, 2, 12)
         procs[2].send_signal(signal.SIGSTOP)
@@ -128,28 +165,26 @@ def test_stopped_replica_is_dropped(lighthouse, tmp_path):
     r0 = _last(_records(tmp_path, 0))
     later = [r0[s]["participants"] for s in r0 if s > stopped_at + 10]
     assert later and later[-1] == 2
-    assert r0[steps]["loss"] < r0[min(r0)]["loss"]  # (a late starter has no records before its heal)
+    assert r0[steps]["loss"] < r0[1]["loss"]
+    _fresh_start(tmp_path, [0, 1, 2], 3)
 
 
 def test_commit_failure_applies_nowhere(lighthouse, tmp_path):
     """Replica 1 reports an error in its 3rd round: that round is skipped on every replica."""
     steps = 30
-    procs = [
-        _start(lighthouse, i, tmp_path, steps, *(["--fail-commit-at", "3"] if i == 1 else []))
-        for i in range(3)
-    ]
+    procs = _start_all(
+        lighthouse, tmp_path, 3, steps, args=lambda i: ["--fail-commit-at", "3"] if i == 1 else []
+    )
     _finish(procs)
+    _fresh_start(tmp_path, [0, 1, 2], 3)
     recs = [_last(_records(tmp_path, i)) for i in range(3)]
     r1 = recs[1]
     fail_step = min(s for s in r1 if r1[s]["failed"] == 1)
-    # every replica that was running at the failed round skipped it (a replica that started so late
-    # that it healed after that round never saw it)
-    present = [r for r in recs if min(r) < fail_step]
-    assert len(present) >= 2
-    for r in present:
+    # every replica skipped it, and every replica holds the same g at every step
+    for r in recs:
+        assert sorted(r) == list(range(1, steps + 1))
         assert r[steps]["skipped"] == 1 and r[steps]["failed"] == 1
-    common = set(recs[0]) & set(recs[1]) & set(recs[2])  # (a late starter healed at a sync)
-    assert all(recs[0][s]["g"] == recs[i][s]["g"] for i in (1, 2) for s in common)
+    assert all(recs[0][s]["g"] == recs[i][s]["g"] for i in (1, 2) for s in recs[0])
     # the failed round changed g nowhere: g after it equals g before it
     assert fail_step - 1 in r1 and r1[fail_step]["g"] == r1[fail_step - 1]["g"]
 
@@ -160,25 +195,24 @@ def _hold_run(lighthouse, tmp_path, method: str, steps: int, hold: int, kill_aft
     step 80. Returns the step it was killed at and the three replicas' records by step."""
     ready = tmp_path / "ready"
     hold_args = ["--method", method, "--hold-at", str(hold), "--hold-for", str(ready)]
-    procs = [_start(lighthouse, i, tmp_path, steps, *hold_args) for i in range(3)]
-    # under load a replica can join late (healing at its first sync): kill once all three train
-    for i in range(3):
-        _wait_step(tmp_path, i, kill_after)
+    procs = _start_all(lighthouse, tmp_path, 3, steps, *hold_args)
+    _wait_step(tmp_path, 2, kill_after)
     procs[2].send_signal(signal.SIGKILL)
     procs[2].wait()
     killed_at = _records(tmp_path, 2)[-1]["step"]
     _wait_step(tmp_path, 0, hold)
     procs[2] = _start(lighthouse, 2, tmp_path, 80, "--method", method, "--ready-file", str(ready))
     _finish(procs)
+    _fresh_start(tmp_path, [0, 1, 2], 3)
     return killed_at, [_last(_records(tmp_path, i)) for i in range(3)]
 
 
 def _survivors_common_steps(r0: dict, r1: dict, killed_at: int, steps: int) -> list[int]:
-    """The steps both survivors recorded: every step from before the kill to the last one (a
-    replica that started late has no records before its heal, so the first step may be > 1)."""
+    """The steps both survivors recorded: every step, from the first (they started together with the
+    killed one) to the last."""
     common = sorted(set(r0) & set(r1))
-    assert common == list(range(common[0], steps + 1)), "a survivor skipped recording steps"
-    assert common[0] <= killed_at, "both survivors must have trained before the kill"
+    assert common == list(range(1, steps + 1)), "a survivor skipped recording steps"
+    assert killed_at > 1
     return common
 
 
@@ -216,25 +250,23 @@ def test_loscar_commit_failure_applies_nowhere(lighthouse, tmp_path):
     each keeping its own x[S] (the coordinates are not averaged), and later rounds merge as before."""
     steps = 40
     fail = ["--fail-commit-at", "3"]
-    procs = [
-        _start(lighthouse, i, tmp_path, steps, "--method", "loscar", *(fail if i == 1 else []))
-        for i in range(3)
-    ]
+    procs = _start_all(
+        lighthouse, tmp_path, 3, steps, "--method", "loscar", args=lambda i: fail if i == 1 else []
+    )
     _finish(procs)
+    _fresh_start(tmp_path, [0, 1, 2], 3)
     recs = [_last(_records(tmp_path, i)) for i in range(3)]
     r = recs[1]  # the replica that reported the error
     merges = [s for s in r if s - 1 in r and r[s]["applied"] > r[s - 1]["applied"]]
     skipped_at = [s for s in r if s - 1 in r and r[s]["skipped"] == 1 and r[s - 1]["skipped"] == 0]
     assert len(skipped_at) == 1 and skipped_at[0] in merges
     s_fail = skipped_at[0]
-    # every replica running at that round skipped it (one that started so late that it healed
-    # after the round never saw it): nobody merged, and each kept its own parameters
-    present = [rec for rec in recs if min(rec) < s_fail]
-    assert len(present) >= 2
-    for rec in present:
+    # every replica skipped it: nobody merged, and each kept its own parameters
+    for rec in recs:
+        assert sorted(rec) == list(range(1, steps + 1))
         assert rec[steps]["skipped"] == 1 and rec[steps]["failed"] == 1
-    assert all(rec[s_fail]["g"] is None for rec in present)
-    assert len({rec[s_fail]["x"] for rec in present}) == len(present)
+    assert all(rec[s_fail]["g"] is None for rec in recs)
+    assert len({rec[s_fail]["x"] for rec in recs}) == len(recs)
     # every other merge is the same average on every replica that ran it
     good = [s for s in merges if s != s_fail]
     assert len(good) >= 3
@@ -265,8 +297,11 @@ def test_replica_is_a_data_parallel_group(lighthouse, tmp_path):
     steps = 40
     ports = [_free_port(), _free_port()]
     procs = {
-        (i, r): _start_dp(lighthouse, i, r, ports[i], tmp_path, steps) for i in range(2) for r in range(2)
+        (i, r): _start_dp(lighthouse, i, r, ports[i], tmp_path, steps, "--start-gate", str(tmp_path / "go"))
+        for i in range(2)
+        for r in range(2)
     }
+    _start_together(procs, tmp_path)
     _wait_step(tmp_path, "1_0", 12)
     for r in range(2):
         procs[1, r].send_signal(signal.SIGKILL)
@@ -276,6 +311,7 @@ def test_replica_is_a_data_parallel_group(lighthouse, tmp_path):
         procs[1, r] = _start_dp(lighthouse, 1, r, ports[1], tmp_path, steps)
     _finish(list(procs.values()))
     recs = {key: _last(_records(tmp_path, f"{key[0]}_{key[1]}")) for key in procs}
+    _fresh_start(tmp_path, [f"{i}_{r}" for i, r in procs], 2)
     a = recs[0, 0]
     assert sorted(a) == list(range(1, steps + 1))
     assert all(a[s]["g"] == recs[0, 1][s]["g"] and a[s]["x"] == recs[0, 1][s]["x"] for s in a)
@@ -302,10 +338,13 @@ def test_replica_data_parallel_group_agrees(lighthouse, tmp_path, method):
     ports = [_free_port(), _free_port()]
     extra = ("--method", method, "--skew")
     procs = {
-        (i, r): _start_dp(lighthouse, i, r, ports[i], tmp_path, steps, *extra)
+        (i, r): _start_dp(
+            lighthouse, i, r, ports[i], tmp_path, steps, *extra, "--start-gate", str(tmp_path / "go")
+        )
         for i in range(2)
         for r in range(2)
     }
+    _start_together(procs, tmp_path)
     _wait_step(tmp_path, "1_0", 12)
     for r in range(2):
         procs[1, r].send_signal(signal.SIGKILL)
@@ -316,6 +355,7 @@ def test_replica_data_parallel_group_agrees(lighthouse, tmp_path, method):
         procs[1, r] = _start_dp(lighthouse, 1, r, ports[1], tmp_path, steps, *extra)
     _finish(list(procs.values()))
     recs = {key: _last(_records(tmp_path, f"{key[0]}_{key[1]}")) for key in procs}
+    _fresh_start(tmp_path, [f"{i}_{r}" for i, r in procs], 2)
     a, b = recs[0, 0], recs[0, 1]
     assert sorted(a) == list(range(1, steps + 1))
     # replica 0: its two ranks identical at every step (parameters, averages, decisions)
@@ -365,10 +405,22 @@ def test_replica_data_parallel_heals_from_two_sources(lighthouse, tmp_path, meth
     run = ("--method", method)
     held = (*run, "--hold-at", str(hold), "--hold-for", str(ready))
     procs = {
-        (i, r): _start_dp(lighthouse, i, r, ports[i], tmp_path, steps, *held, replicas=3)
+        (i, r): _start_dp(
+            lighthouse,
+            i,
+            r,
+            ports[i],
+            tmp_path,
+            steps,
+            *held,
+            "--start-gate",
+            str(tmp_path / "go"),
+            replicas=3,
+        )
         for i in range(3)
         for r in range(2)
     }
+    _start_together(procs, tmp_path)
     _wait_step(tmp_path, "2_0", 12)
     for r in range(2):
         procs[2, r].send_signal(signal.SIGKILL)
@@ -380,9 +432,9 @@ def test_replica_data_parallel_heals_from_two_sources(lighthouse, tmp_path, meth
         procs[2, r] = _start_dp(lighthouse, 2, r, ports[2], tmp_path, steps, *extra, replicas=3)
     _finish(list(procs.values()))
     recs = {key: _last(_records(tmp_path, f"{key[0]}_{key[1]}")) for key in procs}
-    for i in (0, 1):  # the survivors: both ranks of each identical at every step
-        # (a replica that started late healed in the others' first rounds: no records before that)
-        assert sorted(recs[i, 0]) == sorted(recs[i, 1]) == list(range(min(recs[i, 0]), steps + 1))
+    _fresh_start(tmp_path, [f"{i}_{r}" for i, r in procs], 3)
+    for i in (0, 1):  # the survivors: both ranks of each identical at every step, from the first
+        assert sorted(recs[i, 0]) == sorted(recs[i, 1]) == list(range(1, steps + 1))
         assert all(recs[i, 0][s]["x"] == recs[i, 1][s]["x"] for s in recs[i, 0])
     healed = [recs[2, r][steps]["healed_at"] for r in range(2)]
     t = healed[0]
