@@ -36,7 +36,7 @@ import numpy as np
 
 from ..runtime.launch import WorkerError
 from ..runtime.schedule import WIRE_FORMATS
-from . import study_cocodc, study_loscar
+from . import study_cocodc, study_frontier, study_loscar
 from .args import out_dir, spec_from_args, usage_error
 from .errors import SpecError, UsageError
 from .presets import LM, STUDY_SEEDS
@@ -345,6 +345,13 @@ STUDIES: dict[str, Study] = {
         _lm_study("gamma", gamma),
         _lm_study("overlap", overlap),
         _lm_study("wire", wire, table=_wire_table, extra_plot=("wire_bytes", wire_plot)),
+        # DiLoCo's loss against its bytes: top-k, 4-bit, eager (see study_frontier.py)
+        _lm_study(
+            "frontier",
+            study_frontier.configs,
+            table=study_frontier.table,
+            extra_plot=("frontier", study_frontier.plot),
+        ),
         study_loscar.STUDY,  # on the digits MLP: see study_loscar.py
         study_cocodc.STUDY,  # the paper's setup and the Taylor-term controls: see study_cocodc.py
     )
