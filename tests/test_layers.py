@@ -27,6 +27,7 @@ that is a module of the package.
 from __future__ import annotations
 
 import ast
+import graphlib
 from pathlib import Path
 
 import pytest
@@ -219,6 +220,74 @@ def test_lowcomm_report_finds_a_study_by_its_name_not_by_branches():
             if isinstance(node, ast.Compare) and study_names(node):
                 branches.append(f"{path.name} line {node.lineno}: {sorted(study_names(node))}")
     assert not branches, "branches on a study's name: " + "; ".join(branches)
+
+
+# ----- membership: the strategies and the torchft module (runtime.membership, runtime.ft) -------------
+FT = f"{PACKAGE}.runtime.ft"
+MEMBERSHIP = f"{PACKAGE}.runtime.membership"
+STRATEGY_MODULES = [f"{PACKAGE}.runtime.{m}" for m in ("base", "dense", "cocodc", "loscar", "eager")]
+RUNTIME = sorted(m for m in MODULES if m.startswith(f"{PACKAGE}.runtime"))
+
+
+def test_only_the_membership_imports_the_torchft_module():
+    """A strategy is given its membership and never asks which kind it is; ``membership_for`` is the
+    one place that turns ``manager=`` into the torchft membership (lazily: torchft is optional)."""
+    assert set(STRATEGY_MODULES) <= set(MODULES)
+    found = [
+        f"{module} line {line}"
+        for module, path in MODULES.items()
+        for line, target in imports(module, path)
+        if target == FT and module != MEMBERSHIP
+    ]
+    assert not found, f"{FT} imported outside {MEMBERSHIP}: " + "; ".join(found)
+
+
+def test_the_torchft_module_uses_only_public_hooks_of_a_strategy():
+    """Healing calls a strategy's public hooks (``Strategy.heal_state`` and the ones next to it)
+    only, so renaming a strategy's internals cannot silently break it: ft.py imports no strategy
+    module (no class to test with isinstance), asks nothing of a strategy by isinstance, hasattr or
+    getattr, and reads no ``_private`` attribute of one."""
+    path = MODULES[FT]
+    assert not [t for _, t in imports(FT, path) if t in STRATEGY_MODULES]
+    tree = ast.parse(path.read_text())
+    names = {"strategy"}  # every function of ft.py names the strategy it is given so
+    assert any(isinstance(n, ast.arg) and n.arg in names for n in ast.walk(tree))
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in names:
+            if node.attr.startswith("_"):
+                bad.append(f"line {node.lineno}: strategy.{node.attr}")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.args:
+            first = node.args[0]
+            asks = node.func.id in ("isinstance", "hasattr", "getattr", "setattr", "type", "vars")
+            if asks and isinstance(first, ast.Name) and first.id in names:
+                bad.append(f"line {node.lineno}: {node.func.id}(strategy, ...)")
+    assert not bad, "ft.py reaches into a strategy: " + "; ".join(bad)
+
+
+def _type_checking_lines(path: Path) -> set[int]:
+    """Lines inside ``if TYPE_CHECKING:`` blocks: imports for annotations only, never executed."""
+    lines: set[int] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        test = node.test if isinstance(node, ast.If) else None
+        name = test.id if isinstance(test, ast.Name) else test.attr if isinstance(test, ast.Attribute) else ""
+        if name == "TYPE_CHECKING":
+            for inner in node.body:
+                lines |= set(range(inner.lineno, (inner.end_lineno or inner.lineno) + 1))
+    return lines
+
+
+def test_no_import_circle_inside_the_runtime():
+    """The runtime's modules import one another without a circle, imports inside functions counted
+    (a lazy import hides a circle, it does not remove it); imports for annotations only are not."""
+    graph = {}
+    for m in RUNTIME:
+        skip = _type_checking_lines(MODULES[m])
+        graph[m] = {t for line, t in imports(m, MODULES[m]) if t in RUNTIME and t != m and line not in skip}
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        raise AssertionError("import circle inside the runtime: " + " -> ".join(e.args[1])) from None
 
 
 OPS = sorted(m for m in MODULES if m == f"{PACKAGE}.ops" or m.startswith(f"{PACKAGE}.ops."))

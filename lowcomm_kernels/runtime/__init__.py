@@ -6,7 +6,8 @@ emulation, timeouts), ``compression`` (quantized wire formats: the quantized all
 feedback), ``metrics``, ``sinks`` (metrics_callback targets: TensorBoard, logging),
 ``base`` (hooking, checkpoints, guard), ``dense`` (DiLoCo, Streaming DiLoCo), ``cocodc``,
 ``loscar``, ``topology`` (regions x data-parallel groups), ``amp`` (GradScaler: counting skipped
-steps), ``sharding`` (DTensor / FSDP2 parameters: local shards, replica groups).
+steps), ``sharding`` (DTensor / FSDP2 parameters: local shards, replica groups), ``membership``
+(whom a strategy syncs with: a fixed process group, or torchft replicas through ``ft``).
 """
 
 from .amp import GradScalerError

@@ -13,8 +13,11 @@ fragments that are due (``_advance``, defined by each strategy). Loops that pref
 collectives (their results stay pending and are applied at their scheduled step if training goes on).
 
 Subclasses implement ``_advance(t)``, ``_drain()``, ``_state()`` / ``_load_state()``,
-``_guard_values()`` and ``_config_fields()``; everything else lives here, including the rules that
-keep a run from failing silently:
+``_guard_values()`` and ``_config_fields()``; strategies that run under torchft (``manager=``) also
+the public heal hooks (``heal_state`` and the ones next to it). Whom a strategy syncs with is its
+``membership`` (``runtime.membership``: a fixed process group, or torchft replicas), which it asks
+for its transport and agreement, never which kind it is. Everything else lives here, including the
+rules that keep a run from failing silently:
 
 - **Joining**: at construction every rank checks that it runs the same configuration and model as
   the others, and that it built its strategies over the group in the same order (``agreement``),
@@ -46,14 +49,7 @@ from torch import nn
 
 from .._checks import integer
 from ..profiling import nvtx_range
-from .agreement import (
-    agree,
-    broadcast_buffers,
-    broadcast_module_state,
-    check_pairing,
-    joined_before,
-    module_fields,
-)
+from .agreement import broadcast_buffers, module_fields
 from .amp import GradScalerError, ScalerCounter, check_scaler, scaler_on_stack, unannounced_scaler_message
 from .checkpoint import (
     CheckpointError,
@@ -65,11 +61,12 @@ from .checkpoint import (
 from .compression import DEFAULT_QUANT_BLOCK, QuantizedAllReduce, check_error_feedback, resolve_wire_format
 from .fragments import FlatFragments, FragmentSpec
 from .log import rank_logger
+from .membership import membership_for
 from .metrics import RuntimeMetrics, SyncRecord
 from .schedule import SPARSE_WIRE_FORMATS
 from .sharding import local, refuse_sharded_checkpoint, sharding_fields
 from .topk_wire import DEFAULT_EF_BETA, TopKAllGather, TopKWire, check_topk
-from .transport import DEFAULT_TIMEOUT_S, WAN, HealedInRound, Transport, forget_settled
+from .transport import CONTROL_FACTS, DEFAULT_TIMEOUT_S, WAN, HealedInRound, forget_settled
 
 FORMAT_VERSION = 2
 NONFINITE_MODES = ("skip", "raise")
@@ -84,18 +81,6 @@ class ConsistencyError(RuntimeError):
 
 class ParameterViewError(RuntimeError):
     """A model parameter no longer views the strategy's flat buffer (reassigned after wrapping)."""
-
-
-def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            "process_group: torch.distributed is not initialised; call "
-            "dist.init_process_group(...) first (a group of size 1 is fine for one worker)"
-        )
-    group = process_group if process_group is not None else dist.group.WORLD
-    if group is None or dist.get_rank(group) < 0:
-        raise ValueError("process_group: this rank is not a member of the given process group")
-    return group
 
 
 def tensor_hash(t: torch.Tensor) -> int:
@@ -153,13 +138,12 @@ class Strategy(abc.ABC):
         self._scaler_counter: ScalerCounter | None = None
         self.max_nonfinite_syncs = integer("max_nonfinite_syncs", max_nonfinite_syncs, lo=1)
         integer("num_fragments", num_fragments, lo=1)
-        # a torchft.Manager in place of a fixed process group: replicas come and go (runtime.ft)
+        # who this strategy syncs with: a fixed process group, or torchft replicas that come and go
+        # (manager=); the strategy asks it, never which kind it is (runtime.membership)
         self.manager = manager
-        if manager is not None or num_replicas is not None:
-            from .ft import check_ft_args
-
-            check_ft_args(manager, num_replicas, process_group, wan)
-        self.group = resolve_group(process_group) if manager is None else None
+        self.membership = membership_for(
+            process_group=process_group, wan=wan, manager=manager, num_replicas=num_replicas
+        )
         self.model = model
         self.inner_optimizer = inner_optimizer
         _refuse_second_wrap(model)
@@ -180,7 +164,7 @@ class Strategy(abc.ABC):
                 "wire_dtype='topk' is not supported by LOSCAR: it already sends a sparse subset of the "
                 "parameters (its mask), and a top-k selection of that subset needs d-sized error feedback"
             )
-        if is_topk and manager is not None:
+        if is_topk and not self.membership.fixed_group:
             raise ValueError(
                 "wire_dtype='topk' is not supported with a torchft manager (an all-gather per sync)"
             )
@@ -193,12 +177,8 @@ class Strategy(abc.ABC):
         self.device = self.frags.device
         # g and u may live on the CPU to save accelerator memory; ops then run on the CPU.
         self.outer_dev = torch.device("cpu") if outer_device == "cpu" else self.device
-        if manager is None:
-            self.transport = Transport(self.group, device=self.device, wan=wan, timeout_s=timeout_s)
-        else:
-            from .ft import FTTransport
-
-            self.transport = FTTransport(manager, num_replicas, device=self.device, timeout_s=timeout_s)
+        self.transport = self.membership.transport(device=self.device, timeout_s=timeout_s)
+        self.group = self.transport.group  # None without a fixed group
         self.world = self.transport.world
         self.rank = self.transport.rank
         if is_topk:
@@ -247,17 +227,11 @@ class Strategy(abc.ABC):
         # the layout of the flat buffer: same names and shapes in another order would average
         # one parameter with another
         fields["parameter order in the flat buffer"] = [n for grp in self.frags.names for n in grp]
-        if self.manager is not None:  # no fixed group: agreed and healed at quorums (runtime.ft)
-            from .ft import register
-
-            return register(self, fields)
         # a link on which the largest sync outlasts timeout_s would time out at every sync
         self.transport.check_wan(self.wire.payload_bytes(self._largest_sync()))
-        fields["strategies this process built over this process group before"] = joined_before(self.transport)
-        agree(self.transport, fields, self.method)
-        check_pairing(self.transport, self.frags.flat, self.method)
-        trainable = {id(p) for grp in self.frags.params for p in grp}
-        broadcast_module_state(self.transport, self.frags.flat, self.model, trainable)
+        # a fixed group agrees and takes rank 0's state now; torchft registers the heal hooks and
+        # refuses what needs a fixed group (it agrees and heals at quorums)
+        self.membership.join(self, fields)
         if self.wire.quant is not None:  # collective: a process group of its own (runtime.compression)
             self.quantized = QuantizedAllReduce(self.transport, self.wire)
         if isinstance(self.wire, TopKWire):  # collective: a process group of its own (runtime.topk_wire)
@@ -289,7 +263,7 @@ class Strategy(abc.ABC):
                     delattr(p, _OWNER)
 
     # ----- control vector: per-rank facts all-reduced beside every sync ----------------------------
-    FACTS = 3  # per-rank slots of the control vector: non-finite count, broken views, schedule point
+    FACTS = CONTROL_FACTS  # per-rank slots: non-finite count, broken views, schedule point
 
     def _control(
         self,
@@ -407,7 +381,7 @@ class Strategy(abc.ABC):
         """After a skipped sync, on every rank (collective): ranks that sent non-finite values take
         the floating buffers of the lowest rank that did not (buffers are not in g, so the last good
         global cannot restore them). Nothing to do without floating buffers or a healthy rank."""
-        if self.manager is not None:  # runtime.ft: no fixed group to broadcast over
+        if not self.membership.fixed_group:  # no group to broadcast over
             return
         healthy = [r for r in range(self.world) if r not in bad]
         if self.world == 1 or not healthy or not any(b.is_floating_point() for b in self.model.buffers()):
@@ -438,6 +412,42 @@ class Strategy(abc.ABC):
         for p in params:
             self.inner_optimizer.state.pop(p, None)
         self._restarted_this_step = True
+
+    # ----- healing: the hooks a membership without a fixed group calls (runtime.ft) -----------------
+    # Replicas come and go; one that joins or returns takes a healthy peer's state. The membership
+    # calls only these public hooks, so a strategy's internals may change without breaking healing.
+
+    def heal_state(self) -> dict[str, Any]:
+        """What a healthy replica sends one that heals (anything ``torch.save`` writes). Called from
+        inside a quorum, i.e. at the replica's first step or at a send, when no sync is in flight.
+        Default: ``state_dict()``, the state every replica shares."""
+        return self.state_dict()
+
+    def load_heal_state(self, sd: dict[str, Any]) -> str:
+        """Take a peer's ``heal_state()``, parameters included, so that this replica stands where
+        the peer stood. Returns what the parameters were set to (for the log). The membership then
+        clears the inner-optimizer state (``clear_inner_state``) and lets the strategy ``replay``
+        the rest of the peer's step."""
+        self.load_state_dict(sd)
+        return "the peer's state"
+
+    def replay(self, t: int) -> None:
+        """Finish step t as the healthy peers run it, right after a heal: their sends of step t
+        that are not pending yet (the transport sends them without contributing, so the round they
+        open pairs up with the peers'), then the results due at t. Each strategy says how: a heal
+        lands inside the peers' step, which only the strategy's schedule knows."""
+        raise NotImplementedError(f"{self.method} does not support replicas that heal (manager=)")
+
+    def restart_from_shared(self) -> None:
+        """At a fresh start, on a replica that joined without healing: start its first step as a
+        healed replica does (e.g. parameters from the shared global copy, inner state cleared), so
+        every replica starts alike. Default: nothing (no shared copy)."""
+        return None
+
+    def clear_inner_state(self) -> None:
+        """Forget the inner optimizer's per-parameter state of every parameter: after a heal the
+        parameters are a peer's, and momentum built on this replica's old ones would not fit."""
+        self._clear_inner_state(p for grp in self.frags.params for p in grp)
 
     # ----- buffers -------------------------------------------------------------------------------
     def _outer_buffer(self) -> torch.Tensor:
@@ -562,8 +572,7 @@ class Strategy(abc.ABC):
     def _on_step(self) -> None:
         t0 = time.perf_counter()
         self._close_compute_range()
-        if self.manager is not None and not self.transport.joined:  # runtime.ft: first quorum
-            self.transport.join(self)
+        self.membership.before_step(self)  # torchft: the first quorum, at the first step
         compute = t0 - self._last_end
         self.step_count += 1
         self.metrics.steps = self.step_count
@@ -575,8 +584,8 @@ class Strategy(abc.ABC):
             exposed_before = self.metrics.exposed_comm_s
             try:
                 self._advance(self.step_count)
-            except HealedInRound as healed:  # runtime.ft: a returning replica healed mid-step
-                self.transport.finish_heal(self, healed.step)
+            except HealedInRound as healed:  # torchft: a returning replica healed mid-step
+                self.membership.finish_heal(self, healed.step)
             if self.guard_every and self._applied_since_guard >= self.guard_every:
                 self._applied_since_guard = 0
                 self.check_consistency()

@@ -196,6 +196,11 @@ class CoCoDC(DenseStrategy):
         self.last_send[p] = t
         return [choice]
 
+    def _replayed_sends(self, t: int) -> list[tuple[int, str]]:
+        # the peers chose (and recorded in the healed state) the fragments of step t before their
+        # state was read; choosing again would pick another one (a choice mutates the schedule)
+        return [(p, "healed") for p in range(len(self.last_send)) if self.last_send[p] == t]
+
     def _advance(self, t: int) -> None:
         samples = self.new_compute_samples()  # device time on a GPU, not host enqueue time
         self._tc_sum += sum(samples)

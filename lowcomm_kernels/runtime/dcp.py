@@ -112,7 +112,7 @@ class DCPState:
         skipped = _resize(full, self.strategy)
         self.strategy.load_state_dict(full)
         if skipped:
-            from .ft import FailedRound
+            from .transport import FailedRound
 
             pending = getattr(self.strategy, "pending", [])
             for i in skipped:  # a result the saved ranks would have skipped: skipped by these ranks too

@@ -205,6 +205,30 @@ class DenseStrategy(Strategy):
         while self.pending and self.pending[0].apply_step <= t:
             self._apply(self.pending.pop(0), t)
 
+    # ----- healing (Strategy's hooks, runtime.ft) --------------------------------------------------
+    def load_heal_state(self, sd: dict[str, Any]) -> str:
+        self.load_state_dict(sd)
+        with torch.no_grad():
+            self.frags.flat.copy_(self.to_model(self.g))
+        return "the global"
+
+    def replay(self, t: int) -> None:
+        sent = {pd.fragment for pd in self.pending if pd.send_step == t}
+        for p, reason in self._replayed_sends(t):
+            if p not in sent:
+                self._send(p, t, reason)
+        self._apply_due(t)
+
+    def _replayed_sends(self, t: int) -> list[tuple[int, str]]:
+        """The sends of step t as the peers chose them before their state was read (``replay``):
+        a pure function of t unless the schedule decides at run time (CoCoDC)."""
+        return self._sends_at(t)
+
+    def restart_from_shared(self) -> None:
+        with torch.no_grad():
+            self.frags.flat.copy_(self.to_model(self.g))
+        self.clear_inner_state()
+
     def _send(self, p: int, t: int, reason: str) -> None:
         if any(pd.fragment == p for pd in self.pending):
             raise RuntimeError(f"fragment {p} is already in flight at step {t} (schedule bug)")

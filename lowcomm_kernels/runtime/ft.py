@@ -29,6 +29,11 @@ configuration and model fields that the fixed group agrees on; a different diges
 sets its parameters to g, clears its inner-optimizer state and replays the rest of the peers' current
 step without contributing (presence 0, payload 0), so it holds exactly the others' global state.
 
+The strategy is reached through its public hooks only (``Strategy.heal_state``, ``load_heal_state``,
+``replay``, ``restart_from_shared``, ``clear_inner_state``), and this module imports no strategy
+module: a strategy is given ``TorchFTMembership`` (``runtime.membership``) and never branches on it, so
+a strategy's internals may change without breaking healing.
+
 LOSCAR under ``manager=``. Each round (its k shared coordinates S_r from (seed, round), and the
 control vector) is one torchft round, sent at the round's send point and blocking like the others; its
 result is the average over the replicas present and is merged, delay-corrected, ``overlap_steps``
@@ -76,9 +81,9 @@ taken from the replica's group rank 0, over a gloo group of the replica's ranks 
 - CoCoDC's decisions. Its measured T_c / T_s and its scores are reduced with the same group rank of
   the other replicas only, so two ranks of a replica could decide differently (measured timings
   always differ; scores could through rounding). At every period start and every send slot every rank
-  takes group rank 0's N and fragment (``CoCoDC._sends_at``); the slots in between follow from the
-  agreed N. Group rank 0 of every replica decides from the same reduced values, so all ranks of all
-  replicas send the same fragment.
+  takes group rank 0's N and fragment (``ReplicaGroup.agree_decision``); the slots in between follow
+  from the agreed N. Group rank 0 of every replica decides from the same reduced values, so all ranks
+  of all replicas send the same fragment.
 
 No discrete decision can therefore differ between the ranks of a replica: drift is impossible, not
 merely unlikely. The continuous values (g, the merged averages) are the results of one all-reduce per
@@ -111,7 +116,16 @@ import torch.distributed as dist
 
 from .._checks import integer
 from ..profiling import nvtx_range
-from .transport import Handle, HealedInRound, SyncError, Transport, check_timeout_s, ring_wire_bytes
+from .transport import (
+    CONTROL_FACTS,
+    FailedRound,
+    Handle,
+    HealedInRound,
+    SyncError,
+    Transport,
+    check_timeout_s,
+    ring_wire_bytes,
+)
 
 INSTALL_HINT = "pip install 'lowcomm-kernels[ft]'"
 JOIN_ATTEMPTS = 20
@@ -243,12 +257,6 @@ class ReplicaGroup:
         return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
 
-class FailedRound(list):
-    """The control values of a round that did not commit: ``Strategy._sync_outcome`` skips it."""
-
-    failed_round = True
-
-
 class FTHandle(Handle):
     """A round that already completed (and committed or not) when it was sent."""
 
@@ -338,14 +346,12 @@ class FTTransport(Transport):
     ) -> Handle:  # fmt: skip
         from torch.distributed import ReduceOp
 
-        from .base import Strategy
-
         t0 = time.perf_counter()
         if host is None:
             raise ValueError(f"{name}: a fault-tolerant round needs the control vector (host=)")
         if payload_bytes is None:
             payload_bytes = sum(t.numel() * t.element_size() for t in tensors)
-        w, head = self.world, Strategy.FACTS * self.world
+        w, head = self.world, CONTROL_FACTS * self.world
         point = float(host[2 * w + self.rank].item())
         if not self._open_round:
             last_heal, self.healed_at = self.healed_at, None
@@ -421,7 +427,7 @@ class FTTransport(Transport):
         that every replica enters (``_hold_for_healers``), otherwise with no collectives. Returns
         whether the round committed."""
         if healed is not None and healed > 0:
-            _replay(strategy, healed, self)  # runs the open round and the rest of step `healed`
+            self.replay(strategy, healed)  # runs the open round and the rest of step `healed`
         if self._open_round:  # nothing was sent
             self._open_round = False
             if joining:
@@ -472,55 +478,64 @@ class FTTransport(Transport):
             if self.replica_group is not None:  # every rank takes group rank 0's state (and heal)
                 healed = self.agree_replica(healed)
             if self.finish_heal(strategy, healed, joining=True):
-                if healed is None and strategy.step_count == 0 and hasattr(strategy, "g"):
-                    # a fresh start that did not heal restarts its first step from g like one that
-                    # did (init_sync), so every replica and every rank of a replica starts alike
-                    with torch.no_grad():
-                        strategy.frags.flat.copy_(strategy.to_model(strategy.g))
-                    strategy._clear_inner_state(p for grp in strategy.frags.params for p in grp)
+                if healed is None and strategy.step_count == 0:
+                    # a fresh start that did not heal starts its first step like one that did
+                    # (init_sync), so every replica and every rank of a replica starts alike
+                    strategy.restart_from_shared()
                 self.joined = True
                 return
             strategy.log.warning("the joining round did not commit (a failed heal?): joining again")
         raise RuntimeError(f"could not join the replicas in {JOIN_ATTEMPTS} quorum rounds")
 
-
-def _replay(strategy: Any, t: int, tr: FTTransport) -> None:
-    """The rest of step t as the healthy peers run it, sent without contributing: for the dense
-    strategies (``DenseStrategy._advance``) the sends of step t not yet pending, then the results due;
-    for LOSCAR the send of the current round (the peers were at its send point) and, without overlap
-    steps, its merge."""
-    from .loscar import LOSCAR
-
-    tr.contribute = False
-    try:
-        if isinstance(strategy, LOSCAR):
-            strategy._advance_from_send(t)
-            return
-        sent = {pd.fragment for pd in strategy.pending if pd.send_step == t}
-        last_send = getattr(strategy, "last_send", None)
-        if last_send is not None:
-            # CoCoDC: the peers chose (and recorded in the healed state) the fragments of step t before
-            # their state was read; choosing again would pick another one (its choice mutates state)
-            todo = [(p, "healed") for p in range(len(last_send)) if last_send[p] == t and p not in sent]
-        else:  # a pure function of t
-            todo = [(p, r) for p, r in strategy._sends_at(t) if p not in sent]
-        for p, reason in todo:
-            strategy._send(p, t, reason)
-    finally:
-        tr.contribute = True
-    strategy._apply_due(t)
+    def replay(self, strategy: Any, t: int) -> None:
+        """The rest of step t as the healthy peers run it (``Strategy.replay``), this replica's sends
+        made without contributing: they run the open round beside the peers' own sends."""
+        self.contribute = False
+        try:
+            strategy.replay(t)
+        finally:
+            self.contribute = True
 
 
-def register(strategy: Any, fields: dict[str, Any]) -> None:
-    """Replaces the fixed group's agreement (``Strategy._join_group``) under ``manager=``: refuse what
-    needs a fixed group and register the strategy's state with the manager for healing."""
+class TorchFTMembership:
+    """Replicas under a torchft ``Manager`` (``runtime.membership.Membership``; see the module
+    docstring): every sync is a torchft round, a replica joins at its first step and heals from a
+    healthy peer through the strategy's public heal hooks."""
+
+    fixed_group = False
+
+    def __init__(self, manager: Any, num_replicas: Any, *, process_group: Any, wan: Any) -> None:
+        check_ft_args(manager, num_replicas, process_group, wan)
+        self.manager = manager
+        self.num_replicas = int(num_replicas)
+        self._transport: FTTransport | None = None
+
+    def transport(self, *, device: torch.device, timeout_s: float) -> FTTransport:
+        self._transport = FTTransport(self.manager, self.num_replicas, device=device, timeout_s=timeout_s)
+        return self._transport
+
+    def join(self, strategy: Any, fields: dict[str, Any]) -> None:
+        assert self._transport is not None and strategy.transport is self._transport
+        register(strategy, self.manager, self._transport, fields)
+
+    def before_step(self, strategy: Any) -> None:
+        tr = self._transport
+        assert tr is not None
+        if not tr.joined:  # the first quorum, at the first step
+            tr.join(strategy)
+
+    def finish_heal(self, strategy: Any, step: int) -> None:
+        assert self._transport is not None
+        self._transport.finish_heal(strategy, step)
+
+
+def register(strategy: Any, manager: Any, tr: FTTransport, fields: dict[str, Any]) -> None:
+    """The fixed group's agreement (``FixedGroup.join``) under ``manager=``: refuse what needs a fixed
+    group and register the strategy's heal hooks with the manager. Only the strategy's public
+    attributes and hooks are used (``Strategy.heal_state`` and the ones next to it)."""
     from .agreement import _digest
-    from .dense import DenseStrategy
-    from .loscar import LOSCAR
     from .sharding import any_sharded
 
-    if not isinstance(strategy, (DenseStrategy, LOSCAR)):  # pragma: no cover - every shipped strategy is
-        raise NotImplementedError(f"manager=: {strategy.method} is not supported under torchft")
     if strategy.wire.quant is not None:
         raise ValueError(
             f"wire_dtype: the quantized wire format {strategy.wire.name!r} uses a process group of its "
@@ -528,7 +543,7 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
         )
     if strategy.guard_every:
         raise ValueError("guard_every: the consistency guard needs a fixed process group (not with manager=)")
-    ranks = int(getattr(strategy.manager, "_group_world_size", 1) or 1)
+    ranks = int(getattr(manager, "_group_world_size", 1) or 1)
     sharded = any_sharded(strategy.model)
     if ranks > 1 and sharded and strategy.method not in ("diloco", "streaming_diloco"):
         raise ValueError(
@@ -539,7 +554,7 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
             "CoCoDC's snapshots in flight, differ between replicas. Replicate the model inside the "
             "replica (DistributedDataParallel) or use one rank per replica (Manager(world_size=1))"
         )
-    if STATE_KEY in getattr(strategy.manager, "_load_state_dict_fns", {}):
+    if STATE_KEY in getattr(manager, "_load_state_dict_fns", {}):
         raise ValueError(
             "manager: this Manager already carries another strategy's state (torchft registers it once "
             "per Manager); build a new Manager for each strategy"
@@ -547,18 +562,12 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
     fields = dict(fields)
     fields.pop("process group size", None)
     digest = _digest(fields)
-    tr = strategy.transport
-    assert isinstance(tr, FTTransport)
-    manager = strategy.manager
     if ranks > 1 and not sharded:  # the model replicated on the replica's ranks: group rank 0 decides
         tr.replica_group = ReplicaGroup(manager, tr.timeout_s)
-    sparse = strategy if isinstance(strategy, LOSCAR) else None
-    dense = strategy if isinstance(strategy, DenseStrategy) else None
 
     def state_dict() -> dict[str, Any]:
-        # LOSCAR keeps no global copy: a healthy peer sends its own parameters and round (heal_state)
-        state = sparse.heal_state() if sparse else strategy.state_dict()
-        return {"digest": digest, "num_replicas": tr.world, "strategy": state}
+        # what the strategy shares (LOSCAR, which keeps no global copy: its own parameters and round)
+        return {"digest": digest, "num_replicas": tr.world, "strategy": strategy.heal_state()}
 
     def load_state_dict(sd: dict[str, Any], source: str = "a peer") -> None:
         with nvtx_range("heal"):
@@ -573,22 +582,17 @@ def register(strategy: Any, fields: dict[str, Any]) -> None:
                     f"{strategy.method}: this replica's configuration or model differs from the healthy "
                     "peer it heals from (every replica must run the same strategy knobs and model)"
                 )
-            if sparse is not None:
-                sparse.load_heal_state(sd["strategy"])
-            elif dense is not None:
-                dense.load_state_dict(sd["strategy"])
-                with torch.no_grad():
-                    dense.frags.flat.copy_(dense.to_model(dense.g))
-            clear_inner_state()
+            what = strategy.load_heal_state(sd["strategy"])
+            strategy.clear_inner_state()
             tr.healed_at = strategy.step_count
-            what = "the peer's parameters" if sparse else "the global"
             strategy.log.warning(
                 f"healed from {source} at step {strategy.step_count}: parameters set to {what}, "
                 "inner-optimizer state cleared"
             )
 
-    def clear_inner_state() -> None:
-        strategy._clear_inner_state(p for grp in strategy.frags.params for p in grp)
-
-    tr.own_state, tr.load_state, tr.clear_inner_state = state_dict, load_state_dict, clear_inner_state
+    tr.own_state, tr.load_state, tr.clear_inner_state = (
+        state_dict,
+        load_state_dict,
+        strategy.clear_inner_state,
+    )
     manager.register_state_dict_fn(STATE_KEY, load_state_dict, state_dict)

@@ -139,8 +139,9 @@ class LOSCAR(Strategy):
             self.round += 1
             self.s = 0
 
-    def _advance_from_send(self, t: int) -> None:
-        """The rest of step t from this round's send point (a healed replica's replay, runtime.ft)."""
+    def replay(self, t: int) -> None:
+        """The rest of step t from this round's send point: the peers served the heal there (or
+        before the first round, when nothing of step t is left)."""
         if self.s != self.N_i:  # healed before the first round: nothing of step t is left
             return
         self._send(t)
@@ -206,7 +207,7 @@ class LOSCAR(Strategy):
         control = pd.handle.host_values() if pd.handle is not None else pd.control_host
         skipped = self._sync_outcome(control, f"LOSCAR sync of round {pd.round} sent at step {pd.send_step}")
         if skipped:
-            if self.manager is None:
+            if self.membership.fixed_group:
                 self._heal([r for r in range(self.world) if control[r] > 0], pd.round)
             elif not getattr(control, "failed_round", False) and self._poisoned():
                 # under torchft there is no fixed group to restart from a peer over: this replica
@@ -377,7 +378,7 @@ class LOSCAR(Strategy):
             "x": self.frags.flat.detach().cpu().clone(),
         }
 
-    def load_heal_state(self, sd: dict[str, Any]) -> None:
+    def load_heal_state(self, sd: dict[str, Any]) -> str:
         """Take a healthy peer's ``heal_state()``: its x, step and round; this replica then stands at
         the same point of the round (its own send point under per-replica local_steps)."""
         if not isinstance(sd, dict):
@@ -395,6 +396,7 @@ class LOSCAR(Strategy):
         self.round, self.s = rnd, self.N_i if sd.get("at_send") else 0
         self.step_count = step
         self.metrics.steps = step
+        return "the peer's parameters"
 
     def _guard_values(self) -> list[tuple[str, int]]:
         sched = torch.tensor([self.round, self.seed, self.k, self.d], dtype=torch.int64)

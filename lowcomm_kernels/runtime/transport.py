@@ -79,6 +79,18 @@ class SyncError(RuntimeError):
     """A collective of a sync failed or timed out (typically: a peer died). Names the sync."""
 
 
+#: per-rank slots at the head of a sync's control vector (``Strategy._control``): non-finite count,
+#: broken views, schedule point; here so that a transport can fill in an absent replica's point
+CONTROL_FACTS = 3
+
+
+class FailedRound(list):
+    """The control values of a fault-tolerant round that did not commit: ``Strategy._sync_outcome``
+    skips it on every replica."""
+
+    failed_round = True
+
+
 class HealedInRound(Exception):
     """Raised by a fault-tolerant transport's ``all_reduce`` when the quorum that opened the round
     healed this replica (it was behind: a link cut and restored). The strategy's state is now the
