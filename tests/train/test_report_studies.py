@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 
 from lowcomm_kernels.cli import main
-from lowcomm_kernels.train import render, runner
+from lowcomm_kernels.train import render, studykit
 from lowcomm_kernels.train import study_loscar as sl
 from lowcomm_kernels.train.report import EvalPoint, RunResult
-from lowcomm_kernels.train.tasks import mlp
 from tests.train.test_cli import PNG
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +110,7 @@ def loscar_quick(tmp_path_factory) -> Path:
     writes the .md, the plot and results.json)."""
     out = tmp_path_factory.mktemp("studies") / "loscar"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(mlp, "run_mlp_specs", lambda specs, cfg=None, progress=True: [_fake(s) for s in specs])
+        mp.setattr(sl, "run_mlp_specs", lambda specs, cfg=None, progress=True: [_fake(s) for s in specs])
         argv = ["compare", "--study", "loscar-regimes", "--quick", "--no-progress", "--out", str(out)]
         assert main(argv) == 0
     return out
@@ -126,7 +125,7 @@ def cocodc_quick(tmp_path_factory) -> Path:
         return [_fake(s, speed=1 + _noise(s.label + str(s.seed))) for s in specs]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(runner, "run_specs", fake_run_specs)
+        mp.setattr(studykit, "run_specs", fake_run_specs)  # the studies' runner
         argv = ["compare", "--study", "cocodc-paper", "--quick", "--no-progress", "--out", str(out)]
         assert main(argv) == 0
     return out
