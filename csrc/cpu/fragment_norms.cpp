@@ -86,9 +86,7 @@ using namespace lowcomm::cpu;
 LOWCOMM_EXPORT int lc_fragment_norms(int dtype, const void* buf, const int64_t* offsets, int64_t nseg, int ord,
                                      double* out) {
   static const char* const op = "lc_fragment_norms";
-  if (nseg < 0) return fail(LC_EARG, op, "nseg = %lld is negative", static_cast<long long>(nseg));
-  if (ord != 1 && ord != 2) return fail(LC_EARG, op, "ord = %d is not 1 or 2", ord);
-  if (nseg > 0 && (!offsets || !out)) return fail(LC_EARG, op, "%s is NULL", !offsets ? "offsets" : "out");
+  if (int rc = args::fragment_norms(op, offsets, nseg, ord, out)) return rc;
   if (nseg > 0 && offsets[0] < 0)
     return fail(LC_EARG, op, "offsets[0] = %lld is negative", static_cast<long long>(offsets[0]));
   for (int64_t s = 0; s < nseg; ++s)

@@ -92,28 +92,11 @@ void taylor_all(const T* g, const T* u, const A* d, const X* x, const T* xs, int
 using namespace lowcomm;
 using namespace lowcomm::cpu;
 
-namespace {
-
-// The argument checks shared by lc_outer_merge and lc_taylor_norms (NULL pointers, negative n).
-int check_merge_args(const char* op, const void* g, const void* u, const void* delta_avg, const void* x,
-                     const void* x_sent, int64_t n, double momentum, bool needs_sent) {
-  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
-  if (n == 0) return LC_OK;
-  if (!g) return fail(LC_EARG, op, "g is NULL");
-  if (!delta_avg) return fail(LC_EARG, op, "delta_avg is NULL");
-  if (!x) return fail(LC_EARG, op, "x is NULL");
-  if (!u && momentum != 0.0) return fail(LC_EARG, op, "u is NULL while momentum = %g is non-zero", momentum);
-  if (!x_sent && needs_sent) return fail(LC_EARG, op, "x_sent is NULL while it is read (beta or lam non-zero)");
-  return LC_OK;
-}
-
-}  // namespace
-
 LOWCOMM_EXPORT int lc_outer_merge(int dtype, int avg_dtype, void* g, void* u, const void* delta_avg, void* x,
                                   const void* x_sent, int64_t n, double lr, double momentum, int nesterov,
                                   double alpha, double beta, double lam, const double* lam_sums) {
   static const char* const op = "lc_outer_merge";
-  if (int rc = check_merge_args(op, g, u, delta_avg, x, x_sent, n, momentum, beta != 0.0 || lam != 0.0)) return rc;
+  if (int rc = args::merge(op, g, u, delta_avg, x, x_sent, n, momentum, beta != 0.0 || lam != 0.0)) return rc;
   // The normalized lambda, from the sums in host memory, before anything else reads it.
   const double lam_eff = lam_sums ? lam_effective(lam, lam_sums[0], lam_sums[1]) : lam;
   return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto xt, auto a) {
@@ -137,7 +120,7 @@ LOWCOMM_EXPORT int lc_taylor_norms(int dtype, int avg_dtype, const void* g, cons
                                    int nesterov, double* out2) {
   static const char* const op = "lc_taylor_norms";
   if (!out2) return fail(LC_EARG, op, "out2 is NULL");
-  if (int rc = check_merge_args(op, g, u, delta_avg, x, x_sent, n, momentum, true)) return rc;
+  if (int rc = args::merge(op, g, u, delta_avg, x, x_sent, n, momentum, true)) return rc;
   return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto xt, auto a) {
     using X = decltype(xt);
     using T = typename Master<X>::type;

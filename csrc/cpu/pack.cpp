@@ -81,10 +81,7 @@ using namespace lowcomm::cpu;
 LOWCOMM_EXPORT int lc_pack(int dtype, int wire_dtype, const void* g, const void* x, void* delta,
                            void* snapshot, int64_t n, int64_t* nonfinite) {
   static const char* const op = "lc_pack";
-  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
-  if (!nonfinite) return fail(LC_EARG, op, "nonfinite is NULL");
-  if (n > 0 && (!g || !x || !delta))
-    return fail(LC_EARG, op, "%s is NULL", !g ? "g" : !x ? "x" : "delta");
+  if (int rc = args::pack(op, g, x, delta, n, nonfinite)) return rc;
   return dispatch_data_storage(op, dtype, "wire_dtype", wire_dtype, [&](auto xt, auto w) {
     using X = decltype(xt);
     using T = typename Master<X>::type;

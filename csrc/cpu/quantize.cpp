@@ -318,13 +318,6 @@ inline void merge_span_int8(T* __restrict g, T* __restrict u, const int8_t* __re
   }
 }
 
-int check_fmt_block(const char* op, int fmt, int64_t block, QFmt& f) {
-  if (!qfmt_of(fmt, f)) return fail(LC_EARG, op, "fmt = %d is not a format code (LC_Q_*)", fmt);
-  if (block < 2 || (block & (block - 1)) != 0)
-    return fail(LC_EARG, op, "block = %lld is not a power of two >= 2", static_cast<long long>(block));
-  return LC_OK;
-}
-
 }  // namespace
 }  // namespace cpu
 }  // namespace lowcomm
@@ -337,11 +330,7 @@ LOWCOMM_EXPORT int lc_pack_quantized(int dtype, int fmt, const void* g, const vo
                                      void* codes, void* scales, int64_t* nonfinite) {
   static const char* const op = "lc_pack_quantized";
   QFmt f;
-  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
-  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
-  if (n > 0 && (!g || !codes || !scales))
-    return fail(LC_EARG, op, "%s is NULL", !g ? "g" : !codes ? "codes" : "scales");
-  if (!x && (residual || snapshot)) return fail(LC_EARG, op, "residual / snapshot given without x");
+  if (int rc = args::pack_quantized(op, fmt, block, f, g, x, residual, snapshot, n, codes, scales)) return rc;
   const uint64_t k = static_cast<uint64_t>(key);
   auto* cp = static_cast<uint8_t*>(codes);
   auto* sp = static_cast<float*>(scales);
@@ -366,10 +355,7 @@ LOWCOMM_EXPORT int lc_dequantize(int fmt, const void* codes, const void* scales,
                                  int out_dtype, void* out) {
   static const char* const op = "lc_dequantize";
   QFmt f;
-  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
-  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
-  if (n > 0 && (!codes || !scales || !out))
-    return fail(LC_EARG, op, "%s is NULL", !codes ? "codes" : !scales ? "scales" : "out");
+  if (int rc = args::dequantize(op, fmt, block, f, codes, scales, n, out)) return rc;
   float table[256];
   fill_table(f, table);
   const auto* cp = static_cast<const uint8_t*>(codes);
@@ -393,10 +379,7 @@ LOWCOMM_EXPORT int lc_reduce_quantized(int fmt, const void* codes, const void* s
                                        int64_t block, double scale, void* out_codes, void* out_scales) {
   static const char* const op = "lc_reduce_quantized";
   QFmt f;
-  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
-  if (n < 0 || m < 1)
-    return fail(LC_EARG, op, "%s = %lld is out of range", n < 0 ? "n" : "m", static_cast<long long>(n < 0 ? n : m));
-  if (n > 0 && (!codes || !scales || !out_codes || !out_scales)) return fail(LC_EARG, op, "a buffer is NULL");
+  if (int rc = args::reduce_quantized(op, fmt, block, f, codes, scales, m, n, out_codes, out_scales)) return rc;
   float table[256];
   fill_table(f, table);
   const auto* cp = static_cast<const uint8_t*>(codes);
@@ -451,15 +434,10 @@ LOWCOMM_EXPORT int lc_outer_merge_quantized(int dtype, int fmt, void* g, void* u
                                             double beta, double lam, const double* lam_sums) {
   static const char* const op = "lc_outer_merge_quantized";
   QFmt f;
-  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
-  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
+  const bool needs_sent = beta != 0.0 || lam != 0.0;
+  if (int rc = args::merge_quantized(op, fmt, block, f, g, u, codes, scales, x, x_sent, n, momentum, needs_sent))
+    return rc;
   if (n == 0) return LC_OK;
-  if (!codes || !scales) return fail(LC_EARG, op, "%s is NULL", !codes ? "codes" : "scales");
-  if (!g) return fail(LC_EARG, op, "g is NULL");
-  if (!x) return fail(LC_EARG, op, "x is NULL");
-  if (!u && momentum != 0.0) return fail(LC_EARG, op, "u is NULL while momentum = %g is non-zero", momentum);
-  if (!x_sent && (beta != 0.0 || lam != 0.0))
-    return fail(LC_EARG, op, "x_sent is NULL while it is read (beta or lam non-zero)");
   float table[256];
   fill_table(f, table);
   const auto* cp = static_cast<const uint8_t*>(codes);
@@ -517,9 +495,7 @@ LOWCOMM_EXPORT int lc_sparse_scatter_merge_quantized(int dtype, int fmt, void* x
                                                      const void* sent, double beta) {
   static const char* const op = "lc_sparse_scatter_merge_quantized";
   QFmt f;
-  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
-  if (k < 0) return fail(LC_EARG, op, "k = %lld is negative", static_cast<long long>(k));
-  if (k > 0 && (!codes || !scales)) return fail(LC_EARG, op, "%s is NULL", !codes ? "codes" : "scales");
+  if (int rc = args::sparse_scatter_merge_quantized(op, fmt, block, f, x, idx, k, codes, scales, sent)) return rc;
   float table[256];
   fill_table(f, table);
   const auto* cp = static_cast<const uint8_t*>(codes);

@@ -8,8 +8,7 @@ using namespace lowcomm::cpu;
 
 LOWCOMM_EXPORT int lc_sparse_gather(int dtype, const void* x, const int64_t* idx, int64_t k, void* out) {
   static const char* const op = "lc_sparse_gather";
-  if (k < 0) return fail(LC_EARG, op, "k = %lld is negative", static_cast<long long>(k));
-  if (k > 0 && (!x || !idx || !out)) return fail(LC_EARG, op, "%s is NULL", !x ? "x" : !idx ? "idx" : "out");
+  if (int rc = args::sparse_gather(op, x, idx, k, out)) return rc;
   return dispatch_data(op, dtype, [&](auto t) {
     using T = decltype(t);
     const T* __restrict xp = static_cast<const T*>(x);
@@ -22,9 +21,7 @@ LOWCOMM_EXPORT int lc_sparse_gather(int dtype, const void* x, const int64_t* idx
 LOWCOMM_EXPORT int lc_sparse_scatter_merge(int dtype, int avg_dtype, void* x, const int64_t* idx, int64_t k,
                                            const void* avg, const void* sent, double beta) {
   static const char* const op = "lc_sparse_scatter_merge";
-  if (k < 0) return fail(LC_EARG, op, "k = %lld is negative", static_cast<long long>(k));
-  if (k > 0 && (!x || !idx || !avg || !sent))
-    return fail(LC_EARG, op, "%s is NULL", !x ? "x" : !idx ? "idx" : !avg ? "avg" : "sent");
+  if (int rc = args::sparse_scatter_merge(op, x, idx, k, avg, sent)) return rc;
   return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto xt, auto a) {
     using X = decltype(xt);
     using T = typename Master<X>::type;

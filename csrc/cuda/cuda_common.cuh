@@ -11,6 +11,7 @@
 
 #include "lowcomm/abi.h"
 #include "lowcomm/kernels.h"
+#include "lowcomm/args.h"
 #include "lowcomm/status.h"
 
 namespace lowcomm {

@@ -81,9 +81,7 @@ using namespace lowcomm::cuda;
 LOWCOMM_EXPORT int lc_cuda_fragment_norms(int dtype, const void* buf, const int64_t* offsets, int64_t nseg, int ord,
                                           double* out, void* stream) {
   static const char* const op = "lc_cuda_fragment_norms";
-  if (nseg < 0) return fail(LC_EARG, op, "nseg = %lld is negative", static_cast<long long>(nseg));
-  if (ord != 1 && ord != 2) return fail(LC_EARG, op, "ord = %d is not 1 or 2", ord);
-  if (nseg > 0 && (!offsets || !out)) return fail(LC_EARG, op, "%s is NULL", !offsets ? "offsets" : "out");
+  if (int rc = args::fragment_norms(op, offsets, nseg, ord, out)) return rc;
   DeviceGuard guard(out);
   return dispatch_data(op, dtype, [&](auto t) {
     using T = decltype(t);

@@ -140,19 +140,6 @@ __global__ void taylor_finish_kernel(const double* __restrict__ partial, int64_t
   }
 }
 
-// The argument checks shared by both entry points.
-int check_merge_args(const char* op, const void* g, const void* u, const void* delta_avg, const void* x,
-                     const void* x_sent, int64_t n, double momentum, bool needs_sent) {
-  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
-  if (n == 0) return LC_OK;
-  if (!g) return fail(LC_EARG, op, "g is NULL");
-  if (!delta_avg) return fail(LC_EARG, op, "delta_avg is NULL");
-  if (!x) return fail(LC_EARG, op, "x is NULL");
-  if (!u && momentum != 0.0) return fail(LC_EARG, op, "u is NULL while momentum = %g is non-zero", momentum);
-  if (!x_sent && needs_sent) return fail(LC_EARG, op, "x_sent is NULL while it is read (beta or lam non-zero)");
-  return LC_OK;
-}
-
 }  // namespace
 }  // namespace cuda
 }  // namespace lowcomm
@@ -165,7 +152,7 @@ LOWCOMM_EXPORT int lc_cuda_outer_merge(int dtype, int avg_dtype, void* g, void* 
                                        double alpha, double beta, double lam, const double* lam_sums,
                                        void* stream) {
   static const char* const op = "lc_cuda_outer_merge";
-  if (int rc = check_merge_args(op, g, u, delta_avg, x, x_sent, n, momentum, beta != 0.0 || lam != 0.0)) return rc;
+  if (int rc = args::merge(op, g, u, delta_avg, x, x_sent, n, momentum, beta != 0.0 || lam != 0.0)) return rc;
   if (n == 0) return LC_OK;
   DeviceGuard guard(g);
   return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto xt, auto a) {
@@ -195,7 +182,7 @@ LOWCOMM_EXPORT int lc_cuda_taylor_norms(int dtype, int avg_dtype, const void* g,
                                         double lr, double momentum, int nesterov, double* out2, void* stream) {
   static const char* const op = "lc_cuda_taylor_norms";
   if (!out2) return fail(LC_EARG, op, "out2 is NULL");
-  if (int rc = check_merge_args(op, g, u, delta_avg, x, x_sent, n, momentum, true)) return rc;
+  if (int rc = args::merge(op, g, u, delta_avg, x, x_sent, n, momentum, true)) return rc;
   DeviceGuard guard(out2);
   return dispatch_data_storage(op, dtype, "avg_dtype", avg_dtype, [&](auto xt, auto a) {
     using X = decltype(xt);

@@ -78,10 +78,7 @@ using namespace lowcomm::cuda;
 LOWCOMM_EXPORT int lc_cuda_pack(int dtype, int wire_dtype, const void* g, const void* x, void* delta,
                                 void* snapshot, int64_t n, int64_t* nonfinite, void* stream) {
   static const char* const op = "lc_cuda_pack";
-  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
-  if (!nonfinite) return fail(LC_EARG, op, "nonfinite is NULL");
-  if (n > 0 && (!g || !x || !delta))
-    return fail(LC_EARG, op, "%s is NULL", !g ? "g" : !x ? "x" : "delta");
+  if (int rc = args::pack(op, g, x, delta, n, nonfinite)) return rc;
   DeviceGuard guard(nonfinite);
   return dispatch_data_storage(op, dtype, "wire_dtype", wire_dtype, [&](auto xt, auto w) {
     using X = decltype(xt);

@@ -219,13 +219,6 @@ __global__ void scatter_merge_quantized_kernel(QFmt f, X* __restrict__ x, const 
   }
 }
 
-int check_fmt_block(const char* op, int fmt, int64_t block, QFmt& f) {
-  if (!qfmt_of(fmt, f)) return fail(LC_EARG, op, "fmt = %d is not a format code (LC_Q_*)", fmt);
-  if (block < 2 || (block & (block - 1)) != 0)
-    return fail(LC_EARG, op, "block = %lld is not a power of two >= 2", static_cast<long long>(block));
-  return LC_OK;
-}
-
 // Grid of the per-quantization-block kernels: one thread block per block, capped like grid_for.
 inline int blocks_grid(int64_t nb, int threads) {
   const int cap = grid_for(int64_t(1) << 40, threads);
@@ -282,11 +275,7 @@ LOWCOMM_EXPORT int lc_cuda_pack_quantized(int dtype, int fmt, const void* g, con
                                           void* codes, void* scales, int64_t* nonfinite, void* stream) {
   static const char* const op = "lc_cuda_pack_quantized";
   QFmt f;
-  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
-  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
-  if (n > 0 && (!g || !codes || !scales))
-    return fail(LC_EARG, op, "%s is NULL", !g ? "g" : !codes ? "codes" : "scales");
-  if (!x && (residual || snapshot)) return fail(LC_EARG, op, "residual / snapshot given without x");
+  if (int rc = args::pack_quantized(op, fmt, block, f, g, x, residual, snapshot, n, codes, scales)) return rc;
   if (!nonfinite) return fail(LC_EARG, op, "nonfinite is NULL");
   DeviceGuard guard(nonfinite);
   cudaStream_t s = as_stream(stream);
@@ -316,10 +305,7 @@ LOWCOMM_EXPORT int lc_cuda_dequantize(int fmt, const void* codes, const void* sc
                                       int out_dtype, void* out, void* stream) {
   static const char* const op = "lc_cuda_dequantize";
   QFmt f;
-  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
-  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
-  if (n > 0 && (!codes || !scales || !out))
-    return fail(LC_EARG, op, "%s is NULL", !codes ? "codes" : !scales ? "scales" : "out");
+  if (int rc = args::dequantize(op, fmt, block, f, codes, scales, n, out)) return rc;
   DeviceGuard guard(out);
   const int shift = log2_of(block);
   return dispatch_data(op, out_dtype, [&](auto ot) {
@@ -342,10 +328,7 @@ LOWCOMM_EXPORT int lc_cuda_reduce_quantized(int fmt, const void* codes, const vo
                                             void* stream) {
   static const char* const op = "lc_cuda_reduce_quantized";
   QFmt f;
-  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
-  if (n < 0 || m < 1)
-    return fail(LC_EARG, op, "%s = %lld is out of range", n < 0 ? "n" : "m", static_cast<long long>(n < 0 ? n : m));
-  if (n > 0 && (!codes || !scales || !out_codes || !out_scales)) return fail(LC_EARG, op, "a buffer is NULL");
+  if (int rc = args::reduce_quantized(op, fmt, block, f, codes, scales, m, n, out_codes, out_scales)) return rc;
   if (n == 0) return LC_OK;
   DeviceGuard guard(out_codes);
   const int64_t nb = q_num_scales(n, block);
@@ -372,15 +355,10 @@ LOWCOMM_EXPORT int lc_cuda_outer_merge_quantized(int dtype, int fmt, void* g, vo
                                                  void* stream) {
   static const char* const op = "lc_cuda_outer_merge_quantized";
   QFmt f;
-  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
-  if (n < 0) return fail(LC_EARG, op, "n = %lld is negative", static_cast<long long>(n));
-  if (n == 0) return LC_OK;
-  if (!codes || !scales) return fail(LC_EARG, op, "%s is NULL", !codes ? "codes" : "scales");
-  if (!g) return fail(LC_EARG, op, "g is NULL");
-  if (!x) return fail(LC_EARG, op, "x is NULL");
-  if (!u && momentum != 0.0) return fail(LC_EARG, op, "u is NULL while momentum = %g is non-zero", momentum);
   const bool needs_sent = beta != 0.0 || lam != 0.0;
-  if (!x_sent && needs_sent) return fail(LC_EARG, op, "x_sent is NULL while it is read (beta or lam non-zero)");
+  if (int rc = args::merge_quantized(op, fmt, block, f, g, u, codes, scales, x, x_sent, n, momentum, needs_sent))
+    return rc;
+  if (n == 0) return LC_OK;
   DeviceGuard guard(g);
   const int shift = log2_of(block);
   return dispatch_data(op, dtype, [&](auto xt) {
@@ -410,11 +388,8 @@ LOWCOMM_EXPORT int lc_cuda_sparse_scatter_merge_quantized(int dtype, int fmt, vo
                                                           void* stream) {
   static const char* const op = "lc_cuda_sparse_scatter_merge_quantized";
   QFmt f;
-  if (int rc = check_fmt_block(op, fmt, block, f)) return rc;
-  if (k < 0) return fail(LC_EARG, op, "k = %lld is negative", static_cast<long long>(k));
+  if (int rc = args::sparse_scatter_merge_quantized(op, fmt, block, f, x, idx, k, codes, scales, sent)) return rc;
   if (k == 0) return LC_OK;
-  if (!x || !idx || !codes || !scales || !sent)
-    return fail(LC_EARG, op, "%s is NULL", !x ? "x" : !idx ? "idx" : !codes ? "codes" : !scales ? "scales" : "sent");
   DeviceGuard guard(x);
   const int shift = log2_of(block);
   return dispatch_data(op, dtype, [&](auto xt) {

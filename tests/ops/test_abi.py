@@ -82,6 +82,22 @@ def test_every_native_launcher_fills_every_parameter():
         _common.c_layout("pack", "lc_pack", {"dtype": ("x", int)})
 
 
+def test_both_libraries_check_their_arguments_with_the_shared_header():
+    """The C argument checks are written once (csrc/include/lowcomm/args.h): each is called by the
+    CPU and the CUDA library alike, and neither defines a check of its own under an old name."""
+    csrc = HEADER.parents[2]
+    checks = re.findall(r"inline int (\w+)\(const char\* op", (HEADER.parent / "args.h").read_text())
+    cpu = "".join(p.read_text() for p in sorted((csrc / "cpu").glob("*.cpp")))
+    cuda = "".join(p.read_text() for p in sorted((csrc / "cuda").glob("*.cu")))
+    assert {"pack", "merge", "fmt_block", "sparse_gather"} <= set(checks)
+    for name in checks:
+        if name in ("negative", "fmt_block"):  # helpers of the others
+            continue
+        calls = (cpu.count(f"args::{name}("), cuda.count(f"args::{name}("))
+        assert calls[0] >= 1 and calls[0] == calls[1], f"args::{name}: {calls} calls (CPU, CUDA)"
+    assert not re.search(r"int check_(merge_args|fmt_block)\(", cpu + cuda), "a backend defines its own check"
+
+
 def test_dtype_codes_match_the_header():
     defines = dict(re.findall(r"#define\s+(LC_\w+)\s+(\d+)", HEADER.read_text()))
     names = {"float32": "LC_F32", "float64": "LC_F64", "bfloat16": "LC_BF16", "float16": "LC_F16"}
