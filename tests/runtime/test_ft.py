@@ -94,7 +94,9 @@ def _finish(procs, timeout: float = 240.0) -> None:
 
 @pytest.fixture
 def lighthouse():
-    lh = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=30000, heartbeat_timeout_ms=1000)
+    # heartbeats every 100 ms; a replica whose heartbeat thread starves for a second on a loaded
+    # machine was taken for dead and left out of the first sync (it healed at the next one): 5 s
+    lh = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=30000, heartbeat_timeout_ms=5000)
     yield lh
     lh.shutdown()
 
