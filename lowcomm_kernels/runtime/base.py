@@ -89,6 +89,18 @@ def tensor_hash(t: torch.Tensor) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
+def abs_max(t: torch.Tensor) -> torch.Tensor:
+    """max |t| as a 0-d tensor of t's dtype, NaN if t holds a NaN (0 for an empty t): the value of
+    ``torch.linalg.vector_norm(t, ord=inf)``, bit for bit, in a min/max pass. On the CPU the
+    inf-norm is a scalar loop: 22 ms for 2.4M fp32 values on one thread, where ``aminmax`` takes
+    0.25 ms; the sync path's finiteness checks and overflow bounds read three to five of these per
+    fragment, which made them cost more than the rest of a sync."""
+    if t.numel() == 0:
+        return t.new_zeros(())
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(hi.abs(), lo.abs())
+
+
 class Strategy(abc.ABC):
     """Base class: see the module docstring. ``method`` names the algorithm in checkpoints."""
 
@@ -373,7 +385,7 @@ class Strategy(abc.ABC):
         for v in self._hidden_state(params):
             # max |v| is inf or NaN exactly when v holds a non-finite value; a reduction, so no
             # temporary the size of v (LOSCAR promises k-sized buffers only)
-            peak = torch.linalg.vector_norm(v, ord=float("inf"))
+            peak = abs_max(v)
             total += (~torch.isfinite(peak)).to(self.device, torch.float64)
         return total
 

@@ -34,7 +34,7 @@ import torch
 from .. import ops
 from .._checks import integer, scalar
 from . import topk_wire
-from .base import Strategy, nvtx, tensor_hash
+from .base import Strategy, abs_max, nvtx, tensor_hash
 from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .compression import check_result, pack_quantized, result_form, to_average_
 from .eager import OuterOverlap, check_outer_delay, resolve_outer_delay
@@ -306,7 +306,7 @@ class DenseStrategy(Strategy):
         scale = 1.0 if self.quantized is None else self.wire.quant.qmax
 
         def amax(t: torch.Tensor) -> torch.Tensor:
-            return torch.linalg.vector_norm(t, ord=float("inf")).to(self.device, torch.float64)
+            return abs_max(t).to(self.device, torch.float64)
 
         return torch.stack([amax(peak) * scale, amax(g_p), amax(u_p)])
 

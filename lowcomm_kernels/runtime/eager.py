@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..ops.quantize import dequantize
+from .base import abs_max
 from .checkpoint import CheckpointError, expect_tensor
 from .compression import to_average_
 from .schedule import SPARSE_WIRE_FORMATS
@@ -165,7 +166,7 @@ class OuterOverlap:
             own.copy_(share)
         g_p, u_p, x_p = st.frags.slice(st.g, p), st.frags.slice(st.u, p), st.frags.x(p)
         what = f"{st.method} ({self.mode}) outer step of fragment {p} at step {pd.send_step}"
-        facts = [float(torch.linalg.vector_norm(v, ord=float("inf"))) for v in (d, g_p, u_p)]
+        facts = [float(abs_max(v)) for v in (d, g_p, u_p)]
         if not all(map(math.isfinite, facts)):
             # this rank's fresh share is not finite: keep g and u; every rank skips its sync later
             st.log.warning(f"{what}: this rank's outer gradient is not finite; its outer step is skipped")
