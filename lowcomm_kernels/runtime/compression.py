@@ -344,6 +344,7 @@ class QuantizedAllReduce:
         self.timeout_s = transport.timeout_s
         self.group: dist.ProcessGroup | None = None
         if self.world > 1:
+            _even_group_counts(transport)
             self.group = dist.new_group(
                 dist.get_process_group_ranks(transport.group),
                 backend=dist.get_backend(transport.group),
@@ -494,3 +495,19 @@ class QuantizedAllReduce:
         if self._stream is not None:
             for t in (job.codes, job.scales, job.result, send, recv, mine, gathered):
                 t.record_stream(self._stream)
+
+
+def _even_group_counts(transport: Transport) -> None:
+    """torch names a group made with ``use_local_synchronization`` after its ranks AND the number of
+    groups the calling rank already holds, so ranks that made different numbers of subgroups before
+    (a strategy on a subgroup, a ``new_group`` that left some out) would name the engine's group
+    differently and never form it (a store timeout). Every rank of the transport learns the largest
+    count (one small all-reduce, at construction only), and a rank that holds fewer makes groups of
+    itself alone until the counts agree."""
+    names = getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+    if names is None:  # pragma: no cover - a torch without this naming rule
+        return
+    held = torch.tensor([len(names)], dtype=torch.int64, device=transport.device)
+    dist.all_reduce(held, op=dist.ReduceOp.MAX, group=transport.group)
+    for _ in range(int(held.item()) - len(names)):
+        dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)

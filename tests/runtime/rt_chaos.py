@@ -718,9 +718,9 @@ _GROUPS: dict = {}  # "sub": the group of ranks 0 .. world-2, made by segment() 
 def _even_out(rank: int, members: list[int], ep: dict) -> None:
     """A compressed wire makes a process group of its own over its strategy's ranks
     (use_local_synchronization), named after the ranks AND the number of groups this rank holds: a
-    strategy on a subgroup leaves the ranks outside it one group short, and a later compressed wire
-    over all ranks would get another name there and never form. The ranks outside make one (of
-    themselves) too."""
+    strategy on a subgroup leaves the ranks outside it one group short. The runtime evens the counts
+    itself before it makes its group (compression._even_group_counts); the soak also keeps them even,
+    so its episodes' group layout does not depend on that."""
     if rank not in members and len(members) > 1 and ep["kw"]["wire_dtype"] in QUANT_WIRES:
         dist.new_group([rank], use_local_synchronization=True)
 

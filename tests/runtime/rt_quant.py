@@ -88,9 +88,12 @@ def quadratic_runs(rank: int, world: int, variants: list[dict], d: int, T: int, 
             opt.zero_grad()
             st.step()
         st.close()
-        out[v["name"]] = {"traj": torch.stack(traj), "bytes": st.metrics.bytes_sent,
-                          "residual_bytes": st.metrics.residual_bytes,
-                          "memory": st.memory_per_param()}
+        out[v["name"]] = {
+            "traj": torch.stack(traj),
+            "bytes": st.metrics.bytes_sent,
+            "residual_bytes": st.metrics.residual_bytes,
+            "memory": st.memory_per_param(),
+        }
     out["optimum"] = (a[None] * b_all).sum(0) / (a * world)
     return out
 
@@ -129,8 +132,16 @@ def checkpoint_residual(rank: int, world: int, tmp: str) -> dict:
     def build():
         model = make_model(torch.float32)
         opt = make_opt(model)
-        st = rt.StreamingDiLoCo(model, opt, sync_every=8, num_fragments=2, fragment_sync_delay=2,
-                                wire_dtype="int4", quant_block=16, error_feedback=True)
+        st = rt.StreamingDiLoCo(
+            model,
+            opt,
+            sync_every=8,
+            num_fragments=2,
+            fragment_sync_delay=2,
+            wire_dtype="int4",
+            quant_block=16,
+            error_feedback=True,
+        )
         return model, opt, st
 
     path = os.path.join(tmp, f"rank{rank}.pt")
@@ -158,5 +169,28 @@ def checkpoint_residual(rank: int, world: int, tmp: str) -> dict:
         refused = None
     except rt.CheckpointError as e:
         refused = str(e)
-    return {"full": full, "resumed": resumed, "restored": restored, "residual_nonzero":
-            bool(saved_residual.abs().sum() > 0), "refused": refused}
+    return {
+        "full": full,
+        "resumed": resumed,
+        "restored": restored,
+        "residual_nonzero": bool(saved_residual.abs().sum() > 0),
+        "refused": refused,
+    }
+
+
+def after_uneven_subgroups(rank: int, world: int, wire: str) -> dict:
+    """Rank 0 alone makes an extra group first (as a strategy on a subgroup would leave the ranks
+    outside it one group short); then every rank wraps the same model in DiLoCo on a compressed wire
+    over all ranks and syncs twice."""
+    if rank == 0:
+        dist.new_group([0], use_local_synchronization=True)
+    model, opt = make_model(torch.float32), None
+    opt = make_opt(model)
+    st = rt.DiLoCo(model, opt, sync_every=2, outer_lr=0.7, outer_momentum=0.9, wire_dtype=wire, timeout_s=20)
+    for step in range(1, 5):
+        inner_step(model, opt, rank, step)
+        st.step()
+    st.finish()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    st.close()
+    return {"params": flat, "syncs": st.metrics.num_syncs}

@@ -114,25 +114,64 @@ DENSE = {"sync_every": 8, "num_fragments": 2, "fragment_sync_delay": 2}
 COCO = {**DENSE, "syncs_per_period": 4, "lam": 0.5, "lam_mode": "normalized"}
 SCENARIOS = [
     {"name": "diloco_int8", "cls": "diloco", "T": 24, "kw": {"sync_every": 6, "wire_dtype": "int8"}},
-    {"name": "diloco_int4", "cls": "diloco", "T": 24,
-     "kw": {"sync_every": 6, "wire_dtype": "int4", "quant_block": 32}},
+    {
+        "name": "diloco_int4",
+        "cls": "diloco",
+        "T": 24,
+        "kw": {"sync_every": 6, "wire_dtype": "int4", "quant_block": 32},
+    },
     {"name": "streaming_int8", "cls": "streaming", "T": 40, "kw": {**DENSE, "wire_dtype": "int8"}},
-    {"name": "streaming_fp4", "cls": "streaming", "T": 40,
-     "kw": {**DENSE, "wire_dtype": "fp4_e2m1", "quant_block": 16}},
-    {"name": "streaming_int4_ef", "cls": "streaming", "T": 40,
-     "kw": {**DENSE, "wire_dtype": "int4", "quant_block": 16, "error_feedback": True}},
+    {
+        "name": "streaming_fp4",
+        "cls": "streaming",
+        "T": 40,
+        "kw": {**DENSE, "wire_dtype": "fp4_e2m1", "quant_block": 16},
+    },
+    {
+        "name": "streaming_int4_ef",
+        "cls": "streaming",
+        "T": 40,
+        "kw": {**DENSE, "wire_dtype": "int4", "quant_block": 16, "error_feedback": True},
+    },
     {"name": "cocodc_int8", "cls": "cocodc", "T": 48, "kw": {**COCO, "wire_dtype": "int8"}},
-    {"name": "cocodc_int4_ef", "cls": "cocodc", "T": 48,
-     "kw": {**COCO, "wire_dtype": "int4", "quant_block": 16, "error_feedback": True}},
-    {"name": "cocodc_fp8_l1", "cls": "cocodc", "T": 40,
-     "kw": {**COCO, "score": "l1_local", "wire_dtype": "fp8_e4m3"}},
-    {"name": "loscar_int8", "cls": "loscar", "T": 30,
-     "kw": {"density": 0.5, "local_steps": 4, "overlap_steps": 2, "seed": 3, "wire_dtype": "int8"}},
-    {"name": "loscar_fp4", "cls": "loscar", "T": 30,
-     "kw": {"density": 0.5, "local_steps": 4, "overlap_steps": 2, "seed": 3, "wire_dtype": "fp4_e2m1",
-            "quant_block": 16}},
-    {"name": "nan_skip_int4_ef", "cls": "diloco", "T": 24, "inject_nan": (1, 12),
-     "kw": {"sync_every": 6, "wire_dtype": "int4", "quant_block": 32, "error_feedback": True}},
+    {
+        "name": "cocodc_int4_ef",
+        "cls": "cocodc",
+        "T": 48,
+        "kw": {**COCO, "wire_dtype": "int4", "quant_block": 16, "error_feedback": True},
+    },
+    {
+        "name": "cocodc_fp8_l1",
+        "cls": "cocodc",
+        "T": 40,
+        "kw": {**COCO, "score": "l1_local", "wire_dtype": "fp8_e4m3"},
+    },
+    {
+        "name": "loscar_int8",
+        "cls": "loscar",
+        "T": 30,
+        "kw": {"density": 0.5, "local_steps": 4, "overlap_steps": 2, "seed": 3, "wire_dtype": "int8"},
+    },
+    {
+        "name": "loscar_fp4",
+        "cls": "loscar",
+        "T": 30,
+        "kw": {
+            "density": 0.5,
+            "local_steps": 4,
+            "overlap_steps": 2,
+            "seed": 3,
+            "wire_dtype": "fp4_e2m1",
+            "quant_block": 16,
+        },
+    },
+    {
+        "name": "nan_skip_int4_ef",
+        "cls": "diloco",
+        "T": 24,
+        "inject_nan": (1, 12),
+        "kw": {"sync_every": 6, "wire_dtype": "int4", "quant_block": 32, "error_feedback": True},
+    },
     {"name": "streaming_fp32", "cls": "streaming", "T": 40, "kw": dict(DENSE)},
 ]
 
@@ -154,8 +193,9 @@ def _wire(sc):
 def _close(a: dict, b: dict, tol: float) -> None:
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k].to(F64), b[k].to(F64), rtol=tol, atol=tol,
-                                   msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            a[k].to(F64), b[k].to(F64), rtol=tol, atol=tol, msg=lambda m, k=k: f"{k}: {m}"
+        )
 
 
 def _dense_kw(sc):
@@ -169,8 +209,18 @@ def _dense_kw(sc):
     return out
 
 
-@pytest.mark.parametrize("name", ["diloco_int8", "diloco_int4", "streaming_int8", "streaming_fp4",
-                                  "streaming_int4_ef", "cocodc_int8", "cocodc_int4_ef"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "diloco_int8",
+        "diloco_int4",
+        "streaming_int8",
+        "streaming_fp4",
+        "streaming_int4_ef",
+        "cocodc_int8",
+        "cocodc_int4_ef",
+    ],
+)
 def test_dense_strategies_match_the_quantized_simulation(runs, name):
     sc = _sc(name)
     r0, r1 = runs[0][name], runs[1][name]
@@ -197,8 +247,16 @@ def test_cocodc_l1_local_scores_still_rank_fragments_identically(runs):
 def test_loscar_matches_the_quantized_simulation(runs, name):
     sc = _sc(name)
     kw = sc["kw"]
-    sim = simulate_loscar(2, 5, density=kw["density"], local_steps=[4, 4], overlap_steps=[2, 2],
-                          merge="delay_corrected", seed=kw["seed"], wire=_wire(sc))
+    sim = simulate_loscar(
+        2,
+        5,
+        density=kw["density"],
+        local_steps=[4, 4],
+        overlap_steps=[2, 2],
+        merge="delay_corrected",
+        seed=kw["seed"],
+        wire=_wire(sc),
+    )
     for m in range(2):
         assert runs[m][name]["error"] is None
         _close(runs[m][name]["params"], sim["params"][m], 1e-9)
@@ -223,6 +281,7 @@ def test_true_wire_bytes_are_reported(runs):
 def _fragment_sizes(runs) -> list[int]:
     from lowcomm_kernels.runtime.fragments import FlatFragments
     from tests.runtime.rt_common import make_model
+
     return FlatFragments(make_model(F64), 2, None).sizes()
 
 
@@ -275,10 +334,25 @@ def test_error_feedback_residual_is_checkpointed(tmp_path):
 # ----- failures ------------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_killed_peer_during_a_quantized_sync_is_a_sync_error_in_time(tmp_path):
-    kw = {"sync_every": 6, "num_fragments": 2, "fragment_sync_delay": 1, "timeout_s": 10.0,
-          "wire_dtype": "int4", "quant_block": 32, "error_feedback": True}
-    sc = {"cls": "streaming", "T": 24, "kw": kw, "dtype": torch.float32, "ckpt_dir": str(tmp_path),
-          "ckpt_every": 100, "victim": 1, "kill_at": 9}
+    kw = {
+        "sync_every": 6,
+        "num_fragments": 2,
+        "fragment_sync_delay": 1,
+        "timeout_s": 10.0,
+        "wire_dtype": "int4",
+        "quant_block": 32,
+        "error_feedback": True,
+    }
+    sc = {
+        "cls": "streaming",
+        "T": 24,
+        "kw": kw,
+        "dtype": torch.float32,
+        "ckpt_dir": str(tmp_path),
+        "ckpt_every": 100,
+        "victim": 1,
+        "kill_at": 9,
+    }
     res = spawn_local(f"{WORKERS}:killed_run", 2, (sc,), timeout_s=120, allow_dead=(1,))
     assert res[1] is None
     err = res[0]["error"]
@@ -288,10 +362,24 @@ def test_killed_peer_during_a_quantized_sync_is_a_sync_error_in_time(tmp_path):
 
 @pytest.mark.slow
 def test_hung_peer_during_a_quantized_sync_times_out(tmp_path):
-    kw = {"sync_every": 6, "num_fragments": 2, "fragment_sync_delay": 1, "timeout_s": 3.0,
-          "wire_dtype": "int8"}
-    sc = {"cls": "streaming", "T": 24, "kw": kw, "dtype": torch.float32, "ckpt_dir": str(tmp_path),
-          "ckpt_every": 100, "victim": 1, "kill_at": 8, "hang": True}
+    kw = {
+        "sync_every": 6,
+        "num_fragments": 2,
+        "fragment_sync_delay": 1,
+        "timeout_s": 3.0,
+        "wire_dtype": "int8",
+    }
+    sc = {
+        "cls": "streaming",
+        "T": 24,
+        "kw": kw,
+        "dtype": torch.float32,
+        "ckpt_dir": str(tmp_path),
+        "ckpt_every": 100,
+        "victim": 1,
+        "kill_at": 8,
+        "hang": True,
+    }
     res = spawn_local(f"{WORKERS}:killed_run", 2, (sc,), timeout_s=120, allow_dead=(1,))
     err = res[0]["error"]
     assert err is not None and err.startswith("SyncError") and "fragment" in err, err
@@ -320,3 +408,13 @@ def test_resolve_wire_format_names_every_choice():
         resolve_wire_format("fp16", 128, torch.float32, torch.float32)
     with pytest.raises(ValueError, match="my_block must be a power of two"):
         resolve_wire_format("int8", 96, torch.float32, torch.float32, name=lambda n: f"my_{n.split('_')[1]}")
+
+
+@pytest.mark.parametrize("wire", ["int8", "topk"])
+def test_a_compressed_wire_forms_after_ranks_made_uneven_subgroups(wire):
+    """torch names the wire's own group after the number of groups each rank holds: a rank that made
+    an extra subgroup first must not leave the strategy waiting on a group the others named otherwise
+    (it timed out in the store before)."""
+    res = spawn_local(f"{QUANT}:after_uneven_subgroups", 2, (wire,), timeout_s=120)
+    assert res[0]["syncs"] == res[1]["syncs"] == 2
+    assert torch.equal(res[0]["params"], res[1]["params"])  # the same average applied on both ranks
