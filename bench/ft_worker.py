@@ -47,6 +47,12 @@ def main() -> None:
     ap.add_argument("--group-rank", type=int, default=0)
     ap.add_argument("--group-port", type=int, default=0, help="the replica's store (group rank 0 hosts it)")
     ap.add_argument(
+        "--group-port-file",
+        default="",
+        help="instead of --group-port: group rank 0 hosts the store on a port the OS picks and writes it "
+        "to this file, the other ranks read it (no race for a port chosen in advance)",
+    )
+    ap.add_argument(
         "--skew",
         action="store_true",
         help="group rank > 0 computes its own CoCoDC decisions differently and receives a different "
@@ -57,9 +63,19 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     host = a.group_rank == 0
+    port = a.group_port
+    if a.group_port_file and not host:  # wait for group rank 0 to publish its store's port
+        t_end = time.time() + 120
+        while not os.path.exists(a.group_port_file) and time.time() < t_end:
+            time.sleep(0.05)
+        port = int(open(a.group_port_file).read())
     store = TCPStore(
-        "localhost", a.group_port, is_master=host, wait_for_workers=False, timeout=timedelta(seconds=120)
+        "localhost", port, is_master=host, wait_for_workers=False, timeout=timedelta(seconds=120)
     )
+    if a.group_port_file and host:
+        with open(a.group_port_file + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(a.group_port_file + ".tmp", a.group_port_file)
     fwd = model
     if a.group_size > 1:  # the replica is a data-parallel group: DDP over its ranks, on its own store
         dist.init_process_group(

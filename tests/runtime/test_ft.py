@@ -282,7 +282,9 @@ def _start_dp(lh, i, r, port, out: Path, steps: int, *extra: str, replicas: int 
     cmd = [sys.executable, str(WORKER), "--lighthouse", lh.address(), "--replica", str(i)]
     cmd += ["--replicas", str(replicas)]
     cmd += ["--steps", str(steps), "--out", str(out / f"r{i}_{r}.jsonl"), "--group-size", "2"]
-    cmd += ["--group-rank", str(r), "--group-port", str(port), *extra]
+    # the port is a token naming this incarnation's port file: group rank 0 binds a port the OS picks
+    # and publishes it there (a port chosen in advance could be taken before it binds)
+    cmd += ["--group-rank", str(r), "--group-port-file", str(out / f"group{i}.{port}.port"), *extra]
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 

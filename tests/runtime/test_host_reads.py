@@ -26,6 +26,7 @@ def _plain_python(node: ast.AST) -> bool:
         return isinstance(node.slice, ast.Constant) or isinstance(node.value, ast.Name)
     return False
 
+
 ALLOWED = {  # (module, function) -> why a host read is fine there
     ("host", "values"): "the mirror: pinned memory filled before its event",
     ("transport", "host_values"): "the mirror of the control vector",
@@ -51,6 +52,8 @@ ALLOWED = {  # (module, function) -> why a host read is fine there
     ("launch", "*"): "the local process launcher (tests, benchmarks)",
     ("topology", "*"): "construction of process groups",
     ("compression", "_job_finished"): "bool() of Event.query(), a host flag: no device value is read",
+    ("compression", "_even_group_counts"): "construction (the ranks agree on their process-group count "
+    "before the wire's own group is made)",
     ("ft", "all_reduce"): "a torchft round blocks by design (it waits for its collectives and "
     "should_commit), so reading its control vector waits for nothing more",
     ("ft", "join"): "the first quorum round, at the first step",
@@ -71,14 +74,21 @@ def _reads(path: Path) -> list[tuple[str, int, str]]:
     def visit(node: ast.AST, func: str) -> None:
         for child in ast.iter_child_nodes(node):
             name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else func
-            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Attribute)
-                    and child.func.attr in READS):
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Attribute)
+                and child.func.attr in READS
+            ):
                 out.append((name, child.lineno, child.func.attr))
             # float(t[0]), bool(t.all()), int(x.sum()): a conversion of a computed value reads it
-            if (isinstance(child, ast.Call) and isinstance(child.func, ast.Name)
-                    and child.func.id in CONVERSIONS and len(child.args) == 1
-                    and isinstance(child.args[0], (ast.Call, ast.Subscript))
-                    and not _plain_python(child.args[0])):
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Name)
+                and child.func.id in CONVERSIONS
+                and len(child.args) == 1
+                and isinstance(child.args[0], (ast.Call, ast.Subscript))
+                and not _plain_python(child.args[0])
+            ):
                 out.append((name, child.lineno, child.func.id))
             visit(child, name)
 
