@@ -8,8 +8,11 @@ hash of the parameters, and the rounds that did not commit.
 """
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
+import sys
 import time
 from datetime import timedelta
 
@@ -59,6 +62,8 @@ def main() -> None:
         "heal state (as from another healthy replica): only the replica's agreement keeps it identical",
     )
     a = ap.parse_args()
+    # SIGUSR1 prints every thread's stack to the log: the tests ask a replica that hangs where it is
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.manual_seed(0)  # the same initial model; each replica has its own data
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -166,6 +171,14 @@ def main() -> None:
     manager.shutdown(wait=False)
     if dist.is_initialized():
         dist.destroy_process_group()
+    # End without the interpreter's teardown. Freeing the DDP reducer frees its gloo process group,
+    # whose destructor (torch 2.13) joins the group's worker threads while holding the GIL; a worker
+    # thread still freeing a finished all-reduce needs the GIL to drop a Python reference it holds:
+    # the process hangs at exit (seen about 1 run in 10 on a loaded machine). Everything this
+    # replica writes is flushed and closed above.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _skew(strat, manager) -> None:

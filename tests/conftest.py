@@ -35,8 +35,9 @@ process start-up and gloo ranks), so this roughly halves it on 2 cores. Here:
 * a test marked ``serial`` (wall-clock assertions) runs while no other test runs: every test holds
   a shared lock on a file of this run, a ``serial`` one an exclusive lock.
 
-Tests marked ``study`` (long end-to-end study, benchmark-script and soak runs) are deselected by
-``addopts`` in pyproject.toml; ``pytest -m study`` runs them (a step of its own in ``.ci/run``).
+Tests marked ``study`` (long end-to-end study, benchmark-script, soak and many-process fault runs)
+are deselected by ``addopts`` in pyproject.toml; ``pytest -m study`` runs them (a step of its own in
+``.ci/run``).
 """
 
 from __future__ import annotations

@@ -22,10 +22,17 @@ pytestmark = pytest.mark.slow
 
 
 def _start(lh, i, out: Path, steps: int, *extra: str) -> subprocess.Popen:
-    log = open(out / f"log{i}", "a")  # noqa: SIM115 (closed with the process)
     cmd = [sys.executable, str(WORKER), "--lighthouse", lh.address(), "--replica", str(i)]
     cmd += ["--steps", str(steps), "--out", str(out / f"r{i}.jsonl"), *extra]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    return _popen(cmd, out / f"log{i}")
+
+
+def _popen(cmd: list[str], log: Path) -> subprocess.Popen:
+    """The worker with stdout and stderr appended to `log` (kept on the process as ``log_path``)."""
+    with open(log, "a") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    p.log_path = log
+    return p
 
 
 def _start_together(procs: dict, out: Path, timeout: float = 240.0) -> None:
@@ -84,12 +91,36 @@ def _wait_step(out: Path, i: int | str, step: int, timeout: float = 240.0) -> No
 
 
 def _finish(procs, timeout: float = 240.0) -> None:
-    for p in procs:
-        try:
-            assert p.wait(timeout=timeout) == 0, "a replica failed (see its log)"
-        finally:
+    """Wait for every replica to exit 0. One that is still running after `timeout` is asked for its
+    threads' stacks (SIGUSR1: faulthandler in the worker), which the failure shows with its log."""
+    t_end = time.time() + timeout
+    try:
+        for p in procs:
+            try:
+                rc = p.wait(timeout=max(t_end - time.time(), 1.0))
+            except subprocess.TimeoutExpired:
+                hung = [q for q in procs if q.poll() is None]
+                for q in hung:
+                    q.send_signal(signal.SIGUSR1)
+                time.sleep(2.0)
+                raise AssertionError(
+                    f"{len(hung)} replica(s) still running after {timeout} s:\n" + _logs(hung)
+                ) from None
+            assert rc == 0, f"a replica failed (exit {rc}):\n" + _logs([p])
+    finally:
+        for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+def _logs(procs, tail: int = 6000) -> str:
+    """The end of each process's log (its stdout file)."""
+    parts = []
+    for p in procs:
+        log = getattr(p, "log_path", None)
+        text = log.read_text(errors="replace")[-tail:] if log and log.exists() else "(no log)"
+        parts.append(f"--- {log}\n{text}")
+    return "\n".join(parts)
 
 
 @pytest.fixture
@@ -278,14 +309,13 @@ def test_loscar_commit_failure_applies_nowhere(lighthouse, tmp_path):
 
 def _start_dp(lh, i, r, port, out: Path, steps: int, *extra: str, replicas: int = 2) -> subprocess.Popen:
     """Group rank r of replica i, a replica of 2 ranks with DDP inside (its store on `port`)."""
-    log = open(out / f"log{i}_{r}", "a")  # noqa: SIM115 (closed with the process)
     cmd = [sys.executable, str(WORKER), "--lighthouse", lh.address(), "--replica", str(i)]
     cmd += ["--replicas", str(replicas)]
     cmd += ["--steps", str(steps), "--out", str(out / f"r{i}_{r}.jsonl"), "--group-size", "2"]
     # the port is a token naming this incarnation's port file: group rank 0 binds a port the OS picks
     # and publishes it there (a port chosen in advance could be taken before it binds)
     cmd += ["--group-rank", str(r), "--group-port-file", str(out / f"group{i}.{port}.port"), *extra]
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    return _popen(cmd, out / f"log{i}_{r}")
 
 
 def _free_port() -> int:
@@ -395,6 +425,9 @@ def test_replica_data_parallel_group_agrees(lighthouse, tmp_path, method):
     assert sum(losses[-5:]) < sum(losses[:5])
 
 
+# 6 replica processes and 2 restarts (about 35 s each on 2 cores): in CI's long-run step, which keeps
+# the README's test command under 10 minutes (pytest -m study -k heals_from_two_sources)
+@pytest.mark.study
 @pytest.mark.parametrize("method", ["loscar", "cocodc"])
 def test_replica_data_parallel_heals_from_two_sources(lighthouse, tmp_path, method):
     """3 replicas of 2 ranks; replica 2 (both ranks) is SIGKILLed after step 12 and restarted while
