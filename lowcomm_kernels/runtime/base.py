@@ -153,6 +153,11 @@ class Strategy(abc.ABC):
         # who this strategy syncs with: a fixed process group, or torchft replicas that come and go
         # (manager=); the strategy asks it, never which kind it is (runtime.membership)
         self.manager = manager
+        if manager is not None and type(self).replay is Strategy.replay:  # refused now, not at a heal
+            raise TypeError(
+                f"{type(self).__name__} cannot run under a torchft manager: it does not define replay(t), "
+                "how a replica that heals inside the peers' step finishes that step"
+            )
         self.membership = membership_for(
             process_group=process_group, wan=wan, manager=manager, num_replicas=num_replicas
         )
@@ -447,7 +452,8 @@ class Strategy(abc.ABC):
         """Finish step t as the healthy peers run it, right after a heal: their sends of step t
         that are not pending yet (the transport sends them without contributing, so the round they
         open pairs up with the peers'), then the results due at t. Each strategy says how: a heal
-        lands inside the peers' step, which only the strategy's schedule knows."""
+        lands inside the peers' step, which only the strategy's schedule knows. A strategy that does
+        not define it is refused at construction under a manager."""
         raise NotImplementedError(f"{self.method} does not support replicas that heal (manager=)")
 
     def restart_from_shared(self) -> None:

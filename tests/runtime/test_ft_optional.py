@@ -35,6 +35,24 @@ def test_manager_arguments_are_checked_by_name():
         DiLoCo(model, opt, num_replicas=2, **kw)  # num_replicas without a manager
 
 
+def test_a_strategy_that_cannot_replay_a_heal_is_refused_at_construction():
+    """A strategy without ``replay`` (how a replica healed inside the peers' step finishes it) is
+    refused when it is built with a manager, not at its first heal mid-run."""
+    from lowcomm_kernels.runtime import DiLoCo
+    from lowcomm_kernels.runtime.base import Strategy
+
+    class NoReplay(DiLoCo):
+        replay = Strategy.replay  # the base's: "does not support replicas that heal"
+
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kw = dict(sync_every=2, outer_lr=0.7, outer_momentum=0.9)
+    with pytest.raises(
+        TypeError, match=r"NoReplay cannot run under a torchft manager: it does not define replay"
+    ):
+        NoReplay(model, opt, manager=object(), num_replicas=2, **kw)
+
+
 def test_every_strategy_builds_on_a_replica_of_several_ranks():
     """A replica that is a data-parallel group (Manager(world_size=2)) takes every strategy: DiLoCo,
     Streaming DiLoCo, and CoCoDC and LOSCAR, whose per-process decisions the replica's ranks take
