@@ -15,13 +15,22 @@ replica 2 to replica 0's next committed sync, the syncs in between that did not 
 of replica 0's final held-out loss to the fault-free run's, over several seeds (mean +- std).
 ``--restart-at`` restarts the killed replica (it heals) when replica 0 reaches that step.
 
+(3) The life cycle, from the same runs: what a fresh start costs (from the common start to the end
+of replica 0's first step, next to the median step), what a restart costs (the new process's
+start-up, then the time until it is in a quorum of three), and a Lighthouse loss: the Lighthouse is
+shut down once replica 0 has recorded step ``--kill-at``, and each replica's exit (code, seconds
+after the loss, its last error line) is recorded, under both implementations, with the replicas'
+``--lighthouse-quorum-timeout``.
+
 Writes ``--out`` (JSON: configuration, command, every run's per-step records, the summary) and
 ``--figure`` (training loss of replica 0 against the step, faulty and fault-free, both
 implementations, kill and return marked), and prints the table.
 """
 
+import gc
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -160,15 +169,17 @@ def one_run(impl: str, seed: int, fault: bool, a, work: Path) -> dict:
     # and a replica that reaches its first quorum long before the others would time out there
     back = work / f"{tag}-ready2-again"  # the restarted replica is up: the survivors hold for it
     hold = ["--hold-at", str(a.restart_at), "--hold-for", str(back)] if fault and a.restart_at else []
+    t_start = time.time()
     procs = [_replica(lh, impl, i, outs[i], a, logs[i], "--ready-file", str(ready[i]), "--go-file", str(go),
                       *(hold if i < 2 else [])) for i in range(3)]  # fmt: skip
     extra: list[subprocess.Popen] = []
-    t_kill = t_return = None
+    t_kill = t_return = restart_up_s = None
     kill_step = return_step = None
     try:
         _wait_for(lambda: all(r.exists() for r in ready), procs, f"{tag}: the replicas to start", 900)
         go.touch()
         t0 = time.time()
+        start_up_s = t0 - t_start  # 3 fresh processes: start, import torch, build, Manager up
         if fault:
             _wait_for(lambda: _records(outs[2]) and _records(outs[2])[-1]["step"] >= a.kill_at, procs,
                       f"{tag}: replica 2 at step {a.kill_at}", 600)  # fmt: skip
@@ -182,9 +193,11 @@ def one_run(impl: str, seed: int, fault: bool, a, work: Path) -> dict:
                 _wait_for(lambda: _records(outs[0])[-1]["step"] >= a.restart_at, procs[:2],
                           f"{tag}: replica 0 at step {a.restart_at}", 600)  # fmt: skip
                 return_step = _records(outs[0])[-1]["step"]
+                t_launch = time.time()
                 extra.append(_replica(lh, impl, 2, outs[2], a, logs[2], "--ready-file", str(back)))
                 _wait_for(back.exists, extra, f"{tag}: the restarted replica to start", 900)
                 t_return = time.time()
+                restart_up_s = t_return - t_launch  # a fresh process: start, import torch, build
         live = procs[:2] if fault else procs
         for i, p in enumerate(live):
             if p.wait(timeout=900) != 0:
@@ -202,6 +215,13 @@ def one_run(impl: str, seed: int, fault: bool, a, work: Path) -> dict:
            "steps": [r["step"] for r in recs], "loss": [r["loss"] for r in recs],
            "participants": [r["participants"] for r in recs],
            "commits": [r["commits"] for r in recs]}  # fmt: skip
+    # the fresh start: from the common start to the end of replica 0's first step (its first quorum,
+    # the joining round, in it), next to the median of its other steps that ran no sync
+    dts = [b["t"] - a_["t"] for a_, b in zip(recs, recs[1:], strict=False) if b["syncs"] == a_["syncs"]]
+    first_sync = next((r["participants"] for r in recs if r["syncs"] > 0), None)
+    run.update(start_up_s=start_up_s, first_step_s=recs[0]["t"] - t0,
+               median_step_s=statistics.median(dts) if dts else None,
+               first_sync_participants=first_sync)  # fmt: skip
     if fault:
         before = [r for r in recs if r["t"] <= t_kill]
         after = [r for r in recs if r["t"] > t_kill]
@@ -216,7 +236,62 @@ def one_run(impl: str, seed: int, fault: bool, a, work: Path) -> dict:
         if t_return is not None:
             back = [r for r in recs if r["t"] > t_return and r["participants"] == 3]
             run["return_to_3_s"] = (back[0]["t"] - t_return) if back else None
+            run["restart_up_s"] = restart_up_s
     return run
+
+
+def lighthouse_loss(impl: str, seed: int, a, work: Path) -> dict:
+    """3 replicas; the Lighthouse is shut down once replica 0 has recorded step ``a.kill_at``. Each
+    replica's exit: its code, the seconds from the loss to it (None: still running ``a.cap_s``
+    after the loss, then killed), and the last line of its log that names an error."""
+    a.seed_now = seed
+    tag = f"{impl}-s{seed}-lighthouse"
+    outs = [work / f"{tag}-r{i}.jsonl" for i in range(3)]
+    logs = [out.with_suffix(".log") for out in outs]
+    lh = _lighthouse()
+    ready, go = [work / f"{tag}-ready{i}" for i in range(3)], work / f"{tag}-go"
+    qt = ["--quorum-timeout", str(a.lighthouse_quorum_timeout)]
+    gate = ["--go-file", str(go), *qt]
+    procs = [
+        _replica(lh, impl, i, outs[i], a, logs[i], "--ready-file", str(ready[i]), *gate) for i in range(3)
+    ]
+    exits: list[dict] = []
+    try:
+        _wait_for(lambda: all(r.exists() for r in ready), procs, f"{tag}: the replicas to start", 900)
+        go.touch()
+        _wait_for(lambda: _records(outs[0]) and _records(outs[0])[-1]["step"] >= a.kill_at, procs,
+                  f"{tag}: replica 0 at step {a.kill_at}", 600)  # fmt: skip
+        lh.shutdown()
+        del lh  # (the server stops serving only once the object is gone)
+        gc.collect()
+        t_loss = time.time()
+        lost_at = _records(outs[0])[-1]
+        pending = set(range(3))
+        while pending and time.time() - t_loss < a.cap_s:
+            for i in sorted(pending):
+                if procs[i].poll() is not None:
+                    pending.discard(i)
+                    exits.append({"replica": i, "code": procs[i].returncode, "exit_s": time.time() - t_loss})
+            time.sleep(0.05)
+        exits += [{"replica": i, "code": None, "exit_s": None} for i in sorted(pending)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for e in exits:
+        recs = _records(outs[e["replica"]])
+        e["last_step"] = recs[-1]["step"] if recs else None
+        e["last_commit"] = recs[-1]["commits"] if recs else None
+        lines = logs[e["replica"]].read_text(errors="replace").splitlines()
+        # the exception that ended it (a traceback's last line), else any line naming an error
+        raised = [ln.strip() for ln in lines if re.match(r"[\w.]*(Error|Exception)\b", ln)]
+        errors = raised or [ln.strip() for ln in lines if "error" in ln.lower()]
+        e["error"] = errors[-1][:400] if errors else ""
+    exits.sort(key=lambda e: e["replica"])
+    return {"impl": impl, "seed": seed, "lighthouse_loss": True, "lost_at_step": lost_at["step"],
+            "lost_at_commit": lost_at["commits"], "quorum_timeout_s": a.lighthouse_quorum_timeout,
+            "exits": exits}  # fmt: skip
 
 
 def _stat(v: list[float]) -> dict:
@@ -241,6 +316,30 @@ def summarize(runs: list[dict]) -> dict:
             "eval_loss_faulty": _stat([r["eval_loss"] for r in faulty]),
             "eval_loss_gap": _stat(gaps),
             "return_to_3_s": _stat([r.get("return_to_3_s") for r in faulty]),
+            "restart_up_s": _stat([r.get("restart_up_s") for r in faulty]),
+            "start_up_s": _stat([r.get("start_up_s") for r in clean.values()]),
+            "first_step_s": _stat([r.get("first_step_s") for r in clean.values()]),
+            "median_step_s": _stat([r.get("median_step_s") for r in clean.values()]),
+        }
+    return out
+
+
+def summarize_lighthouse(losses: list[dict]) -> dict:
+    """Per implementation: how the replicas ended after the Lighthouse went away."""
+    out = {}
+    for impl in IMPLS:
+        rs = [r for r in losses if r["impl"] == impl]
+        if not rs:
+            continue
+        exits = [e for r in rs for e in r["exits"]]
+        out[impl] = {
+            "runs": len(rs),
+            "replicas": len(exits),
+            "exited_nonzero": sum(1 for e in exits if e["code"] not in (None, 0)),
+            "exited_zero": sum(1 for e in exits if e["code"] == 0),
+            "still_running": sum(1 for e in exits if e["code"] is None),
+            "exit_s": _stat([e["exit_s"] for e in exits]),
+            "error": next((e["error"] for e in exits if e["error"]), ""),
         }
     return out
 
@@ -305,10 +404,18 @@ def parse(argv: list[str] | None = None):
     ap.add_argument("--step-sleep", type=float, default=0.05, help="seconds per inner step (default 0.05)")
     ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated, of " + ", ".join(IMPLS))
     ap.add_argument("--no-overhead", action="store_true", help="skip (1), the per-round overhead")
+    ap.add_argument("--no-lighthouse", action="store_true", help="skip the Lighthouse loss runs of (3)")
+    ap.add_argument(
+        "--lighthouse-quorum-timeout",
+        type=float,
+        default=20.0,
+        help="the replicas' quorum_timeout in the Lighthouse loss runs, s (default 20)",
+    )
     ap.add_argument(
         "--quick",
         action="store_true",
-        help="smoke: 1 seed, 25 steps, kill at 12, restart at 17, no overhead part",
+        help="smoke: 1 seed, 25 steps, kill at 12, restart at 17, no overhead part, a Lighthouse "
+        "quorum timeout of 10 s",
     )
     ap.add_argument(
         "--render",
@@ -321,6 +428,7 @@ def parse(argv: list[str] | None = None):
     a = ap.parse_args(argv)
     if a.quick:
         a.seeds, a.steps, a.kill_at, a.restart_at, a.no_overhead = 1, 25, 12, 17, True
+        a.lighthouse_quorum_timeout = 10.0
     a.impls = [x.strip() for x in a.impls.split(",") if x.strip()]
     bad = [x for x in a.impls if x not in IMPLS]
     if bad or not a.impls:
@@ -334,11 +442,17 @@ def parse(argv: list[str] | None = None):
         ap.error(f"--restart-at ({a.restart_at}) must lie between --kill-at and --steps")
     if a.step_sleep < 0:
         ap.error(f"--step-sleep must be >= 0, got {a.step_sleep}")
+    if not 0 < a.lighthouse_quorum_timeout <= 600:
+        ap.error(f"--lighthouse-quorum-timeout must lie in (0, 600] s, got {a.lighthouse_quorum_timeout}")
+    # a replica still running this long after the Lighthouse went away counts as hung, and is killed
+    a.cap_s = 3 * a.lighthouse_quorum_timeout + 60
     return a
 
 
-def _save(result: dict, runs: list[dict], a, complete: bool) -> None:
+def _save(result: dict, runs: list[dict], a, complete: bool, losses: list[dict] | None = None) -> None:
     result.update(complete=complete, runs=runs, summary=summarize(runs), loadavg_end=list(os.getloadavg()))
+    if losses:
+        result.update(lighthouse=losses, lighthouse_summary=summarize_lighthouse(losses))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
 
@@ -370,6 +484,45 @@ def report(result: dict) -> None:
     print(
         "(mean ± std over the seeds" + ("" if result.get("complete", True) else "; an interrupted run") + ")"
     )
+    print()
+    print(lifecycle_table(result))
+
+
+def lifecycle_table(result: dict) -> str:
+    """What a fresh start, a kill, a restart and a Lighthouse loss cost (markdown), per implementation."""
+    impls = list(result["summary"])
+    rows = ["| event | " + " | ".join(LABEL[i] for i in impls) + " |", "| --- " * (len(impls) + 1) + "|"]
+
+    def row(name: str, cell) -> None:
+        rows.append(f"| {name} | " + " | ".join(cell(i) for i in impls) + " |")
+
+    S = result["summary"]
+    row("fresh start: 3 processes launched → all built and ready (s)", lambda i: _fmt(S[i]["start_up_s"]))
+    row("  common start → end of replica 0's first step (s)", lambda i: _fmt(S[i]["first_step_s"]))
+    row("  an ordinary step, median (s)", lambda i: _fmt(S[i]["median_step_s"], digits=3))
+    row("kill: SIGKILL → survivors' next committed sync (s)", lambda i: _fmt(S[i]["kill_to_commit_s"]))
+    row("  syncs that failed in between", lambda i: _fmt(S[i]["failed_syncs"], digits=1))
+    if result["config"].get("restart_at") is not None:
+        row("restart: new process launched → built and ready (s)", lambda i: _fmt(S[i]["restart_up_s"]))
+        row("  ready → in a quorum of three (s)", lambda i: _fmt(S[i]["return_to_3_s"]))
+    L = result.get("lighthouse_summary", {})
+    if L:
+        qt = result["lighthouse"][0]["quorum_timeout_s"]
+
+        def ended(i: str) -> str:
+            x = L.get(i)
+            if x is None:
+                return "n/a"
+            parts = [f"{x['exited_nonzero']} exited with an error", f"{x['exited_zero']} exited 0"]
+            if x["still_running"]:
+                parts.append(
+                    f"{x['still_running']} still running after {result['config']['lighthouse_cap_s']:.0f} s"
+                )
+            return f"{', '.join(parts)} (of {x['replicas']})"
+
+        row(f"Lighthouse loss (quorum_timeout {qt:.0f} s): replicas", ended)
+        row("  loss → replica exit (s)", lambda i: _fmt(L[i]["exit_s"]) if i in L else "n/a")
+    return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -389,7 +542,7 @@ def main(argv: list[str] | None = None) -> dict:
                                "inner": "SGD lr 0.05", "outer": "Nesterov SGD lr 0.7 momentum 0.9",
                                "model": "MLP 8-32-1 (tanh), batch 32, teacher tanh(x . w)",
                                "lighthouse": "min_replicas 2, join_timeout 30 s, heartbeat_timeout 1 s",
-                               "manager_timeout_s": 5.0}}  # fmt: skip
+                               "manager_timeout_s": 5.0, "lighthouse_cap_s": a.cap_s}}  # fmt: skip
     if not a.no_overhead:
         rounds, recovered = ft_figures()
         fixed = fixed_figures()
@@ -409,7 +562,17 @@ def main(argv: list[str] | None = None) -> dict:
                           f"{r['eval_loss']:.4f}"
                           + (f", kill -> next commit {r['kill_to_commit_s']:.2f} s" if fault else ""),
                           flush=True)  # fmt: skip
-    _save(result, runs, a, complete=True)
+        losses: list[dict] = []
+        for seed in range(0 if a.no_lighthouse else a.seeds):
+            for impl in a.impls:
+                losses.append(lighthouse_loss(impl, seed, a, Path(tmp)))
+                _save(result, runs, a, complete=False, losses=losses)
+                ends = [
+                    (e["code"], None if e["exit_s"] is None else round(e["exit_s"], 1))
+                    for e in losses[-1]["exits"]
+                ]
+                print(f"{impl:8s} seed {seed} Lighthouse lost: (exit code, s) per replica {ends}", flush=True)
+    _save(result, runs, a, complete=True, losses=losses)
     figure(runs, a.figure, a.sync_every)
     report(result)
     print(f"wrote {a.out} and {a.figure}")

@@ -1,6 +1,6 @@
 """bench/ft_recovery.py, the side-by-side kill of our DiLoCo and torchft's: a smoke run of the whole
-script (``--quick``: one seed, 25 steps, a kill and a restart, both implementations) and its checks
-of bad arguments.
+script (``--quick``: one seed, 25 steps, a kill and a restart, a Lighthouse loss, both
+implementations) and its checks of bad arguments.
 """
 
 from __future__ import annotations
@@ -51,7 +51,23 @@ def test_quick_run_writes_results_and_figure(tmp_path):
     for impl in ("lowcomm", "torchft"):
         s = res["summary"][impl]
         assert s["kill_to_commit_s"]["n"] == 1 and math.isfinite(s["eval_loss_gap"]["mean"])
+        # the life cycle: a fresh start (processes up, then the first step, which holds the joining
+        # quorum), and the restart's start-up
+        for key in ("start_up_s", "first_step_s", "median_step_s", "restart_up_s"):
+            assert s[key]["n"] == 1 and s[key]["mean"] > 0, (impl, key, s[key])
     assert "| lowcomm DiLoCo (manager=) |" in proc.stdout and "| torchft.local_sgd.DiLoCo |" in proc.stdout
+    # the Lighthouse lost mid-run: every replica of both implementations stops with an error within
+    # its quorum timeout (10 s in --quick) and a margin, none hangs and none trains on
+    assert sorted(r["impl"] for r in res["lighthouse"]) == ["lowcomm", "torchft"]
+    for r in res["lighthouse"]:
+        assert r["quorum_timeout_s"] == 10.0 and len(r["exits"]) == 3
+        for e in r["exits"]:
+            assert e["code"] not in (None, 0) and 0 < e["exit_s"] < 60, (r["impl"], e)
+            assert e["last_step"] < 25, (r["impl"], e)  # it stopped: no step after the loss's next sync
+        if r["impl"] == "lowcomm":  # ours names the cause
+            assert all("Lighthouse" in e["error"] and "SyncError" in e["error"] for e in r["exits"]), r
+    assert res["lighthouse_summary"]["lowcomm"]["exited_nonzero"] == 3
+    assert "| Lighthouse loss (quorum_timeout 10 s): replicas |" in proc.stdout
 
 
 @pytest.mark.parametrize(
@@ -62,6 +78,7 @@ def test_quick_run_writes_results_and_figure(tmp_path):
         (["--impls", "lowcomm,horovod"], "--impls"),
         (["--seeds", "0"], "--seeds"),
         (["--step-sleep", "-1"], "--step-sleep"),
+        (["--lighthouse-quorum-timeout", "0"], "--lighthouse-quorum-timeout"),
     ],
 )
 def test_bad_arguments_are_refused_by_name(tmp_path, capsys, args, name):
