@@ -1,22 +1,30 @@
 """``lowcomm compare --study frontier``: how few bytes DiLoCo can send before its loss moves.
 
-Every configuration is DiLoCo (blocking, every H steps) on the same model, data and seeds, with
-one thing changed on the wire or in the outer step:
+Every configuration trains the same model on the same data and seeds, with one thing changed on
+the wire or in the outer step against blocking fp32 DiLoCo:
 
-- **dense formats**: fp32 (the reference), bf16, int4 and E3M0 4-bit (block scales, error feedback);
-- **top-k** (SparseLoCo-style): per chunk of C = 4096 values the k largest of the error-feedback
-  accumulator, quantized to b bits, all-gathered: k = 64 at 2 bits (the published operating point,
-  about 141× fewer bytes than fp32 counting indices and scales), k = 32 at 2 bits (past 256×) and
-  k = 64 at 1 bit (the sign); the default Nesterov outer step, and k = 64 with the published outer
-  step (plain SGD at lr 1, no momentum: error feedback in place of outer momentum);
-- **eager**: fp32, the outer round overlapped with the next inner phase (each worker's own fresh
-  outer gradient in place of its stale share of the average).
+- **dense formats** (DiLoCo): fp32 (the reference), bf16, and with block scales and error feedback
+  int8, int4, E2M1 4-bit and E3M0 4-bit (the Streaming DiLoCo paper's);
+- **top-k** (SparseLoCo-style, DiLoCo): per chunk of C = 4096 values the k largest of the
+  error-feedback accumulator, quantized to b bits, all-gathered: k = 64 and k = 32, each at 2 bits and
+  at 1 bit (the sign); k = 64 at 2 bits (about 141× fewer bytes than fp32 counting indices and scales)
+  is the published operating point, k = 32 goes past 256×; the default Nesterov outer step, and k = 64
+  at 2 bits with the published outer step (plain SGD at lr 1, no momentum: error feedback in place of
+  outer momentum);
+- **LOSCAR's random mask at matched bytes**: LOSCAR with rounds of H steps (N = H, no overlap) and
+  the density that sends as many bytes as top-k k = 64 at 2 bits, the same coordinates on every
+  worker (no indices on the wire);
+- **eager** (DiLoCo): the outer round overlapped with the next inner phase (each worker's own fresh
+  outer gradient in place of its stale share of the average), under every dense format. (Top-k
+  cannot be eager: the runtime refuses the combination by name.)
 
 The table reads each configuration against fp32 DiLoCo seed by seed: the relative change of the
 final loss with its 95 % interval and Holm-adjusted p over the family of every configuration
-against the reference (declared here, before the runs), and the bytes each worker sent as a
-multiple of fp32's. The goals it checks: ≥ 146× fewer bytes at a final loss within +0.5 % of fp32
-DiLoCo, a stretch point at ≥ 256×, and eager within +0.5 % of blocking DiLoCo.
+against the reference (declared here, before the runs), the bytes each worker sent as a multiple of
+fp32's, and the bits per parameter per sync. The goals it checks: ≥ 146× fewer bytes at a final
+loss within +0.5 % of fp32 DiLoCo, a stretch point at ≥ 256×, and eager within +0.5 % of blocking
+DiLoCo. The plot is the frontier: the loss gap with its interval against the bits per parameter
+per sync.
 """
 
 from __future__ import annotations
@@ -36,28 +44,86 @@ LOSS_GOAL = 0.005  # the final loss within +0.5 % of fp32 DiLoCo
 BYTES_GOAL, STRETCH_GOAL = 146.0, 256.0  # fp32 bytes / these bytes
 
 
+DENSE = (
+    ("fp32", False),
+    ("bf16", False),
+    ("int8", True),
+    ("int4", True),
+    ("fp4_e2m1", True),
+    ("fp4_e3m0", True),
+)
+# top-k k=64 at 2 bits per chunk of 4096: 64 values x 2 bits + 64 indices x 12 bits + a 32-bit scale
+# = 928 bits for 4096 fp32 values (131072 bits): LOSCAR sends fp32 values at a shared mask
+MATCHED_DENSITY = round((64 * 2 + 64 * 12 + 32) / (4096 * 32), 4)
+
+
+def _dense_label(wire: str, ef: bool, eager: bool = False) -> str:
+    return f"DiLoCo {'eager ' if eager else ''}{wire}{'+EF' if ef else ''}"
+
+
 def configs(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
-    """The study's configurations, as (label, spec) on ``base``: DiLoCo, one change each."""
+    """The study's configurations, as (label, spec) on ``base``: one change each against fp32 DiLoCo."""
     d = base.with_(method="diloco", error_feedback=False, wire_dtype="fp32", outer_delay="none")
     topk = d.with_(wire_dtype="topk", topk_chunk=4096)
-    return [
-        (REFERENCE, d),
-        ("DiLoCo bf16", d.with_(wire_dtype="bf16")),
-        ("DiLoCo int4+EF", d.with_(wire_dtype="int4", error_feedback=True)),
-        ("DiLoCo fp4_e3m0+EF", d.with_(wire_dtype="fp4_e3m0", error_feedback=True)),
-        ("DiLoCo topk k=64 2-bit", topk.with_(topk_k=64, topk_bits=2)),
-        ("DiLoCo topk k=32 2-bit", topk.with_(topk_k=32, topk_bits=2)),
-        ("DiLoCo topk k=64 1-bit", topk.with_(topk_k=64, topk_bits=1)),
+    out = [(_dense_label(w, ef), d.with_(wire_dtype=w, error_feedback=ef)) for w, ef in DENSE]
+    out += [
+        (f"DiLoCo topk k={k} {b}-bit", topk.with_(topk_k=k, topk_bits=b)) for k in (64, 32) for b in (2, 1)
+    ]
+    out += [
         (
             "DiLoCo topk k=64 2-bit, outer SGD lr 1",
             topk.with_(topk_k=64, topk_bits=2, outer_lr=1.0, outer_momentum=0.0),
         ),
-        ("DiLoCo eager fp32", d.with_(outer_delay="eager")),
+        (
+            f"LOSCAR d={MATCHED_DENSITY:g} (bytes of topk k=64 2-bit)",
+            base.with_(
+                method="loscar",
+                density=MATCHED_DENSITY,
+                local_steps=base.sync_every,
+                overlap_steps=0,
+                wire_dtype="fp32",
+                error_feedback=False,
+                outer_delay="none",
+            ),
+        ),  # fmt: skip
     ]
+    out += [(_dense_label(w, ef, eager=True), d.with_(wire_dtype=w, error_feedback=ef, outer_delay="eager"))
+            for w, ef in DENSE]  # fmt: skip
+    return out
+
+
+def bits_per_param_per_sync(r: RunResult) -> float:
+    """What one worker sent per parameter per sync, in bits (values, indices, scales)."""
+    if not r.syncs or not r.num_params:
+        return float("nan")
+    return 8.0 * r.bytes_sent / (r.num_params * r.syncs)
 
 
 def _by_seed(results: list[RunResult], label: str) -> dict[int, RunResult]:
     return {int(r.config.get("seed", 0)): r for r in results if r.name == label}
+
+
+def _family(labels: list[str], results: list[RunResult]) -> dict[str, stats.Paired]:
+    """Each configuration's final loss relative to the reference's, paired by seed, with Holm's
+    adjustment over every configuration of the study."""
+    ref = _by_seed(results, REFERENCE)
+    family = {}
+    for label in labels:
+        if label != REFERENCE:
+            runs = _by_seed(results, label)
+            family[label] = stats.paired_diffs(
+                [
+                    runs[s].final_loss / ref[s].final_loss - 1
+                    for s in sorted(ref)
+                    if s in runs and ref[s].final_loss
+                ]
+            )
+    return stats.holm_family(family)
+
+
+def _bits_cell(bits: list[float]) -> str:
+    finite = [b for b in bits if np.isfinite(b)]
+    return f"{float(np.mean(finite)):.3g}" if finite else "n/a"
 
 
 def _goal(ratio: float, rel: stats.Paired, label: str) -> str:
@@ -79,15 +145,7 @@ def table(name: str, labels: list[str], results: list[RunResult], target: float)
     """Markdown: per configuration the final loss, its relative change against fp32 DiLoCo (paired by
     seed, Holm over the family), the bytes each worker sent and their ratio to fp32's, and the goal."""
     ref = _by_seed(results, REFERENCE)
-    seeds = sorted(ref)
-    family = {}
-    for label in labels:
-        if label != REFERENCE:
-            runs = _by_seed(results, label)
-            family[label] = stats.paired_diffs(
-                [runs[s].final_loss / ref[s].final_loss - 1 for s in seeds if s in runs and ref[s].final_loss]
-            )
-    family = stats.holm_family(family)
+    family = _family(labels, results)
     ref_bytes = sum(r.bytes_sent for r in ref.values()) / max(len(ref), 1)
     lines = table_head(
         target,
@@ -95,6 +153,7 @@ def table(name: str, labels: list[str], results: list[RunResult], target: float)
             f"final loss vs {REFERENCE} (paired, 95 % interval, Holm p)",
             "bytes sent/worker (MB)",
             "fp32 bytes / these",
+            "bits/param/sync",
             "goal",
         ],
         results,
@@ -111,7 +170,8 @@ def table(name: str, labels: list[str], results: list[RunResult], target: float)
             goal = _goal(ratio, rel, label)
         lines.append(
             f"| {label} | {len(runs)} | {cell([r.final_loss for r in runs])} | {rel_cell} | "
-            f"{cell([b / 1e6 for b in sent], '{:.3f}')} | {ratio:.1f}x | {goal} |"
+            f"{cell([b / 1e6 for b in sent], '{:.3f}')} | {ratio:.1f}x | "
+            f"{_bits_cell([bits_per_param_per_sync(r) for r in runs])} | {goal} |"
         )
     lines += [
         "",
@@ -123,32 +183,50 @@ def table(name: str, labels: list[str], results: list[RunResult], target: float)
 
 
 def plot(labels: list[str], results: list[RunResult], path: Path) -> None:
-    """The frontier: final loss (mean ± std over seeds) against the bytes each worker sent (log
-    scale), one point per configuration, with the reference's +0.5 % band."""
+    """The frontier: each configuration's final loss gap to fp32 DiLoCo (paired by seed, mean and 95 %
+    interval) against the bits per parameter per sync it sent (log scale), with the +0.5 % goal."""
     import matplotlib  # optional (the cli extra): only when a plot is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    family = _family(labels, results)
+    fig, ax = plt.subplots(figsize=(8.5, 5.2))
+    markers = {"DiLoCo eager": "s", "DiLoCo topk": "^", "LOSCAR": "D"}
     for i, label in enumerate(labels):
         runs = [r for r in results if r.name == label]
         if not runs:
             continue
-        x = float(np.mean([r.bytes_sent for r in runs])) / 1e6
-        y = np.array([r.final_loss for r in runs])
-        color = plt.get_cmap("tab10")(i % 10)
-        ax.errorbar(x, y.mean(), yerr=y.std(ddof=1) if len(y) > 1 else 0.0, fmt="o", color=color, label=label)
+        bits = [b for b in (bits_per_param_per_sync(r) for r in runs) if np.isfinite(b)]
+        if not bits:
+            continue
+        x = float(np.mean(bits))
+        color = plt.get_cmap("tab20")(i % 20)
+        marker = next((m for prefix, m in markers.items() if label.startswith(prefix)), "o")
         if label == REFERENCE:
-            ax.axhspan(
-                y.mean(), y.mean() * (1 + LOSS_GOAL), color=color, alpha=0.15, label="reference +0.5 %"
-            )
+            ax.plot(x, 0.0, marker="*", ms=12, color="k", ls="none", label=f"{label} (reference)")
+            continue
+        rel = family[label]
+        if rel.n == 0:
+            continue
+        y = 100 * rel.mean
+        lo = 100 * rel.ci_low if rel.ci_low is not None else y
+        hi = 100 * rel.ci_high if rel.ci_high is not None else y
+        ax.errorbar(x, y, yerr=[[y - lo], [hi - y]], fmt=marker, color=color, capsize=3, label=label)
+    ax.axhspan(
+        -100 * LOSS_GOAL,
+        100 * LOSS_GOAL,
+        color="tab:green",
+        alpha=0.12,
+        label="within ±0.5 % (goal: ≤ +0.5 %)",
+    )
+    ax.axhline(0.0, color="k", lw=0.6)
     ax.set_xscale("log")
-    ax.set_xlabel("bytes sent per worker (MB, log scale)")
-    ax.set_ylabel("final validation loss (nats/byte)")
-    ax.set_title("DiLoCo: loss against bytes on the wire")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.set_xlabel("bits per parameter per sync, per worker (log scale; fp32 = 32)")
+    ax.set_ylabel("final loss vs fp32 DiLoCo (%, paired by seed, 95 % interval)")
+    ax.set_title("The compression frontier: loss gap against bits on the wire")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=6.5, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

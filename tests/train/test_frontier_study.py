@@ -3,6 +3,8 @@ real run of its extreme configurations on a tiny model."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from lowcomm_kernels.train import study_frontier
@@ -13,22 +15,52 @@ from lowcomm_kernels.train.study_frontier import REFERENCE, configs, table
 BASE = TrainSpec(steps=200, sync_every=20, workers=2)
 
 
-def test_every_configuration_is_diloco_with_one_change():
+def test_every_configuration_is_one_change_against_fp32_diloco():
     cfg = dict(configs(BASE))
-    assert len(cfg) == 9 and all(s.method == "diloco" for s in cfg.values())
+    assert len(cfg) == 18
     ref = cfg[REFERENCE]
-    assert (ref.wire_dtype, ref.error_feedback, ref.outer_delay) == ("fp32", False, "none")
+    assert (ref.method, ref.wire_dtype, ref.error_feedback, ref.outer_delay) == (
+        "diloco",
+        "fp32",
+        False,
+        "none",
+    )
+    dense = {"fp32", "bf16", "int8", "int4", "fp4_e2m1", "fp4_e3m0"}
+    blocking = {s.wire_dtype for s in cfg.values() if s.method == "diloco" and s.outer_delay == "none"}
+    eager = {s.wire_dtype for s in cfg.values() if s.outer_delay == "eager"}
+    assert blocking == dense | {"topk"} and eager == dense  # every dense format with and without eager
+    assert all(
+        s.error_feedback == (s.wire_dtype not in ("fp32", "bf16", "topk"))
+        for s in cfg.values()
+        if s.method == "diloco"
+    )
     topk = {k: s for k, s in cfg.items() if s.wire_dtype == "topk"}
-    assert {(s.topk_k, s.topk_bits) for s in topk.values()} == {(64, 2), (32, 2), (64, 1)}
+    lr = BASE.outer_lr
+    assert sorted((s.topk_k, s.topk_bits, s.outer_lr) for s in topk.values()) == [
+        (32, 1, lr), (32, 2, lr), (64, 1, lr), (64, 2, lr), (64, 2, 1.0)
+    ]  # fmt: skip
     sgd = cfg["DiLoCo topk k=64 2-bit, outer SGD lr 1"]
     assert (sgd.outer_lr, sgd.outer_momentum) == (1.0, 0.0)
-    assert cfg["DiLoCo eager fp32"].outer_delay == "eager"
+    # LOSCAR at the bytes of top-k k=64 2-bit: fp32 values at a shared mask, one round per H steps
+    (loscar,) = [s for s in cfg.values() if s.method == "loscar"]
+    assert loscar.density == pytest.approx((64 * 2 + 64 * 12 + 32) / (4096 * 32), abs=1e-4)
+    assert (loscar.local_steps, loscar.overlap_steps) == (BASE.sync_every, 0)
     for spec in cfg.values():
         spec.validate()  # a bad combination (e.g. a knob the method refuses) fails here
 
 
+def test_bits_per_parameter_per_sync():
+    r = RunResult("x", "diloco", {}, bytes_sent=4 * 1000 * 10, syncs=10, num_params=1000)
+    assert study_frontier.bits_per_param_per_sync(r) == 32.0  # fp32: 32 bits per parameter per sync
+    assert math.isnan(study_frontier.bits_per_param_per_sync(RunResult("x", "diloco", {})))  # no syncs
+
+
 def _run(label: str, seed: int, loss: float, sent: float) -> RunResult:
-    return RunResult(label, "diloco", {"seed": seed}, [EvalPoint(200, 1.0, sent, 0.0, loss)], bytes_sent=sent)
+    # 10 syncs of 3.75M parameters: fp32's 150 MB is 32 bits per parameter per sync
+    point = EvalPoint(200, 1.0, sent, 0.0, loss)
+    return RunResult(
+        label, "diloco", {"seed": seed}, [point], bytes_sent=sent, syncs=10, num_params=3_750_000
+    )
 
 
 def test_the_table_reads_the_goals_from_the_interval_not_the_mean():
@@ -51,9 +83,9 @@ def test_the_table_reads_the_goals_from_the_interval_not_the_mean():
     rows = {
         line.split(" | ")[0].lstrip("| "): line for line in md.splitlines() if line.startswith("| DiLoCo")
     }
-    assert rows[REFERENCE].endswith("| 1.0x | - |")
-    assert "| 150.0x | goal met |" in rows["DiLoCo topk k=64 2-bit"]
-    assert "| 300.0x | stretch bytes, loss missed |" in rows["DiLoCo topk k=32 2-bit"]
+    assert rows[REFERENCE].endswith("| 1.0x | 32 | - |")
+    assert "| 150.0x | 0.213 | goal met |" in rows["DiLoCo topk k=64 2-bit"]
+    assert "| 300.0x | 0.107 | stretch bytes, loss missed |" in rows["DiLoCo topk k=32 2-bit"]
     assert rows["DiLoCo int4+EF"].endswith("| loss missed |")
     assert rows["DiLoCo eager fp32"].endswith("| eager goal met |")
     assert "Holm p=" in rows["DiLoCo topk k=32 2-bit"]
@@ -69,13 +101,17 @@ def test_the_extreme_configurations_run_and_send_what_the_table_says(tmp_path):
         workers=2, steps=8, batch_size=2, sync_every=4, eval_every=4, eval_bytes=256, warmup_steps=1,
         latency_s=0.001, model=ModelConfig(dim=32, n_layers=2, n_heads=2, mlp_hidden=64, seq_len=16),
     )  # fmt: skip
-    pick = {REFERENCE, "DiLoCo topk k=32 2-bit"}
+    matched = f"LOSCAR d={study_frontier.MATCHED_DENSITY:g} (bytes of topk k=64 2-bit)"
+    pick = {REFERENCE, "DiLoCo topk k=32 2-bit", "DiLoCo topk k=64 2-bit", matched}
     cfg = [(label, [spec.with_(name=label)]) for label, spec in configs(tiny) if label in pick]
     corpus = load_corpus(None, max_train_bytes=200_000, max_val_bytes=50_000)
     results = run_resumable(cfg, corpus, tmp_path, progress=False)
     by = {r.name: r for r in results}
     ratio = by[REFERENCE].bytes_sent / by["DiLoCo topk k=32 2-bit"].bytes_sent
     assert ratio > 100  # 2 syncs of a ~30k-parameter model: fp32 against 32 of 4096 at 2 bits + indices
+    # LOSCAR's random mask sends about the bytes of top-k k=64 at 2 bits (its matched point)
+    assert 0.7 < by[matched].bytes_sent / by["DiLoCo topk k=64 2-bit"].bytes_sent < 1.4
+    assert by[matched].syncs == by[REFERENCE].syncs == 2  # one round per H steps, as DiLoCo's syncs
     md = table("frontier", [REFERENCE, "DiLoCo topk k=32 2-bit"], results, 9.0)
     assert f"{ratio:.1f}x" in md and "too few seeds" in md  # one seed: no interval, no verdict
     assert study_frontier.NAME == "frontier"
