@@ -279,6 +279,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="write the markdown to this file (default: print it)")
     r.add_argument("--plot", action="store_true", help="also draw each run's plots beside --out")
     r.add_argument(
+        "--headline",
+        action="store_true",
+        help="a study's few-line headline in place of its tables (frontier)",
+    )
+    r.add_argument(
         "--update-docs",
         action="store_true",
         help="re-render the marked regions (<!-- report: lowcomm report RUN... -->) of the RUN "

@@ -142,8 +142,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.check and not args.update_docs:
         raise UsageError("--check goes with --update-docs")
     if args.update_docs:
-        if args.out or args.plot:
-            raise UsageError("--update-docs rewrites the docs in place: it takes no --out or --plot")
+        if args.out or args.plot or args.headline:
+            raise UsageError(
+                "--update-docs rewrites the docs in place: it takes no --out, --plot or --headline"
+            )
         docs = [Path(p) for p in args.paths] or render.default_docs()
         stale = render.update_docs(docs, check=args.check)
         verb = "out of date" if args.check else "updated"
@@ -164,11 +166,13 @@ def cmd_report(args: argparse.Namespace) -> int:
     if out is not None and out.is_dir():
         raise UsageError(f"--out {out} is a folder; give a markdown file name")
     if out is None:
-        text, _ = render.render(args.paths)
+        text, _ = render.render(args.paths, headlines=args.headline)
         print(text, end="")
         return 0
     try:  # every source is checked before the plots and the file are written (render)
-        text, plots = render.render(args.paths, plot_dir=out.parent if args.plot else None)
+        text, plots = render.render(
+            args.paths, plot_dir=out.parent if args.plot else None, headlines=args.headline
+        )
         if args.plot:  # the images, linked relative to the markdown file
             text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,8 @@ Docs stay honest with marked regions::
     ... (replaced by the command's output)
     <!-- /report -->
 
+(``lowcomm report --headline PATH`` in a marker: a study's few-line headline in place of its table.)
+
 ``lowcomm report --update-docs`` re-renders every region of README.md, docs/results.md and
 docs/simulator.md (paths in a marker are relative to the repository root); ``--check`` only says
 which regions differ.
@@ -234,14 +236,34 @@ def across_runs(sources: list[Source]) -> str:
     return f"**mean ± std over the {len(sources)} compare runs above**\n\n{table}"
 
 
+def headline(src: Source) -> str:
+    """A study's few-line reading of its results (``Study.headline``) under its provenance line."""
+    study = STUDIES.get(src.data.get("study")) if src.kind == "study" else None
+    if study is None or study.headline is None:
+        have = ", ".join(name for name, s in STUDIES.items() if s.headline is not None)
+        raise UsageError(
+            f"{src.path}: --headline reads a study that has one ({have}), not this {src.kind} file"
+        )
+    try:
+        body = study.headline(src.data)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:
+        raise UsageError(f"{src.path}: a study results file with a malformed field ({exc!r})") from None
+    return f"{body}\n\n{provenance_line(src)}"
+
+
 def render(
-    labels: list[str], plot_dir: Path | None = None, base: Path | None = None
+    labels: list[str], plot_dir: Path | None = None, base: Path | None = None, headlines: bool = False
 ) -> tuple[str, list[Path]]:
     """Markdown for the sources ``labels`` (relative to ``base`` when given; every one loaded and
-    checked before anything is drawn), and the plots written into ``plot_dir`` (none when None)."""
+    checked before anything is drawn), and the plots written into ``plot_dir`` (none when None).
+    ``headlines``: each source's headline only (a study that has one), no tables or plots."""
     if not labels:
         raise UsageError("lowcomm report needs at least one run folder or results.json")
     sources = [load(label, base) for label in labels]
+    if headlines:
+        if plot_dir is not None:
+            raise UsageError("--headline draws no plots: it takes no --plot")
+        return "\n\n".join(headline(src) for src in sources) + "\n", []
     used: set[str] = set()
     for i, src in enumerate(sources):  # folders of the same name (a/run, b/run) get distinct plots
         stem = re.sub(r"[^\w.-]+", "_", src.path.parent.name or "run")
@@ -268,16 +290,20 @@ def render(
     return "\n\n".join(parts) + "\n", plots
 
 
-def _marker_args(cmd: str, where: str) -> list[str]:
+def _marker_args(cmd: str, where: str) -> tuple[list[str], bool]:
+    """A marker's paths, and whether it asks for headlines (``lowcomm report --headline PATH...``)."""
     try:
         words = shlex.split(cmd)
     except ValueError as exc:
         raise UsageError(f"{where}: cannot parse the marker's command {cmd!r} ({exc})") from None
-    if words[:2] != ["lowcomm", "report"] or len(words) < 3 or any(w.startswith("-") for w in words[2:]):
+    heads = words[2:3] == ["--headline"]
+    paths = words[3:] if heads else words[2:]
+    if words[:2] != ["lowcomm", "report"] or not paths or any(w.startswith("-") for w in paths):
         raise UsageError(
-            f"{where}: a marker reads '<!-- report: lowcomm report PATH... -->' (paths only), got {cmd!r}"
+            f"{where}: a marker reads '<!-- report: lowcomm report [--headline] PATH... -->' (paths "
+            f"only), got {cmd!r}"
         )
-    return words[2:]
+    return paths, heads
 
 
 def read_doc(doc: Path) -> str:
@@ -300,7 +326,8 @@ def render_regions(doc: Path, root: Path) -> tuple[str, int]:
         nonlocal count
         count += 1
         line = text.count("\n", 0, m.start()) + 1
-        body, _ = render(_marker_args(m["cmd"], f"{doc}:{line}"), base=root)
+        paths, heads = _marker_args(m["cmd"], f"{doc}:{line}")
+        body, _ = render(paths, base=root, headlines=heads)
         return f"<!-- report: {m['cmd']} -->\n{body}<!-- /report -->"
 
     return MARKER.sub(sub, text), count

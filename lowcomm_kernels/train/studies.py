@@ -326,9 +326,10 @@ def _lm_study(
     configs: Callable[[TrainSpec], list[tuple[str, TrainSpec]]],
     table: Callable[[str, list[str], list[RunResult], float], str] = study_table,
     extra_plot: tuple[str, Callable[[list[str], list[RunResult], Path], None]] | None = None,
+    headline: Callable[[dict], str] | None = None,
 ) -> Study:
     lm = LMStudy(name, configs, table, extra_plot)
-    return Study(name, configs, lm.run, lm.render)
+    return Study(name, configs, lm.run, lm.render, headline)
 
 
 def _wire_table(name: str, labels: list[str], results: list[RunResult], target: float) -> str:
@@ -351,6 +352,7 @@ STUDIES: dict[str, Study] = {
             study_frontier.configs,
             table=study_frontier.table,
             extra_plot=("frontier", study_frontier.plot),
+            headline=study_frontier.headline,
         ),
         study_loscar.STUDY,  # on the digits MLP: see study_loscar.py
         study_cocodc.STUDY,  # the paper's setup and the Taylor-term controls: see study_cocodc.py

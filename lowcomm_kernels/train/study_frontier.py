@@ -36,7 +36,7 @@ import numpy as np
 from . import stats
 from .report import RunResult
 from .spec import TrainSpec
-from .studykit import cell, table_head
+from .studykit import cell, labels_of, runs_of, table_head
 
 NAME = "frontier"
 REFERENCE = "DiLoCo fp32"
@@ -180,6 +180,44 @@ def table(name: str, labels: list[str], results: list[RunResult], target: float)
         f"+{LOSS_GOAL:.1%} of blocking DiLoCo. Bytes: what each worker sent (values, indices, scales).",
     ]
     return "\n".join(lines)
+
+
+def headline(data: dict) -> str:
+    """The study in a few lines for a front page (``lowcomm report --headline``): whether the goal is
+    met, the most compression within +0.5 %, the best configuration at ≥ 146×, and eager fp32; each
+    with its ratio of bytes and its loss against fp32 DiLoCo (mean and paired 95 % interval)."""
+    results = runs_of(data)
+    labels = labels_of(results)
+    family = _family(labels, results)
+    mean_bytes = {lb: float(np.mean([r.bytes_sent for r in results if r.name == lb])) for lb in labels}
+    ratio = {lb: mean_bytes[REFERENCE] / b if b else float("nan") for lb, b in mean_bytes.items()}
+
+    def said(label: str, bytes_too: bool = True) -> str:
+        p = family[label]
+        what = f"{label}, {ratio[label]:.3g}× fewer bytes" if bytes_too else label
+        if p.ci_low is None:
+            return f"{what}: {p.mean:+.1%} (too few seeds for an interval)"
+        return f"{what}: {p.mean:+.1%} [{p.ci_low:+.1%}, {p.ci_high:+.1%}]"
+
+    lossy = [lb for lb in labels if lb != REFERENCE and not lb.startswith("DiLoCo eager")]
+    within = [lb for lb in lossy if family[lb].ci_high is not None and family[lb].ci_high <= LOSS_GOAL]
+    at_goal = [lb for lb in lossy if ratio[lb] >= BYTES_GOAL and family[lb].n]
+    met = [lb for lb in within if ratio[lb] >= BYTES_GOAL]
+    seeds = data.get("seeds") or max(sum(r.name == REFERENCE for r in results), 1)
+    workers = (data.get("base") or {}).get("workers", "?")
+    lines = [
+        f"**The compression frontier** (`lowcomm compare --study frontier`: DiLoCo on the byte-level LM, "
+        f"{workers} workers, {seeds} seeds; final loss against fp32 DiLoCo, mean and paired 95 % "
+        f"interval): the goal, ≥ {BYTES_GOAL:g}× fewer bytes at a loss within +{LOSS_GOAL:.1%}, is "
+        + (f"**met** by {', '.join(met)}." if met else "**missed** at this scale."),
+    ]
+    if within:
+        lines.append(f"Most compression within +{LOSS_GOAL:.1%}: {said(max(within, key=ratio.get))}.")
+    if at_goal:
+        lines.append(f"Closest at ≥ {BYTES_GOAL:g}×: {said(min(at_goal, key=lambda lb: family[lb].mean))}.")
+    if "DiLoCo eager fp32" in family:
+        lines.append(f"Eager overlap of a whole outer round: {said('DiLoCo eager fp32', bytes_too=False)}.")
+    return " ".join(lines)
 
 
 def plot(labels: list[str], results: list[RunResult], path: Path) -> None:

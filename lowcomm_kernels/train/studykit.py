@@ -32,12 +32,15 @@ Renderer = Callable[[dict, "Path | None", str], tuple[str, list[Path]]]
 class Study:
     """One study of ``lowcomm compare --study NAME``, as ``train.studies.STUDIES`` holds it:
     ``configs`` (what it runs), ``run`` (the command: parsed arguments -> exit code) and ``render``
-    (``lowcomm report``'s markdown and plots of its results.json). Calling it gives its configurations."""
+    (``lowcomm report``'s markdown and plots of its results.json), and optionally ``headline`` (a few
+    lines of it for a front page). Calling it gives its configurations."""
 
     name: str
     configs: Configs
     run: Callable[[argparse.Namespace], int]
     render: Renderer
+    # a short reading of its results.json for a front page (``lowcomm report --headline``), if it has one
+    headline: Callable[[dict], str] | None = None
 
     def __call__(self, base: TrainSpec) -> list[tuple[str, TrainSpec]]:
         return self.configs(base)

@@ -3,7 +3,9 @@ real run of its extreme configurations on a tiny model."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +117,53 @@ def test_the_extreme_configurations_run_and_send_what_the_table_says(tmp_path):
     md = table("frontier", [REFERENCE, "DiLoCo topk k=32 2-bit"], results, 9.0)
     assert f"{ratio:.1f}x" in md and "too few seeds" in md  # one seed: no interval, no verdict
     assert study_frontier.NAME == "frontier"
+
+
+def _data(runs: list[RunResult]) -> dict:
+    return {"study": "frontier", "seeds": 3, "base": {"workers": 4}, "runs": [r.to_dict() for r in runs]}
+
+
+def test_the_headline_says_whether_the_goal_is_met_with_intervals():
+    ref = [_run(REFERENCE, s, 2.0 + 0.01 * s, 150e6) for s in range(3)]
+    int4 = [_run("DiLoCo int4+EF", s, (2.0 + 0.01 * s) * (1.001 + 0.0001 * s), 20e6) for s in range(3)]
+    topk = [_run("DiLoCo topk k=64 2-bit", s, (2.0 + 0.01 * s) * (1.02 + 0.001 * s), 1e6) for s in range(3)]
+    eager = [_run("DiLoCo eager fp32", s, (2.0 + 0.01 * s) * 1.05, 150e6) for s in range(3)]
+    text = study_frontier.headline(_data(ref + int4 + topk + eager))
+    assert "4 workers, 3 seeds" in text and "is **missed** at this scale" in text
+    assert "Most compression within +0.5%: DiLoCo int4+EF, 7.5× fewer bytes: +0.1% [" in text
+    assert "Closest at ≥ 146×: DiLoCo topk k=64 2-bit, 150× fewer bytes: +2.1% [" in text
+    assert "Eager overlap of a whole outer round: DiLoCo eager fp32: +5.0% [" in text
+    # top-k within +0.5 % on every seed: the goal is met, by name
+    good = [_run("DiLoCo topk k=64 2-bit", s, (2.0 + 0.01 * s) * (1.001 + 0.0001 * s), 1e6) for s in range(3)]
+    text = study_frontier.headline(_data(ref + good))
+    assert "is **met** by DiLoCo topk k=64 2-bit." in text
+
+
+def test_a_headline_marker_renders_and_other_files_are_refused(tmp_path, capsys):
+    from lowcomm_kernels.cli import main
+    from lowcomm_kernels.train import render
+
+    ref = [_run(REFERENCE, s, 2.0 + 0.01 * s, 150e6) for s in range(3)]
+    topk = [_run("DiLoCo topk k=64 2-bit", s, (2.0 + 0.01 * s) * (1.02 + 0.001 * s), 1e6) for s in range(3)]
+    (tmp_path / "pyproject.toml").write_text("")
+    run = tmp_path / "runs" / "frontier"
+    run.mkdir(parents=True)
+    data = dict(_data(ref + topk), target_val_loss=2.5, command="lowcomm compare --study frontier")
+    (run / "results.json").write_text(json.dumps(data))
+    doc = tmp_path / "page.md"
+    doc.write_text("<!-- report: lowcomm report --headline runs/frontier -->\nold\n<!-- /report -->\n")
+    assert main(["report", "--update-docs", str(doc)]) == 0
+    body = doc.read_text()
+    assert (
+        "**The compression frontier**" in body
+        and "Source: `runs/frontier`" in body
+        and "| DiLoCo" not in body
+    )
+    assert main(["report", "--update-docs", "--check", str(doc)]) == 0
+    text, _ = render.render(["runs/frontier"], base=tmp_path, headlines=True)
+    assert text in body
+    # a results file of another kind (here the committed main-job run) is refused by name
+    root = Path(__file__).resolve().parents[2]
+    capsys.readouterr()
+    assert main(["report", "--headline", str(root / "docs" / "data" / "compare")]) == 2
+    assert "--headline reads a study that has one (frontier)" in capsys.readouterr().err
