@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from lowcomm_kernels.train import provenance
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "bench" / "ft_worker.py"
 REPLICA = ROOT / "bench" / "ft_replica.py"
@@ -381,8 +383,8 @@ def figure(runs: list[dict], path: Path, k: int) -> None:
     plt.close(fig)
 
 
-def _fmt(s: dict, unit: str = "", digits: int = 2) -> str:
-    if s["mean"] is None:
+def _fmt(s: dict | None, unit: str = "", digits: int = 2) -> str:
+    if s is None or s["mean"] is None:  # (None: a file written before the figure was measured)
         return "n/a"
     return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f}{unit}"
 
@@ -451,41 +453,67 @@ def parse(argv: list[str] | None = None):
 
 def _save(result: dict, runs: list[dict], a, complete: bool, losses: list[dict] | None = None) -> None:
     result.update(complete=complete, runs=runs, summary=summarize(runs), loadavg_end=list(os.getloadavg()))
+    result["provenance"] = provenance.collect(a.started, repo=ROOT)  # revision, dirty files, load, CPU time
     if losses:
         result.update(lighthouse=losses, lighthouse_summary=summarize_lighthouse(losses))
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
-def report(result: dict) -> None:
-    """Prints the overhead lines and the side-by-side table (markdown) of a result."""
-    if "overhead" in result:
-        o = result["overhead"]
-        print(
-            f"torchft round (quorum + all-reduces + commit), median of {o['ft_rounds']}: "
-            f"{o['ft_round_ms_median']:.1f} ms"
-        )
-        print(
-            f"fixed gloo group, same all-reduces, median of {o['fixed_rounds']}: "
-            f"{o['fixed_ms_median']:.1f} ms"
-        )
-        print(f"SIGKILL of one of 3 replicas -> first round committed by the 2 survivors: "
-              f"{o['kill_to_round_without_it_s']:.2f} s")  # fmt: skip
+def overhead_table(result: dict) -> str:
+    """The round's overhead (markdown), or "" when the run left part (1) out."""
+    if "overhead" not in result:
+        return ""
+    o = result["overhead"]
+    return "\n".join([
+        "| | median |",
+        "| --- | --- |",
+        f"| one sync round under a torchft `Manager` (quorum + SUM all-reduces of payload, control, presence "
+        f"+ `should_commit`), {o['ft_rounds']} rounds | {o['ft_round_ms_median']:.1f} ms |",
+        f"| the same SUM all-reduces of payload and control over a fixed 3-process gloo group, "
+        f"{o['fixed_rounds']} syncs | {o['fixed_ms_median']:.1f} ms |",
+        f"| SIGKILL of one of the 3 replicas → first round the 2 survivors commit without it | "
+        f"{o['kill_to_round_without_it_s']:.2f} s |",
+    ])  # fmt: skip
+
+
+def kill_table(result: dict) -> str:
+    """The kill side by side (markdown): both implementations, mean ± std over the seeds."""
     restart = result["config"].get("restart_at") is not None
-    print("\n| implementation | seeds | kill -> next committed sync (s) | syncs that failed | held-out loss, "
-          "fault-free | held-out loss, killed | gap (killed - fault-free) |"
-          + (" restart -> in a quorum of 3 (s) |" if restart else ""))  # fmt: skip
-    print("| --- " * (8 if restart else 7) + "|")
+    rows = ["| implementation | seeds | kill → next committed sync (s) | syncs that failed | held-out loss, "
+            "fault-free | held-out loss, killed | gap (killed − fault-free) |"
+            + (" restart → in a quorum of 3 (s) |" if restart else ""),
+            "| --- " * (8 if restart else 7) + "|"]  # fmt: skip
     for impl, st in result["summary"].items():
-        print(f"| {LABEL[impl]} | {st['kill_to_commit_s']['n']} | {_fmt(st['kill_to_commit_s'])} | "
-              f"{_fmt(st['failed_syncs'], digits=1)} | {_fmt(st['eval_loss_fault_free'], digits=4)} | "
-              f"{_fmt(st['eval_loss_faulty'], digits=4)} | {_fmt(st['eval_loss_gap'], digits=4)} |"
-              + (f" {_fmt(st['return_to_3_s'])} |" if restart else ""))  # fmt: skip
+        rows.append(f"| {LABEL[impl]} | {st['kill_to_commit_s']['n']} | {_fmt(st['kill_to_commit_s'])} | "
+                    f"{_fmt(st['failed_syncs'], digits=1)} | {_fmt(st['eval_loss_fault_free'], digits=4)} | "
+                    f"{_fmt(st['eval_loss_faulty'], digits=4)} | {_fmt(st['eval_loss_gap'], digits=4)} |"
+                    + (f" {_fmt(st['return_to_3_s'])} |" if restart else ""))  # fmt: skip
+    return "\n".join(rows)
+
+
+def source_line(result: dict, label: str = "bench/figures/ft_recovery.json") -> str:
+    """Where the figures come from: the file, the revision that made it (clean or not), the date,
+    the load and the command, as ``lowcomm report`` writes it under every table."""
+    from lowcomm_kernels.train import render
+
+    return render.provenance_line(render.Source(label, Path(label), "ft_recovery", result))
+
+
+def report(result: dict) -> None:
+    """Prints the three tables (markdown) of a result: the round's overhead, the kill side by side,
+    and the life cycle, then the source line. The docs quote them as printed
+    (tests/runtime/test_ft_bench.py checks it)."""
+    for table in (overhead_table(result), kill_table(result)):
+        if table:
+            print(table + "\n")
     print(
-        "(mean ± std over the seeds" + ("" if result.get("complete", True) else "; an interrupted run") + ")"
+        "(mean ± std over the seeds"
+        + ("" if result.get("complete", True) else "; an interrupted run")
+        + ")\n"
     )
-    print()
     print(lifecycle_table(result))
+    print("\n" + source_line(result))
 
 
 def lifecycle_table(result: dict) -> str:
@@ -497,14 +525,17 @@ def lifecycle_table(result: dict) -> str:
         rows.append(f"| {name} | " + " | ".join(cell(i) for i in impls) + " |")
 
     S = result["summary"]
-    row("fresh start: 3 processes launched → all built and ready (s)", lambda i: _fmt(S[i]["start_up_s"]))
-    row("  common start → end of replica 0's first step (s)", lambda i: _fmt(S[i]["first_step_s"]))
-    row("  an ordinary step, median (s)", lambda i: _fmt(S[i]["median_step_s"], digits=3))
-    row("kill: SIGKILL → survivors' next committed sync (s)", lambda i: _fmt(S[i]["kill_to_commit_s"]))
-    row("  syncs that failed in between", lambda i: _fmt(S[i]["failed_syncs"], digits=1))
+    row("fresh start: 3 processes launched → all built and ready (s)", lambda i: _fmt(S[i].get("start_up_s")))
+    row(
+        "fresh start: common start → end of replica 0's first step (s)",
+        lambda i: _fmt(S[i].get("first_step_s")),
+    )
+    row("for comparison: an ordinary step, median (s)", lambda i: _fmt(S[i].get("median_step_s"), digits=3))
+    row("kill: SIGKILL → survivors' next committed sync (s)", lambda i: _fmt(S[i].get("kill_to_commit_s")))
+    row("kill: syncs that failed in between", lambda i: _fmt(S[i].get("failed_syncs"), digits=1))
     if result["config"].get("restart_at") is not None:
-        row("restart: new process launched → built and ready (s)", lambda i: _fmt(S[i]["restart_up_s"]))
-        row("  ready → in a quorum of three (s)", lambda i: _fmt(S[i]["return_to_3_s"]))
+        row("restart: new process launched → built and ready (s)", lambda i: _fmt(S[i].get("restart_up_s")))
+        row("restart: ready → in a quorum of three (s)", lambda i: _fmt(S[i].get("return_to_3_s")))
     L = result.get("lighthouse_summary", {})
     if L:
         qt = result["lighthouse"][0]["quorum_timeout_s"]
@@ -521,12 +552,13 @@ def lifecycle_table(result: dict) -> str:
             return f"{', '.join(parts)} (of {x['replicas']})"
 
         row(f"Lighthouse loss (quorum_timeout {qt:.0f} s): replicas", ended)
-        row("  loss → replica exit (s)", lambda i: _fmt(L[i]["exit_s"]) if i in L else "n/a")
+        row("Lighthouse loss: loss → replica exit (s)", lambda i: _fmt(L[i]["exit_s"]) if i in L else "n/a")
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
+    a.started = provenance.begin(argv, prog="python bench/ft_recovery.py")
     if a.render is not None:
         result = json.loads(a.render.read_text())
         figure(result["runs"], a.figure, result["config"]["H"])

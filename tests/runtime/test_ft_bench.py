@@ -70,6 +70,29 @@ def test_quick_run_writes_results_and_figure(tmp_path):
     assert "| Lighthouse loss (quorum_timeout 10 s): replicas |" in proc.stdout
 
 
+def _module():
+    spec = importlib.util.spec_from_file_location("ft_recovery", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_docs_quote_the_committed_result():
+    """docs/fault_tolerance.md and docs/results.md show the tables of bench/figures/ft_recovery.json as
+    the script renders them (``--render``), line for line: no hand-copied figure can drift from it."""
+    mod = _module()
+    res = json.loads((ROOT / "bench" / "figures" / "ft_recovery.json").read_text())
+    assert res["complete"] and res["lighthouse"] and "overhead" in res
+    assert res["provenance"]["git"]["dirty"] is False, "the committed figures come from a clean tree"
+    docs = (ROOT / "docs" / "fault_tolerance.md").read_text()
+    for table in (mod.kill_table(res), mod.lifecycle_table(res), mod.source_line(res)):
+        missing = [line for line in table.splitlines() if line not in docs]
+        assert not missing, f"docs/fault_tolerance.md lacks {missing}: re-render with --render"
+    results = (ROOT / "docs" / "results.md").read_text()
+    missing = [line for line in mod.overhead_table(res).splitlines() if line not in results]
+    assert not missing, f"docs/results.md lacks {missing}"
+
+
 @pytest.mark.parametrize(
     "args, name",
     [
@@ -82,9 +105,7 @@ def test_quick_run_writes_results_and_figure(tmp_path):
     ],
 )
 def test_bad_arguments_are_refused_by_name(tmp_path, capsys, args, name):
-    spec = importlib.util.spec_from_file_location("ft_recovery", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _module()
     out = tmp_path / "ft.json"
     with pytest.raises(SystemExit) as e:
         mod.main([*args, "--out", str(out), "--figure", str(tmp_path / "f.png")])
