@@ -53,7 +53,16 @@ from .corpus import eval_set, sample_batch, worker_shard
 from .errors import UsageError
 from .extras import require
 from .model import TinyLlama, num_parameters
-from .report import EvalPoint, RunResult, auto_target, comparison_rows, format_table, plot_curves, write_json
+from .report import (
+    EvalPoint,
+    RunResult,
+    auto_target,
+    comparison_rows,
+    format_fault_table,
+    format_table,
+    plot_curves,
+    write_json,
+)
 from .runner import _Progress
 from .spec import METHODS, PARAM_DTYPES, WIRE_DTYPE_NAMES
 from .strategies import CommTotals, build_strategy
@@ -701,57 +710,6 @@ def run_faults_profile(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'timeline.png'} and Chrome traces {', '.join(t.name for t in traces)} "
           f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
     return 0
-
-
-FAULT_HEADER = (
-    "run",
-    "syncs committed",
-    "syncs failed",
-    "kill -> next committed sync",
-    "returned worker healed at",
-    "waited for its start",
-    "final val loss",
-    "fault-free final",
-    "difference",
-)
-
-
-def format_fault_table(results: list[Any]) -> str:
-    """One row per run with faults: the rounds worker 0 saw, the recovery times, how long worker 0
-    waited at return steps for the new process to start (part of its wall-clock) and the final loss
-    against the fault-free twin (when --fault-free ran it)."""
-    lines = [
-        "fault tolerance (rounds as worker 0 saw them; its own parameters evaluated):",
-        "",
-        "| " + " | ".join(FAULT_HEADER) + " |",
-        "|" + "|".join("---" for _ in FAULT_HEADER) + "|",
-    ]
-    for r in results:
-        f = r.extra.get("faults")
-        if not f or not f["events"]:
-            continue
-        rec = ", ".join("-" if s is None else f"{s:.2f} s" for s in f["kill_to_next_commit_s"]) or "-"
-        healed = ", ".join(
-            f"w{e['worker']}: step {e['healed_at']}"
-            if e.get("healed_at") is not None
-            else f"w{e['worker']}: not healed"
-            for e in f["events"]
-            if e["kind"] == "return"
-        )
-        twin = f.get("fault_free_final_loss")
-        cells = [
-            r.name,
-            str(f["syncs_committed"]),
-            str(f["syncs_failed"]),
-            rec,
-            healed or "-",
-            f"{r.extra.get('waited_for_returns_s', 0.0):.1f} s",
-            f"{r.final_loss:.4f}",
-            "not run (--fault-free)" if twin is None else f"{twin:.4f}",
-            "-" if twin is None else f"{r.final_loss - twin:+.4f}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
 
 
 def event_marks(faults: dict) -> list[tuple[int, str, str]]:

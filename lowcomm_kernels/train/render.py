@@ -38,7 +38,7 @@ from . import simcheck
 from .errors import UsageError
 from .extras import require
 from .provenance import package_root
-from .report import RunResult, auto_target, format_table, plot_curves
+from .report import RunResult, auto_target, format_fault_table, format_table, plot_curves
 from .studies import STUDIES, study_table
 from .studykit import labels_of, runs_of
 from .tasks import logreg
@@ -48,7 +48,12 @@ KINDS = ("compare", "study", "logreg", "simulate", "simcheck")
 MARKER = re.compile(
     r"^<!-- report: (?P<cmd>[^\n]+?) -->\n(?P<body>.*?)^<!-- /report -->$", re.DOTALL | re.MULTILINE
 )
-DOCS = ("README.md", "docs/results.md", "docs/simulator.md")  # the files --update-docs rewrites by default
+DOCS = (
+    "README.md",
+    "docs/results.md",
+    "docs/simulator.md",
+    "docs/fault_tolerance.md",
+)  # the files --update-docs rewrites by default
 
 
 @dataclass
@@ -185,6 +190,8 @@ def _compare(src: Source, plot_dir: Path | None) -> tuple[str, list[Path]]:
         + (f"{src.data['corpus']}\n\n" if "corpus" in src.data else "")
         + format_table(results, target)
     )
+    if any((r.extra or {}).get("faults") for r in results):  # a run with --faults: its second table
+        body += "\n\n" + format_fault_table(results)
     plots = plot_curves(results, plot_dir, target, prefix=src.prefix + "_") if plot_dir else []
     return body, plots
 

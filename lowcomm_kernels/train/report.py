@@ -369,3 +369,54 @@ def mean_std(values: list[float]) -> tuple[float, float]:
     if not vals:
         return math.nan, math.nan
     return statistics.fmean(vals), (statistics.stdev(vals) if len(vals) > 1 else 0.0)
+
+
+FAULT_HEADER = (
+    "run",
+    "syncs committed",
+    "syncs failed",
+    "kill -> next committed sync",
+    "returned worker healed at",
+    "waited for its start",
+    "final val loss",
+    "fault-free final",
+    "difference",
+)
+
+
+def format_fault_table(results: list[RunResult]) -> str:
+    """One row per run with faults: the rounds worker 0 saw, the recovery times, how long worker 0
+    waited at return steps for the new process to start (part of its wall-clock) and the final loss
+    against the fault-free twin (when --fault-free ran it)."""
+    lines = [
+        "fault tolerance (rounds as worker 0 saw them; its own parameters evaluated):",
+        "",
+        "| " + " | ".join(FAULT_HEADER) + " |",
+        "|" + "|".join("---" for _ in FAULT_HEADER) + "|",
+    ]
+    for r in results:
+        f = r.extra.get("faults")
+        if not f or not f["events"]:
+            continue
+        rec = ", ".join("-" if s is None else f"{s:.2f} s" for s in f["kill_to_next_commit_s"]) or "-"
+        healed = ", ".join(
+            f"w{e['worker']}: step {e['healed_at']}"
+            if e.get("healed_at") is not None
+            else f"w{e['worker']}: not healed"
+            for e in f["events"]
+            if e["kind"] == "return"
+        )
+        twin = f.get("fault_free_final_loss")
+        cells = [
+            r.name,
+            str(f["syncs_committed"]),
+            str(f["syncs_failed"]),
+            rec,
+            healed or "-",
+            f"{r.extra.get('waited_for_returns_s', 0.0):.1f} s",
+            f"{r.final_loss:.4f}",
+            "not run (--fault-free)" if twin is None else f"{twin:.4f}",
+            "-" if twin is None else f"{r.final_loss - twin:+.4f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)

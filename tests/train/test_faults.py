@@ -13,7 +13,8 @@ import pytest
 
 from lowcomm_kernels.cli import main
 from lowcomm_kernels.train.errors import UsageError
-from lowcomm_kernels.train.faults import Fault, event_marks, format_fault_table, parse_faults
+from lowcomm_kernels.train.faults import Fault, event_marks, parse_faults
+from lowcomm_kernels.train.report import RunResult, format_fault_table
 
 
 def _parse(text: str, workers: int = 4, steps: int = 100, sync_every: int = 10):
@@ -177,10 +178,16 @@ def test_kill_and_return_end_to_end(tmp_path):
     assert labels == ["worker 2 killed", f"worker 2 back, healed at step {healed}"]
     assert "kill -> next committed sync" in proc.stdout and f"w2: step {healed}" in proc.stdout
     assert "kill -> next committed sync" in (out / "table.md").read_text()
+    # lowcomm report renders the same fault table again from results.json (the docs quote it so)
+    from lowcomm_kernels.train import render
+
+    text, _ = render.render([str(out)])
+    ftable = format_fault_table([RunResult.from_dict(r) for r in doc["runs"]])
+    assert ftable in text and f"w2: step {healed}" in text
 
 
 def test_fault_table_against_the_fault_free_twin():
-    from lowcomm_kernels.train.report import EvalPoint, RunResult
+    from lowcomm_kernels.train.report import EvalPoint
 
     def run(name, loss, faults=None):
         r = RunResult(
