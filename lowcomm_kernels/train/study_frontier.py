@@ -11,9 +11,11 @@ the wire or in the outer step against blocking fp32 DiLoCo:
   is the published operating point, k = 32 goes past 256×; the default Nesterov outer step, and k = 64
   at 2 bits with the published outer step (plain SGD at lr 1, no momentum: error feedback in place of
   outer momentum);
-- **LOSCAR's random mask at matched bytes**: LOSCAR with rounds of H steps (N = H, no overlap) and
-  the density that sends as many bytes as top-k k = 64 at 2 bits, the same coordinates on every
-  worker (no indices on the wire);
+- **LOSCAR's random mask at a matched payload**: LOSCAR with rounds of H steps (N = H, no overlap)
+  and the density whose payload per sync is top-k k = 64 at 2 bits's, the same coordinates on every
+  worker (no indices on the wire). On the wire LOSCAR's payload is all-reduced (each worker sends
+  2(W-1)/W of it) where top-k's is all-gathered (W-1), so at 4 workers LOSCAR sends about half
+  top-k's bytes;
 - **eager** (DiLoCo): the outer round overlapped with the next inner phase (each worker's own fresh
   outer gradient in place of its stale share of the average), under every dense format. (Top-k
   cannot be eager: the runtime refuses the combination by name.)
@@ -75,7 +77,7 @@ def configs(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
             topk.with_(topk_k=64, topk_bits=2, outer_lr=1.0, outer_momentum=0.0),
         ),
         (
-            f"LOSCAR d={MATCHED_DENSITY:g} (bytes of topk k=64 2-bit)",
+            f"LOSCAR d={MATCHED_DENSITY:g} (payload of topk k=64 2-bit)",
             base.with_(
                 method="loscar",
                 density=MATCHED_DENSITY,
@@ -177,7 +179,11 @@ def table(name: str, labels: list[str], results: list[RunResult], target: float)
         "",
         f"goal: ≥ {BYTES_GOAL:g}x fewer bytes than fp32 at a final loss within +{LOSS_GOAL:.1%} of "
         f"{REFERENCE} (the interval's upper end), stretch ≥ {STRETCH_GOAL:g}x; eager: within "
-        f"+{LOSS_GOAL:.1%} of blocking DiLoCo. Bytes: what each worker sent (values, indices, scales).",
+        f"+{LOSS_GOAL:.1%} of blocking DiLoCo. Bytes: what each worker sent (values, indices, scales); "
+        "bits/param/sync: those bytes per parameter per sync, i.e. on the wire, not the payload: a ring "
+        "all-reduce sends 2(W-1)/W payloads per worker (fp32: 48 bits at 4 workers), top-k's all-gather "
+        "W-1 (its payload is sent to every other worker), LOSCAR's sparse all-reduce 2(W-1)/W of its "
+        "mask's values.",
     ]
     return "\n".join(lines)
 

@@ -103,7 +103,7 @@ def test_the_extreme_configurations_run_and_send_what_the_table_says(tmp_path):
         workers=2, steps=8, batch_size=2, sync_every=4, eval_every=4, eval_bytes=256, warmup_steps=1,
         latency_s=0.001, model=ModelConfig(dim=32, n_layers=2, n_heads=2, mlp_hidden=64, seq_len=16),
     )  # fmt: skip
-    matched = f"LOSCAR d={study_frontier.MATCHED_DENSITY:g} (bytes of topk k=64 2-bit)"
+    matched = f"LOSCAR d={study_frontier.MATCHED_DENSITY:g} (payload of topk k=64 2-bit)"
     pick = {REFERENCE, "DiLoCo topk k=32 2-bit", "DiLoCo topk k=64 2-bit", matched}
     cfg = [(label, [spec.with_(name=label)]) for label, spec in configs(tiny) if label in pick]
     corpus = load_corpus(None, max_train_bytes=200_000, max_val_bytes=50_000)
