@@ -1,6 +1,6 @@
-// The quantized pack's common case written out in AVX2: fp32 g, x (and residual), an integer format
-// (int8 / int4) rounded to nearest even, blocks of a multiple of 64 elements. Why by hand: the pack
-// must move 21 bytes per element (read g, x, residual; write residual, snapshot, codes) and is only
+// The quantized pack's common case written out in AVX2: fp32 g, x (and residual), any format rounded
+// to nearest even (the float ones: qstream_fcode8), blocks of a multiple of 64 elements. Why by hand:
+// the pack must move 21 bytes per element (read g, x, residual; write residual, snapshot, codes) and is only
 // at the memory roofline if
 //   * the snapshot and the codes, fresh buffers nobody reads before the all-reduce, are written with
 //     non-temporal stores: plain stores read every output line for ownership first, 5 more bytes per
@@ -16,7 +16,8 @@
 // the scalar's v = q < 0 ? 0 - c : c with c = round-half-even(min(|q|, qmax)) is computed as the
 // integer conversion of clamp(q, -qmax, qmax) under round-to-nearest-even: the same value, since
 // rounding half to even is odd-symmetric, and, converted back to fp32, the same zero, +0; residual
-// r = e - v * s (no contraction: separate multiply and subtract). Blocks that are not ok (zero, or
+// r = e - v * s (no contraction: separate multiply and subtract). A float format's code and value are
+// qstream_fcode8's (the division and residual as above). Blocks that are not ok (zero, or
 // holding inf / NaN) get codes 0 and keep their residual, as in the scalar path; a last partial block
 // goes to the scalar path.
 #ifndef LOWCOMM_CPU_QUANTIZE_STREAM_AVX2_H_
@@ -76,17 +77,63 @@ inline __m256i qstream_code8(__m256 e, float* r, int64_t i, __m256 s, __m256 qma
   return c;
 }
 
-// 32 int8 codes of elements i .. i + 31, in element order.
-// e: the e values of those 32 elements.
+// A float format's constants as vectors, for qstream_fcode8.
+struct QStreamFloat {
+  __m256i emin_b;     // emin + 127: the biased exponent of the smallest normal value
+  __m256i magic_off;  // 23 - M: the magic number's biased exponent is that of h plus 23
+  __m128i man_bits;   // M, as a shift count
+  __m128i sign_shift; // 32 - bits: moves the sign bit to the code's top bit
+  explicit QStreamFloat(const QFmt& f)
+      : emin_b(_mm256_set1_epi32(f.emin + 127)),
+        magic_off(_mm256_set1_epi32(23 - f.man_bits)),
+        man_bits(_mm_cvtsi32_si128(f.man_bits)),
+        sign_shift(_mm_cvtsi32_si128(32 - f.bits)) {}
+};
+
+// qstream_code8 for a float format: QFloatRne::encode (quantize.cpp, whose comment says why each
+// step is exact) on 8 lanes, so bit-identical to q_encode<false>. The magic-number addition rounds
+// under MXCSR's rounding control, which qstream_blocks sets to nearest-even.
 template <bool kRes>
-inline __m256i qstream_code32(const float* e, float* r, int64_t i, __m256 s, __m256 qmax) {
-  const __m256i v0 = qstream_code8<kRes>(_mm256_load_ps(e), r, i, s, qmax);
-  const __m256i v1 = qstream_code8<kRes>(_mm256_load_ps(e + 8), r, i + 8, s, qmax);
-  const __m256i v2 = qstream_code8<kRes>(_mm256_load_ps(e + 16), r, i + 16, s, qmax);
-  const __m256i v3 = qstream_code8<kRes>(_mm256_load_ps(e + 24), r, i + 24, s, qmax);
+inline __m256i qstream_fcode8(__m256 e, float* r, int64_t i, __m256 s, __m256 qmax, const QStreamFloat& k) {
+  const __m256 q = _mm256_div_ps(e, s);
+  const __m256i qb = _mm256_castps_si256(q);
+  const __m256i sign = _mm256_and_si256(qb, _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+  const __m256 m = _mm256_min_ps(_mm256_castsi256_ps(_mm256_xor_si256(qb, sign)), qmax);  // |q| < qmax ? |q| : qmax
+  const __m256i eb = _mm256_max_epi32(_mm256_srli_epi32(_mm256_castps_si256(m), 23), k.emin_b);
+  const __m256i cb = _mm256_slli_epi32(_mm256_add_epi32(eb, k.magic_off), 23);
+  const __m256 a = _mm256_add_ps(m, _mm256_castsi256_ps(cb));
+  const __m256 val = _mm256_sub_ps(a, _mm256_castsi256_ps(cb));
+  const __m256i mag = _mm256_add_epi32(_mm256_sll_epi32(_mm256_sub_epi32(eb, k.emin_b), k.man_bits),
+                                       _mm256_sub_epi32(_mm256_castps_si256(a), cb));
+  const __m256i c = _mm256_or_si256(mag, _mm256_srl_epi32(sign, k.sign_shift));
+  if constexpr (kRes) {
+    const __m256 v = _mm256_or_ps(val, _mm256_castsi256_ps(sign));
+    _mm256_storeu_ps(r + i, _mm256_sub_ps(e, _mm256_mul_ps(v, s)));
+  }
+  return c;
+}
+
+// 32 8-bit codes of elements i .. i + 31, in element order.
+// e: the e values of those 32 elements. kFloat: codes of a float format (0 .. 255), else int8 codes.
+template <bool kRes, bool kFloat>
+inline __m256i qstream_code32(const float* e, float* r, int64_t i, __m256 s, __m256 qmax, const QStreamFloat* k) {
+  __m256i v0, v1, v2, v3;
+  if constexpr (kFloat) {
+    v0 = qstream_fcode8<kRes>(_mm256_load_ps(e), r, i, s, qmax, *k);
+    v1 = qstream_fcode8<kRes>(_mm256_load_ps(e + 8), r, i + 8, s, qmax, *k);
+    v2 = qstream_fcode8<kRes>(_mm256_load_ps(e + 16), r, i + 16, s, qmax, *k);
+    v3 = qstream_fcode8<kRes>(_mm256_load_ps(e + 24), r, i + 24, s, qmax, *k);
+  } else {
+    v0 = qstream_code8<kRes>(_mm256_load_ps(e), r, i, s, qmax);
+    v1 = qstream_code8<kRes>(_mm256_load_ps(e + 8), r, i + 8, s, qmax);
+    v2 = qstream_code8<kRes>(_mm256_load_ps(e + 16), r, i + 16, s, qmax);
+    v3 = qstream_code8<kRes>(_mm256_load_ps(e + 24), r, i + 24, s, qmax);
+  }
   // packs work per 128-bit lane: bytes come out as [v0 lo, v1 lo, v2 lo, v3 lo | v0 hi, ...] in
-  // groups of 4; the dword permutation puts them back in element order. |v| <= 127: no saturation.
-  const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(v0, v1), _mm256_packs_epi32(v2, v3));
+  // groups of 4; the dword permutation puts them back in element order. No saturation: int codes
+  // have |v| <= 127 (signed packs), float codes are 0 .. 255 (unsigned packs for the bytes).
+  const __m256i w01 = _mm256_packs_epi32(v0, v1), w23 = _mm256_packs_epi32(v2, v3);
+  const __m256i b = kFloat ? _mm256_packus_epi16(w01, w23) : _mm256_packs_epi16(w01, w23);
   return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
@@ -95,18 +142,19 @@ inline __m256i qstream_code32(const float* e, float* r, int64_t i, __m256 s, __m
 // takes the absmax and keeps e (blocks up to kQStreamEBuf); pass 2 encodes e from L1 (or recomputes
 // it from L1 / L2 for larger blocks), prefetches the blocks ahead and streams the codes. Issues no fence
 // (the caller does, once per thread). Returns the count of non-finite e.
-template <bool kRes, bool kSnap, int kBits>
+template <bool kRes, bool kSnap, int kBits, bool kFloat>
 int64_t qstream_blocks(const QFmt& f, const float* g, const float* x, float* snap, float* r, int64_t block,
                        uint8_t* codes, float* scales, int64_t b0, int64_t b1) {
   const __m256 qmax = _mm256_set1_ps(f.qmax);
+  const QStreamFloat fk(f);
   const __m256i absmask = _mm256_set1_epi32(0x7FFFFFFF);
   // Pass 1 keeps the block's e here when it fits (L1-resident), so pass 2 reads one stream instead
   // of recomputing e from three; larger blocks recompute e 64 elements at a time into its start.
   alignas(32) float ebuf[kQStreamEBuf];
   const bool keep = block <= kQStreamEBuf;
   int64_t bad = 0;
-  // qstream_code8 converts to integers under MXCSR's rounding control: nearest here, whatever the
-  // caller's (bits 13-14 cleared), restored on return
+  // qstream_code8 converts to integers (qstream_fcode8 adds) under MXCSR's rounding control: nearest
+  // here, whatever the caller's (bits 13-14 cleared), restored on return
   const unsigned int csr = _mm_getcsr();
   _mm_setcsr(csr & ~0x6000u);
   for (int64_t b = b0; b < b1; ++b) {
@@ -162,8 +210,8 @@ int64_t qstream_blocks(const QFmt& f, const float* g, const float* x, float* sna
         for (int64_t j = 0; j < kQStreamStep; j += 8) _mm256_store_ps(ebuf + j, qstream_e<kRes>(g, x, r, i + j));
         e = ebuf;
       }
-      const __m256i c0 = qstream_code32<kRes>(e, r, i, s, qmax);
-      const __m256i c1 = qstream_code32<kRes>(e + 32, r, i + 32, s, qmax);
+      const __m256i c0 = qstream_code32<kRes, kFloat>(e, r, i, s, qmax, &fk);
+      const __m256i c1 = qstream_code32<kRes, kFloat>(e + 32, r, i + 32, s, qmax, &fk);
       if constexpr (kBits == 8) {
         _mm256_stream_si256(reinterpret_cast<__m256i*>(codes + i), c0);
         _mm256_stream_si256(reinterpret_cast<__m256i*>(codes + i + 32), c1);

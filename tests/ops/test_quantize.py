@@ -195,7 +195,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("with_res", [True, False], ids=["res", "nores"])
 @pytest.mark.parametrize("snap", ["aligned", "offset", "none"])
 def test_pack_nearest_fp32_matches_ref(backend, fmt, block, with_res, snap, rng):
-    """The fp32 pack rounded to nearest (the CPU's vectorised streaming path for int8 / int4 when the
+    """The fp32 pack rounded to nearest (the CPU's vectorised streaming path, every format, when the
     block is a multiple of 64 and the outputs are 32-byte aligned, keeping e between its passes up
     to blocks of 1024 and recomputing it beyond; the scalar path otherwise: an offset snapshot) is
     bit-identical to the reference: codes, scales, snapshot, residual to the bit
@@ -239,6 +239,70 @@ def test_pack_nearest_fp32_matches_ref(backend, fmt, block, with_res, snap, rng)
         if snap != "none":
             assert s is not None and torch.equal(_bits(s), _bits(rsnap)), r
         g = g + 1e-3  # the next round sees other values (and the residual of this one)
+
+
+FLOATS = [name for name in NAMES if FORMATS[name].kind == "float"]
+
+
+def _float_sweep(fmt: str, rng: torch.Generator) -> torch.Tensor:
+    """Magnitudes in [0, qmax] for a block of scale 1: every grid value, every midpoint of two
+    neighbours (a tie) and the fp32 values either side of both, and every binade from 2^-40 up with
+    the top 6 mantissa bits exhaustively and the low bits 0, 1, all ones, half-way or random."""
+    f = FORMATS[fmt]
+    grid = code_values(fmt)[: 1 << (f.bits - 1)].double()
+    grid = grid[torch.isfinite(grid) & (grid <= f.qmax)].sort().values
+    mids = ((grid[1:] + grid[:-1]) / 2).float()
+    exact = torch.cat([grid.float(), mids])
+    near = torch.cat(
+        [torch.nextafter(exact, torch.tensor(0.0)), torch.nextafter(exact, torch.tensor(math.inf))]
+    )
+    top = int(torch.tensor(f.qmax).view(torch.int32)) >> 23
+    exps = torch.arange(127 - 40, top + 1, dtype=torch.int32)
+    hi = torch.arange(64, dtype=torch.int32) << 17
+    low = torch.tensor([0, 1, (1 << 17) - 1, 1 << 16], dtype=torch.int32)
+    low = torch.cat([low, torch.randint(0, 1 << 17, (4,), generator=rng, dtype=torch.int32)])
+    dense = (
+        ((exps[:, None, None] << 23) | hi[None, :, None] | low[None, None, :]).reshape(-1).view(torch.float32)
+    )
+    v = torch.cat([exact, near, dense, torch.tensor([TINY, 2.0**-126])])
+    return v[(v >= 0) & (v <= f.qmax)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", FLOATS)
+def test_float_formats_sweep_matches_ref(backend, fmt, rng):
+    """The float formats' rounding on every path of the CPU pack, against the reference: the sweep
+    above with both signs and ±0, 63 values to a block behind a first element of qmax·2^k, so the
+    scale is exactly 2^k and the ties stay ties. The fp32 pack with error feedback (the streaming
+    path: block 64, aligned outputs), the same with an offset snapshot and in fp64 (the vectorised
+    scalar loop, fp32 and fp64 residual), and quantize: codes, scales and residual to the bit. The
+    residual starts at -0, so e = g exactly, -0 included (its residual is +0: e − (−0))."""
+    f = FORMATS[fmt]
+    v = _float_sweep(fmt, rng)
+    v = torch.cat([v, -v])
+    block, per = 64, 63
+    nb = -(-v.numel() // per)
+    body = torch.zeros(nb * per)
+    body[: v.numel()] = v
+    k = float(2.0 ** int(torch.randint(-20, 21, (1,), generator=rng)))
+    w = torch.cat([torch.full((nb, 1), f.qmax), body.view(nb, per)], dim=1).reshape(-1) * k
+    for dtype, snap in ((torch.float32, True), (torch.float32, False), (torch.float64, True)):
+        g = w.to(dtype)
+        x = torch.zeros_like(g)
+        res, res_ref = torch.full_like(g, -0.0), torch.full_like(g, -0.0)
+        out = torch.empty(g.numel(), dtype=dtype) if snap else torch.empty(g.numel() + 1, dtype=dtype)[1:]
+        codes, scales, _, _ = pack_quantized(
+            g, x, fmt, block, residual=res, snapshot_out=out, backend=backend
+        )
+        rc, rs, _, _ = pack_quantized_ref(g, x, fmt, block, residual=res_ref)
+        assert bool((rs == k).all())
+        assert torch.equal(codes, rc), (dtype, snap)
+        assert torch.equal(_bits(scales), _bits(rs)) and torch.equal(_bits(res), _bits(res_ref)), (
+            dtype,
+            snap,
+        )
+    codes, scales = quantize(w, fmt, block, backend=backend)
+    assert torch.equal(codes, quantize_ref(w, fmt, block)[0])
 
 
 @pytest.mark.parametrize("fmt", NAMES)
