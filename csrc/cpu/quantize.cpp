@@ -284,9 +284,40 @@ int64_t quantize_dispatch(const QFmt& f, const T* g, const X* x, T* snap, T* res
   return by_sr(N{}, N{});
 }
 
+// value(code) * s for 2 * pairs codes of a 4-bit float format (fp4_e2m1, fp4_e3m0: no NaN codes,
+// code 8 + c is -value(c)), element 2j from the low nibble of c[j]: a table lookup done as a
+// register permutation of the 8 magnitudes plus the sign bit, 16 elements a step. gcc's loop
+// gathers from the table in memory, ~3x the int4 decode's time per element. The same table values
+// times the same s: bit-identical.
+inline void dequantize_fp4_pairs(const float* __restrict table, const uint8_t* __restrict c, int64_t pairs,
+                                 float s, float* __restrict o) {
+  const __m256 mags = _mm256_loadu_ps(table);  // codes 0..7
+  const __m256 sv = _mm256_set1_ps(s), sign = _mm256_set1_ps(-0.0f);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  int64_t j = 0;
+  for (; j + 8 <= pairs; j += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + j));
+    // 16 codes in element order: lo0 hi0 lo1 hi1 ...
+    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, low4), _mm_and_si128(_mm_srli_epi16(b, 4), low4));
+    const __m256i i0 = _mm256_cvtepu8_epi32(codes), i1 = _mm256_cvtepu8_epi32(_mm_unpackhi_epi64(codes, codes));
+    // permutevar8x32 reads the low 3 bits of each index; bit 3 (the sign) moves to bit 31
+    const __m256 s0 = _mm256_and_ps(_mm256_castsi256_ps(_mm256_slli_epi32(i0, 28)), sign);
+    const __m256 s1 = _mm256_and_ps(_mm256_castsi256_ps(_mm256_slli_epi32(i1, 28)), sign);
+    const __m256 v0 = _mm256_or_ps(_mm256_permutevar8x32_ps(mags, i0), s0);
+    const __m256 v1 = _mm256_or_ps(_mm256_permutevar8x32_ps(mags, i1), s1);
+    _mm256_storeu_ps(o + 2 * j, _mm256_mul_ps(v0, sv));
+    _mm256_storeu_ps(o + 2 * j + 8, _mm256_mul_ps(v1, sv));
+  }
+  for (; j < pairs; ++j) {
+    o[2 * j] = table[c[j] & 0xF] * s;
+    o[2 * j + 1] = table[c[j] >> 4] * s;
+  }
+}
+
 // Decodes the codes of elements [lo, hi) (lo even) into out (out[0] is element lo), in fp32: block by
 // block, so each scale is read once and no element divides its index. Integer codes are converted
-// directly (the table holds exactly those values), float codes go through the table.
+// directly (the table holds exactly those values), float codes go through the table (4-bit ones held
+// in a register: dequantize_fp4_pairs).
 inline void dequantize_span(const QFmt& f, const float* __restrict table, const uint8_t* __restrict codes,
                             const float* __restrict scales, int64_t block, int64_t lo, int64_t hi,
                             float* __restrict out) {
@@ -312,10 +343,7 @@ inline void dequantize_span(const QFmt& f, const float* __restrict table, const 
           o[2 * j + 1] = static_cast<float>(byte >> 4) * s;
         }
       } else {
-        for (int64_t j = 0; j < pairs; ++j) {
-          o[2 * j] = table[c[j] & 0xF] * s;
-          o[2 * j + 1] = table[c[j] >> 4] * s;
-        }
+        dequantize_fp4_pairs(table, c, pairs, s, o);
       }
       if (len & 1) o[len - 1] = table[c[pairs] & 0xF] * s;
     }
