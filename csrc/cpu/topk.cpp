@@ -20,6 +20,20 @@ namespace {
 
 constexpr int64_t kMaxChunk = int64_t(1) << 30;
 
+// Below these sizes one thread does the work. A parallel region has to wake the second OpenMP
+// thread, and on a busy 2-vCPU VM that costs a scheduler slice whenever the other vCPU is taken:
+// the median two-thread call measured 10-15 ms where one thread takes 0.25-3 ms (decode of
+// 256K-4M values, an idle gap before each call as between syncs, 1 and 2 threads interleaved in
+// one process). So a region must have a single-thread cost of that order to be worth it.
+//   encode: about 4 ns per value (the selection); measured, two threads lose below 2^21 values
+//     (1M: 12.2 vs 3.6 ms median) and win from there (2M: 5.7 vs 10.2 ms, 4M: 15.3 vs 21.1 ms).
+//   decode: about 40 ns per entry (a scatter of cache misses). Two threads halve it when they are
+//     both awake, but on the loaded VM they lost at every size measured (up to 2^20 entries: 52-64 vs
+//     41-45 ms median); from 2^19 entries one thread takes 16-24 ms, so the half a second thread
+//     can save is at least the 10-15 ms it costs to wake.
+constexpr int64_t kEncodeParallelValues = int64_t(1) << 21;
+constexpr int64_t kDecodeParallelEntries = int64_t(1) << 19;
+
 int64_t nbytes(int64_t count, int width) { return (count * width + 7) / 8; }
 
 int index_bits(int64_t chunk) {
@@ -45,6 +59,7 @@ struct Layout {
   }
   int64_t length(int64_t j) const { return std::min(chunk, n - j * chunk); }
   int64_t entries(int64_t j) const { return j + 1 < nc ? kf : kl; }
+  int64_t all_entries() const { return nc ? (nc - 1) * kf + kl : 0; }
 };
 
 // LSB-first bit stream over one chunk's section: every byte of it is written, padding bits zero.
@@ -212,7 +227,7 @@ template <class T>
 int64_t encode_all(const Layout& L, const T* d, T* e, double beta, uint8_t* payload) {
   const T b = static_cast<T>(beta);
   int64_t nonfinite = 0;
-#pragma omp parallel if (L.n >= kParallelMin) reduction(+ : nonfinite)
+#pragma omp parallel if (L.n >= kEncodeParallelValues) reduction(+ : nonfinite)
   {
     KeyVec<T> keys;
     // sized by what a chunk of this buffer can hold, not by the chunk knob (a chunk of 2^30 over a
@@ -234,7 +249,7 @@ template <class T>
 void decode_all(const Layout& L, const uint8_t* payload, T* out) {
   const int lq = (1 << L.bits) - 1;
   const float lqf = static_cast<float>(lq);
-#pragma omp parallel for schedule(static) if (L.n >= kParallelMin)
+#pragma omp parallel for schedule(static) if (L.all_entries() >= kDecodeParallelEntries)
   for (int64_t j = 0; j < L.nc; ++j) {
     float s;
     memcpy(&s, payload + 4 * j, 4);
@@ -253,7 +268,7 @@ void decode_all(const Layout& L, const uint8_t* payload, T* out) {
 // The first chunk holding an index past its length, or -1 (checked before anything is written).
 int64_t first_bad_chunk(const Layout& L, const uint8_t* payload) {
   int64_t bad = L.nc;
-#pragma omp parallel for schedule(static) reduction(min : bad) if (L.n >= kParallelMin)
+#pragma omp parallel for schedule(static) reduction(min : bad) if (L.all_entries() >= kDecodeParallelEntries)
   for (int64_t j = 0; j < L.nc; ++j) {
     BitReader ri(payload + L.idx0 + j * L.ibf);
     const int64_t len = L.length(j), kk = L.entries(j);

@@ -170,10 +170,17 @@ def test_native_encode_and_decode_match_the_reference(backend, dtype, shape, rng
 
 
 @pytest.mark.parametrize("backend", NATIVE)
-def test_native_is_the_same_on_any_number_of_threads(backend):
-    """Large enough to run in parallel (2^18 values and up): 1, 2 and 3 threads write the same bits."""
+@pytest.mark.parametrize(
+    "n,fmt",
+    [((1 << 21) + 12345, {}), ((1 << 20) + 12345, dict(k=32, chunk=64))],
+    ids=["encode-parallel", "decode-parallel"],
+)
+def test_native_is_the_same_on_any_number_of_threads(backend, n, fmt):
+    """Large enough to run in parallel: 1, 2 and 3 threads write the same bits. The native library
+    runs the encode on one thread below 2^21 values and the decode below 2^19 entries (csrc/cpu/
+    topk.cpp), so the default format at 2^21+ values takes the parallel encode, and k = 32 of every
+    64 at 2^20+ values (2^19+ entries) the parallel decode."""
     gen = torch.Generator().manual_seed(5)
-    n = (1 << 19) + 12345
     delta, e0 = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     threads = torch.get_num_threads()
     results = []
@@ -181,17 +188,19 @@ def test_native_is_the_same_on_any_number_of_threads(backend):
         for t in (1, 2, 3):
             torch.set_num_threads(t)
             e = e0.clone()
-            p, nf = topk_encode(delta, e, backend=backend)
+            p, nf = topk_encode(delta, e, backend=backend, **fmt)
             out = torch.zeros(n)
-            topk_decode_add_(out, p, backend=backend)
+            topk_decode_add_(out, p, backend=backend, **fmt)
             results.append((p, e, out))
     finally:
         torch.set_num_threads(threads)
     e_ref = e0.clone()
-    p_ref, _ = topk_encode(delta, e_ref, backend="ref")
+    p_ref, _ = topk_encode(delta, e_ref, backend="ref", **fmt)
+    out_ref = torch.zeros(n)
+    topk_decode_add_(out_ref, p_ref, backend="ref", **fmt)
     for p, e, out in results:
         assert torch.equal(p, p_ref) and _same(e, e_ref)
-        assert _same(out, results[0][2])
+        assert _same(out, out_ref)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
