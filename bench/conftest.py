@@ -146,8 +146,13 @@ def _versions() -> dict[str, str]:
         out["native"] = "not loaded"
     try:
         import subprocess
+        here = Path(__file__).resolve().parent
         out["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
+                                    cwd=here, timeout=10).stdout.strip()
+        # tracked files changed since that revision: the figures then come from code no commit holds
+        status = ["git", "status", "--porcelain", "--untracked-files=no"]
+        changed = subprocess.run(status, capture_output=True, text=True, cwd=here, timeout=10).stdout
+        out["git_dirty_files"] = len(changed.splitlines())
     except Exception:
         out["git"] = "?"
     return out

@@ -209,7 +209,9 @@ def machine_section(runs: list[tuple[dict, Path]]) -> list[str]:
             f"- Run {data.get('datetime', '?')} UTC (`{shown(path)}`): load average {load}; memcpy row: "
             f"{mi.get('memcpy', '?')}; torch {v.get('torch', '?')}, triton {v.get('triton', '?')}, "
             f"python {v.get('python', '?')}, lowcomm_kernels {v.get('lowcomm_kernels', '?')} "
-            f"({v.get('native', '?')}), git {v.get('git', '?')}",
+            f"({v.get('native', '?')}), git {v.get('git', '?')}"
+            + ("" if "git_dirty_files" not in v else " (clean)" if not v["git_dirty_files"]
+               else f" + uncommitted changes in {v['git_dirty_files']} tracked files"),
             f"  - Command: `{lc.get('command', '?')}`",
         ]
     default = [DEFAULT_OPS]
