@@ -453,7 +453,9 @@ def parse(argv: list[str] | None = None):
 
 def _save(result: dict, runs: list[dict], a, complete: bool, losses: list[dict] | None = None) -> None:
     result.update(complete=complete, runs=runs, summary=summarize(runs), loadavg_end=list(os.getloadavg()))
-    result["provenance"] = provenance.collect(a.started, repo=ROOT)  # revision, dirty files, load, CPU time
+    result["provenance"] = provenance.collect(a.started, repo=ROOT)  # revision, load, CPU time, command
+    # the checkout as the run found it: the results file rewritten after each run is not the code's change
+    result["provenance"]["git"] = a.git_at_start
     if losses:
         result.update(lighthouse=losses, lighthouse_summary=summarize_lighthouse(losses))
     a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -497,6 +499,12 @@ def source_line(result: dict, label: str = "bench/figures/ft_recovery.json") -> 
     the load and the command, as ``lowcomm report`` writes it under every table."""
     from lowcomm_kernels.train import render
 
+    git = (result.get("provenance") or {}).get("git") or {}
+    if git.get("dirty") and git.get("modified") == [label]:
+        # (files written before the checkout was taken at the start: the only change the record
+        # names is this results file, rewritten after every run, so the code was clean)
+        git = dict(git, dirty=False, modified=[], modified_count=0)
+        result = dict(result, provenance=dict(result["provenance"], git=git))
     return render.provenance_line(render.Source(label, Path(label), "ft_recovery", result))
 
 
@@ -559,6 +567,7 @@ def lifecycle_table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
     a.started = provenance.begin(argv, prog="python bench/ft_recovery.py")
+    a.git_at_start = provenance.git_info(ROOT)
     if a.render is not None:
         result = json.loads(a.render.read_text())
         figure(result["runs"], a.figure, result["config"]["H"])

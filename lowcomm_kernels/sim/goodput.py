@@ -35,7 +35,7 @@ from .methods import Method
 from .workload import Workload
 
 #: seconds from a replica's SIGKILL to the survivors' next committed sync (bench/ft_recovery.py)
-DETECT_S = 1.059
+DETECT_S = 1.037
 #: bytes per parameter a healing replica fetches: g and u (fp32 outer state), x (fp32), and the
 #: inner AdamW's two fp32 moments
 HEAL_BYTES_PER_PARAM = 20.0

@@ -83,7 +83,8 @@ def test_the_docs_quote_the_committed_result():
     mod = _module()
     res = json.loads((ROOT / "bench" / "figures" / "ft_recovery.json").read_text())
     assert res["complete"] and res["lighthouse"] and "overhead" in res
-    assert res["provenance"]["git"]["dirty"] is False, "the committed figures come from a clean tree"
+    git = res["provenance"]["git"]  # a clean tree (but for this results file, rewritten after each run)
+    assert git["dirty"] is False or git["modified"] == ["bench/figures/ft_recovery.json"], git
     docs = (ROOT / "docs" / "fault_tolerance.md").read_text()
     for table in (mod.kill_table(res), mod.lifecycle_table(res), mod.source_line(res)):
         missing = [line for line in table.splitlines() if line not in docs]
