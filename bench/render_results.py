@@ -174,8 +174,19 @@ def verdict(r: dict, target_pct: float = TARGET_PCT) -> tuple[str, list[str]]:
             continue
         hit = value >= floor
         ok &= hit
-        parts.append(("✅ " if hit else "❌ ") + fmt.format(value))
+        parts.append(("✅ " if hit else "❌ ") + _shown_apart(fmt, value, floor))
     return ("PASS" if ok else "MISS"), parts
+
+
+def _shown_apart(fmt: str, value: float, floor: float) -> str:
+    """``fmt`` of ``value`` with as many more decimals (up to 3) as it takes not to print a value just
+    under the floor as the floor itself ("❌ 90% (≥ 90%)" for 89.6 %)."""
+    digits = int(re.search(r"\{:\.(\d)f\}", fmt)[1])
+    for extra in range(4):
+        finer = fmt.replace("{:." + str(digits) + "f}", "{:." + str(digits + extra) + "f}", 1)
+        if value >= floor or finer.format(value) != finer.format(floor):
+            break
+    return finer.format(value)
 
 
 def pct(x: float | None) -> str:

@@ -174,3 +174,11 @@ def test_the_default_json_is_a_committed_path_and_the_docs_agree(rr):
         pytest.skip("no git checkout")
     ignored = subprocess.run(["git", "check-ignore", "-q", rel], cwd=ROOT, check=False)
     assert ignored.returncode == 1, f"{rel} is git-ignored: the raw figures could not be committed"
+
+
+def test_a_value_just_under_its_target_is_not_printed_as_the_target(rr):
+    """89.6 % against a 90 % floor reads "❌ 89.6%", not "❌ 90% (≥ 90%)"; a pass keeps its digits."""
+    _, parts = rr.verdict({"pct": 89.6, "vs_ref": 5.0, "vs_compile": 0.9996}, target_pct=90.0)
+    assert parts[0] == "❌ 89.6% (≥ 90%)" and parts[2] == "❌ 0.9996x compile (≥ 1x)"
+    _, parts = rr.verdict({"pct": 95.2, "vs_ref": 5.0, "vs_compile": 1.5}, target_pct=90.0)
+    assert parts == ["✅ 95% (≥ 90%)", "✅ 5.0x ref (≥ 3x)", "✅ 1.50x compile (≥ 1x)"]
