@@ -300,8 +300,12 @@ def test_integrations_doc_example_runs_under_torchrun(tmp_path: Path):
         text=True,
         timeout=300,
         cwd=tmp_path,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # a rank that aborts prints every thread's stack
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = "\n".join(
+        f"--- {p.relative_to(logs)}\n{p.read_text()[-2500:]}" for p in sorted(logs.rglob("*.log"))
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:] + "\n" + ranks
     files = list((tmp_path / "tb" / "streaming").iterdir())
     assert len(files) == 1 and [p.name for p in (tmp_path / "tb").iterdir()] == ["streaming"]  # rank 0 only
     scalars = read_scalars(tmp_path / "tb" / "streaming")
