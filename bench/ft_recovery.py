@@ -158,15 +158,21 @@ def _wait_for(cond, procs, what: str, timeout: float) -> None:
         time.sleep(0.02)
 
 
+def _run_files(impl: str, seed: int, kind: str, a, work: Path):
+    """One run's files in ``work``, named by implementation, seed and kind: the per-replica records
+    and logs, the ready files and the common-start gate. Sets the seed the replicas are given."""
+    a.seed_now = seed
+    tag = f"{impl}-s{seed}-{kind}"
+    outs = [work / f"{tag}-r{i}.jsonl" for i in range(3)]
+    ready = [work / f"{tag}-ready{i}" for i in range(3)]
+    return tag, outs, [out.with_suffix(".log") for out in outs], ready, work / f"{tag}-go"
+
+
 def one_run(impl: str, seed: int, fault: bool, a, work: Path) -> dict:
     """3 replicas of bench/ft_replica.py; with ``fault``: SIGKILL replica 2 once it recorded step
     ``a.kill_at`` (and restart it when replica 0 reaches ``a.restart_at``, if given)."""
-    a.seed_now = seed
-    tag = f"{impl}-s{seed}-{'kill' if fault else 'clean'}"
-    outs = [work / f"{tag}-r{i}.jsonl" for i in range(3)]
-    logs = [out.with_suffix(".log") for out in outs]
+    tag, outs, logs, ready, go = _run_files(impl, seed, "kill" if fault else "clean", a, work)
     lh = _lighthouse()
-    ready, go = [work / f"{tag}-ready{i}" for i in range(3)], work / f"{tag}-go"
     # a common start: on a loaded machine the processes take very different times to import torch,
     # and a replica that reaches its first quorum long before the others would time out there
     back = work / f"{tag}-ready2-again"  # the restarted replica is up: the survivors hold for it
@@ -246,12 +252,8 @@ def lighthouse_loss(impl: str, seed: int, a, work: Path) -> dict:
     """3 replicas; the Lighthouse is shut down once replica 0 has recorded step ``a.kill_at``. Each
     replica's exit: its code, the seconds from the loss to it (None: still running ``a.cap_s``
     after the loss, then killed), and the last line of its log that names an error."""
-    a.seed_now = seed
-    tag = f"{impl}-s{seed}-lighthouse"
-    outs = [work / f"{tag}-r{i}.jsonl" for i in range(3)]
-    logs = [out.with_suffix(".log") for out in outs]
+    tag, outs, logs, ready, go = _run_files(impl, seed, "lighthouse", a, work)
     lh = _lighthouse()
-    ready, go = [work / f"{tag}-ready{i}" for i in range(3)], work / f"{tag}-go"
     qt = ["--quorum-timeout", str(a.lighthouse_quorum_timeout)]
     gate = ["--go-file", str(go), *qt]
     procs = [

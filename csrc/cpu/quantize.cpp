@@ -28,19 +28,22 @@ namespace {
 
 // e_i of the quantized pack: g - x (+ r) in T, or the input itself (quantize: X = T = v's dtype).
 template <class T, class X, bool kPack, bool kRes>
+LC_HD T element(const T* g, const X* x, const T* r, int64_t i) {
+  if constexpr (kPack) {
+    T e = g[i] - cast<T>(x[i]);
+    if constexpr (kRes) e = e + r[i];
+    return e;
+  } else {
+    return cast<T>(x[i]);
+  }
+}
+
+template <class T, class X, bool kPack, bool kRes>
 struct Source {
   const T* g;
   const X* x;
   const T* r;
-  LC_HD T at(int64_t i) const {
-    if constexpr (kPack) {
-      T e = g[i] - cast<T>(x[i]);
-      if constexpr (kRes) e = e + r[i];
-      return e;
-    } else {
-      return cast<T>(x[i]);
-    }
-  }
+  LC_HD T at(int64_t i) const { return element<T, X, kPack, kRes>(g, x, r, i); }
 };
 
 template <class X>
@@ -63,13 +66,7 @@ inline void encode_int_span(float qmax, const Source<T, X, kPack, kRes>& src, T*
   const X* __restrict x = src.x;
   T* __restrict r = res;
   for (int64_t i = lo; i < hi; ++i) {
-    T e;
-    if constexpr (kPack) {
-      e = g[i] - cast<T>(x[i]);
-      if constexpr (kRes) e = e + r[i];
-    } else {
-      e = cast<T>(x[i]);
-    }
+    const T e = element<T, X, kPack, kRes>(g, x, r, i);
     const float q = to_f32(e) / s;
     float m = fabsf(q);
     m = m < qmax ? m : qmax;
@@ -122,13 +119,7 @@ inline void encode_float_span(const QFmt& f, const Source<T, X, kPack, kRes>& sr
   const QFloatRne k(f);
   const float qmax = f.qmax;
   for (int64_t i = lo; i < hi; ++i) {
-    T e;
-    if constexpr (kPack) {
-      e = g[i] - cast<T>(x[i]);
-      if constexpr (kRes) e = e + r[i];
-    } else {
-      e = cast<T>(x[i]);
-    }
+    const T e = element<T, X, kPack, kRes>(g, x, r, i);
     float v;
     out[i - lo] = static_cast<int8_t>(k.encode(to_f32(e) / s, qmax, v));
     if constexpr (kRes) r[i] = e - static_cast<T>(v * s);

@@ -332,6 +332,14 @@ def test_error_feedback_residual_is_checkpointed(tmp_path):
 
 
 # ----- failures ------------------------------------------------------------------------------------
+def _peer_fault(tmp_path, kw: dict, kill_at: int, **extra) -> list:
+    """Streaming DiLoCo on 2 ranks over 24 steps under ``kw``; rank 1 killed (or, with hang=True,
+    hung) at step ``kill_at``: each rank's result (None for the dead one)."""
+    sc = {"cls": "streaming", "T": 24, "kw": kw, "dtype": torch.float32, "ckpt_dir": str(tmp_path),
+          "ckpt_every": 100, "victim": 1, "kill_at": kill_at, **extra}  # fmt: skip
+    return spawn_local(f"{WORKERS}:killed_run", 2, (sc,), timeout_s=120, allow_dead=(1,))
+
+
 @pytest.mark.slow
 def test_killed_peer_during_a_quantized_sync_is_a_sync_error_in_time(tmp_path):
     kw = {
@@ -343,17 +351,7 @@ def test_killed_peer_during_a_quantized_sync_is_a_sync_error_in_time(tmp_path):
         "quant_block": 32,
         "error_feedback": True,
     }
-    sc = {
-        "cls": "streaming",
-        "T": 24,
-        "kw": kw,
-        "dtype": torch.float32,
-        "ckpt_dir": str(tmp_path),
-        "ckpt_every": 100,
-        "victim": 1,
-        "kill_at": 9,
-    }
-    res = spawn_local(f"{WORKERS}:killed_run", 2, (sc,), timeout_s=120, allow_dead=(1,))
+    res = _peer_fault(tmp_path, kw, kill_at=9)
     assert res[1] is None
     err = res[0]["error"]
     assert err is not None and err.startswith("SyncError") and "fragment" in err, err
@@ -369,18 +367,7 @@ def test_hung_peer_during_a_quantized_sync_times_out(tmp_path):
         "timeout_s": 3.0,
         "wire_dtype": "int8",
     }
-    sc = {
-        "cls": "streaming",
-        "T": 24,
-        "kw": kw,
-        "dtype": torch.float32,
-        "ckpt_dir": str(tmp_path),
-        "ckpt_every": 100,
-        "victim": 1,
-        "kill_at": 8,
-        "hang": True,
-    }
-    res = spawn_local(f"{WORKERS}:killed_run", 2, (sc,), timeout_s=120, allow_dead=(1,))
+    res = _peer_fault(tmp_path, kw, kill_at=8, hang=True)
     err = res[0]["error"]
     assert err is not None and err.startswith("SyncError") and "fragment" in err, err
     assert kw["timeout_s"] - 0.5 <= res[0]["after_kill_s"] < 2 * kw["timeout_s"] + 10, res[0]
