@@ -210,4 +210,8 @@ def _skew(strat, manager) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseException:  # when it failed, to line its log up with the other replicas'
+        print(f"[{time.strftime('%H:%M:%S')}] replica worker failed:", file=sys.stderr, flush=True)
+        raise

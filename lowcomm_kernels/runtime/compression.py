@@ -55,7 +55,7 @@ from ..ops.quantize import quantize as _quantize
 from ..profiling import nvtx_range
 from .checkpoint import CheckpointError, expect_int, expect_tensor
 from .schedule import SPARSE_WIRE_FORMATS, WIRE_FORMATS
-from .transport import Handle, SyncError, Transport, register_engine, wait_until
+from .transport import Handle, SyncError, Transport, register_engine, start_collective, wait_until
 
 DEFAULT_QUANT_BLOCK = 128
 
@@ -430,7 +430,15 @@ class QuantizedAllReduce:
         chunk = -(-nblocks // self.world) * self.block
         return chunk, [(min(n, c * chunk), min(n, (c + 1) * chunk)) for c in range(self.world)]
 
-    def _wait_work(self, work: Any, job: _Job, phase: str) -> None:
+    def _run_collective(
+        self, launch: Callable[[], Any], tensors: list[torch.Tensor], job: _Job, phase: str
+    ) -> None:
+        """Run one collective of the engine's group on ``tensors`` (all it reads and writes) and wait
+        for it; on gloo its tensors stay held until gloo let go of them (``start_collective``)."""
+        if self._stream is None:
+            work = start_collective(launch, tensors, self.timeout_s)
+        else:
+            work = launch()
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except Exception as e:
@@ -461,8 +469,11 @@ class QuantizedAllReduce:
                 send[c, so : so + 4 * nsc] = scales[s0 : s0 + nsc].view(torch.uint8)
         if self.group is not None:
             recv = torch.empty_like(send)
-            self._wait_work(
-                dist.all_to_all_single(recv, send, group=self.group, async_op=True), job, "reduce-scatter"
+            self._run_collective(
+                lambda: dist.all_to_all_single(recv, send, group=self.group, async_op=True),
+                [recv, send],
+                job,
+                "reduce-scatter",
             )
         else:
             recv = send
@@ -478,8 +489,10 @@ class QuantizedAllReduce:
             mine[so : so + 4 * nsc] = rs.view(torch.uint8)
         if self.group is not None:
             gathered = torch.empty(M, row, dtype=torch.uint8, device=dev)
-            self._wait_work(
-                dist.all_gather(list(gathered.unbind(0)), mine, group=self.group, async_op=True),
+            rows = list(gathered.unbind(0))
+            self._run_collective(
+                lambda: dist.all_gather(rows, mine, group=self.group, async_op=True),
+                [*rows, mine],
                 job,
                 "all-gather",
             )
@@ -508,6 +521,10 @@ def _even_group_counts(transport: Transport) -> None:
     if names is None:  # pragma: no cover - a torch without this naming rule
         return
     held = torch.tensor([len(names)], dtype=torch.int64, device=transport.device)
-    dist.all_reduce(held, op=dist.ReduceOp.MAX, group=transport.group)
+    launch = lambda: dist.all_reduce(held, op=dist.ReduceOp.MAX, group=transport.group, async_op=True)  # noqa: E731
+    work = (
+        launch() if transport.device.type == "cuda" else start_collective(launch, [held], transport.timeout_s)
+    )
+    work.wait()
     for _ in range(int(held.item()) - len(names)):
         dist.new_group([dist.get_rank()], backend="gloo", use_local_synchronization=True)

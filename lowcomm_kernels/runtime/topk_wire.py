@@ -136,8 +136,13 @@ class TopKAllGather(QuantizedAllReduce):
         f, payload = self.wire.fmt, job.codes
         if self.group is not None:
             gathered = torch.empty(self.world, payload.numel(), dtype=torch.uint8, device=payload.device)
-            work = dist.all_gather(list(gathered.unbind(0)), payload, group=self.group, async_op=True)
-            self._wait_work(work, job, "all-gather")
+            rows = list(gathered.unbind(0))
+            self._run_collective(
+                lambda: dist.all_gather(rows, payload, group=self.group, async_op=True),
+                [*rows, payload],
+                job,
+                "all-gather",
+            )
         else:
             gathered = payload.view(1, -1)
         job.result.zero_()

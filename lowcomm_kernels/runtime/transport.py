@@ -36,13 +36,20 @@ used and returns the seconds it blocked (the *exposed* communication).
   by a forced unwind through C++ frames (``std::terminate``: SIGABRT on every rank), and gloo's
   threads may still be inside a collective when their process group is destroyed. The results
   are dropped; only ``finish()`` applies them.
+- The tensors of every gloo collective (``start_collective``) stay referenced here until gloo's
+  worker thread let go of them, also after the collective completed: if Python dropped them
+  first, that thread would have to take the GIL to free their Python objects, and a thread that
+  does so after the interpreter began to finalise aborts the process (SIGABRT at exit). At exit
+  the hook also waits, the GIL released, until gloo let go of every one of them.
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import datetime
 import math
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -359,41 +366,41 @@ class Transport:
     def start_all_reduce(self, t: torch.Tensor) -> dist.Work:
         """An async SUM all-reduce of ``t`` over the group (gloo: with the per-collective timeout)."""
         if self._op_timeout is None:
-            return self._track(dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+            return self._start(
+                lambda: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True), [t]
+            )
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
         opts.timeout = self._op_timeout
-        return self._track(self.group.allreduce([t], opts))
+        return self._start(lambda: self.group.allreduce([t], opts), [t])
 
     def start_broadcast(self, t: torch.Tensor, src: int) -> dist.Work:
         """An async broadcast of ``t`` from group rank ``src`` (gloo: with the per-collective timeout)."""
         if self._op_timeout is None:
-            return self._track(
-                dist.broadcast(t, src=dist.get_global_rank(self.group, src), group=self.group, async_op=True)
-            )
+            root = dist.get_global_rank(self.group, src)
+            return self._start(lambda: dist.broadcast(t, src=root, group=self.group, async_op=True), [t])
         opts = dist.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
         opts.timeout = self._op_timeout
-        return self._track(self.group.broadcast([t], opts))
+        return self._start(lambda: self.group.broadcast([t], opts), [t])
 
-    def _track(self, work: dist.Work) -> dist.Work:
-        """Settle ``work`` at interpreter exit if it is still running then (gloo; see the module
-        docstring). NCCL's works are the communicator's business (``abort``)."""
-        if not self._cuda:
-            _prune_in_flight()
-            _in_flight.append((work, self.timeout_s))
-        return work
+    def _start(self, launch: Callable[[], dist.Work], tensors: list[torch.Tensor]) -> dist.Work:
+        """``launch()``, settled at interpreter exit if it is still running then and its tensors held
+        until gloo let go of them (``start_collective``). NCCL's works are the communicator's
+        business (``abort``)."""
+        if self._cuda:
+            return launch()
+        return start_collective(launch, tensors, self.timeout_s)
 
     def blocking_all_gather(self, t: torch.Tensor, *, name: str) -> list[torch.Tensor]:
         """All-gather of a small tensor with the same timeout (used by the consistency guard)."""
         outs = [torch.empty_like(t) for _ in range(self.world)]
         if self._op_timeout is None:
-            work = dist.all_gather(outs, t, group=self.group, async_op=True)
+            work = self._start(lambda: dist.all_gather(outs, t, group=self.group, async_op=True), [*outs, t])
         else:
             opts = AllgatherOptions()
             opts.timeout = self._op_timeout
-            work = self.group.allgather([outs], [t], opts)
-        self._track(work)
+            work = self._start(lambda: self.group.allgather([outs], [t], opts), [*outs, t])
         try:
             ok = work.wait(timeout=datetime.timedelta(seconds=self.timeout_s))
         except Exception as e:
@@ -421,12 +428,67 @@ def _gloo_op_timeout(
 
 
 # ----- interpreter exit (see the module docstring) ----------------------------------------------
-_in_flight: list[tuple[dist.Work, float]] = []  # gloo collectives started here, with their timeout_s
+#: after a collective completed, how long its tensors may stay held waiting for gloo's worker thread to
+#: let go of them (it does so within microseconds of completing; a loaded machine may delay that)
+RELEASE_GRACE_S = 1.0
+#: at interpreter exit, how long to wait for gloo's threads to let go of completed collectives
+EXIT_RELEASE_S = 2.0
+
+
+@dataclass
+class _Collective:
+    """A gloo collective started here: its Work until it completed, and the tensors it reads and
+    writes with their reference counts before it started."""
+
+    work: dist.Work | None
+    tensors: tuple[torch.Tensor, ...]
+    before: tuple[int, ...]
+    timeout_s: float
+    done_at: float = math.inf
+
+    def released(self) -> bool:
+        """Whether gloo let go of the tensors (its Work, and the worker thread that ran it)."""
+        return all(t._use_count() <= b for t, b in zip(self.tensors, self.before, strict=True))
+
+
+_in_flight: list[_Collective] = []  # gloo collectives started here and not yet let go of
+_in_flight_lock = threading.Lock()  # the main thread and the compressed wires' worker threads start them
 _engines: weakref.WeakSet[Any] = weakref.WeakSet()  # objects with a worker thread and settle()
 
 
+def start_collective(
+    launch: Callable[[], dist.Work], tensors: list[torch.Tensor], timeout_s: float
+) -> dist.Work:
+    """Start a gloo collective (``launch()``) on ``tensors`` (every tensor it reads or writes) and keep
+    the tensors referenced here until gloo let go of them.
+
+    Why: a tensor whose Python object is dropped while C++ still holds it is kept alive by C++,
+    which must then take the GIL to free the Python object. gloo's worker thread drops a completed
+    collective (and so its tensors) a moment after the waiting thread woke up; if that moment falls
+    after the interpreter began to finalise, taking the GIL ends the thread by a forced unwind
+    through C++ destructors: ``std::terminate`` (SIGABRT at exit, about one run in a few hundred on a
+    loaded machine). Held here, the tensors' last reference is always Python's, dropped with the
+    GIL, after gloo's."""
+    before = tuple(t._use_count() for t in tensors)
+    work = launch()
+    with _in_flight_lock:
+        _prune_in_flight()
+        _in_flight.append(_Collective(work, tuple(tensors), before, timeout_s))
+    return work
+
+
 def _prune_in_flight() -> None:
-    _in_flight[:] = [(w, s) for w, s in _in_flight if not w.is_completed()]
+    """Drop the collectives gloo let go of (or completed longer than ``RELEASE_GRACE_S`` ago); the
+    caller holds ``_in_flight_lock``."""
+    now = time.monotonic()
+    keep = []
+    for c in _in_flight:
+        if c.work is not None and c.work.is_completed():
+            c.work, c.done_at = None, now
+        if c.work is None and (c.released() or now - c.done_at > RELEASE_GRACE_S):
+            continue
+        keep.append(c)
+    _in_flight[:] = keep
 
 
 def forget_settled() -> None:
@@ -434,7 +496,8 @@ def forget_settled() -> None:
     waited for all of them (``drain``, ``finish``, ``close``): a completed Work kept in this
     module's list until interpreter exit outlives a process group the user destroys before exiting,
     and releasing it that late made about one exit in ten abort (SIGABRT/SIGSEGV in a gloo thread)."""
-    _prune_in_flight()
+    with _in_flight_lock:
+        _prune_in_flight()
 
 
 def register_engine(engine: Any) -> None:
@@ -447,14 +510,24 @@ def register_engine(engine: Any) -> None:
 def _settle_at_exit() -> None:
     for engine in list(_engines):
         engine.settle()
-    if not dist.is_initialized():
-        # the user destroyed the process group(s): waiting on a Work of a destroyed gloo group
-        # aborted about one exit in ten; there is nothing left to settle on them
+    with _in_flight_lock:
+        started = list(_in_flight)
         _in_flight.clear()
-        return
-    for work, timeout_s in _in_flight:
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except Exception:  # noqa: BLE001 (failed or timed out: nothing more to wait for)
-            pass
-    _in_flight.clear()
+    # the user destroyed the process group(s): waiting on a Work of a destroyed gloo group aborted
+    # about one exit in ten; there is nothing left to settle on them
+    if dist.is_initialized():
+        for c in started:
+            if c.work is not None:
+                try:
+                    c.work.wait(timeout=datetime.timedelta(seconds=c.timeout_s))
+                except Exception:  # noqa: BLE001 (failed or timed out: nothing more to wait for)
+                    pass
+    for c in started:
+        c.work = None
+    # sleep (the GIL released) until gloo's threads let go of the tensors (``start_collective``)
+    t_end = time.monotonic() + EXIT_RELEASE_S
+    while any(not c.released() for c in started) and time.monotonic() < t_end:
+        time.sleep(0.001)
+    held = [c.tensors for c in started if not c.released()]
+    if held:  # a collective still running (a dead peer): its tensors are never freed, so no thread
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(held))  # of gloo's needs the GIL for them

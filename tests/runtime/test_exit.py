@@ -64,3 +64,47 @@ def test_a_loop_that_ends_with_a_sync_in_flight_exits_cleanly(wire):
     for rank, (rc, out) in enumerate(ends):
         assert rc == 0, f"rank {rank} ended with {rc}:\n{out[-3000:]}"
         assert "done 6" in out and "terminate called" not in out, out[-3000:]
+
+
+def test_a_collective_that_completes_as_the_interpreter_ends_does_not_abort():
+    """rt_exit.py ``late_peer`` (see there), 4 times: every rank exits 0."""
+    for _ in range(4):
+        ends = [_end(p, EXIT_BOUND_S) for p in _start("late_peer", "fp32")]
+        for rank, (rc, out) in enumerate(ends):
+            assert rc == 0 and "done" in out and "terminate called" not in out, f"rank {rank}: {rc}\n{out}"
+
+
+def test_a_collectives_tensors_stay_held_until_gloo_lets_go(monkeypatch):
+    """The tensors of a collective started through ``start_collective`` are referenced by the runtime,
+    also after the caller dropped them and after the collective completed, until gloo's own
+    references are gone (their use count is back to what it was before); then they are dropped."""
+    import datetime
+    import functools
+
+    import torch
+    import torch.distributed as dist
+
+    from lowcomm_kernels.runtime import transport
+
+    monkeypatch.setattr(transport, "_in_flight", [])
+    store = dist.HashStore()
+    group = dist.ProcessGroupGloo(store, 0, 1, datetime.timedelta(seconds=30))
+    t = torch.ones(1000)
+    opts = dist.AllreduceOptions()
+    launch = functools.partial(group.allreduce, [t], opts)
+    work = transport.start_collective(launch, [t], 30.0)
+    (held,) = transport._in_flight
+    assert held.tensors[0] is t and held.before == (1,) and held.work is work
+    del t, launch  # the runtime's reference is the last Python one
+    assert work.wait()
+    with transport._in_flight_lock:
+        transport._prune_in_flight()  # the work completed: its Work is dropped, its tensor is not
+    assert held.work is None and (not transport._in_flight or transport._in_flight == [held])
+    del work
+    deadline = time.monotonic() + 10
+    while not held.released() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert held.released()
+    with transport._in_flight_lock:
+        transport._prune_in_flight()
+    assert transport._in_flight == []

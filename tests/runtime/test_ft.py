@@ -106,7 +106,9 @@ def _finish(procs, timeout: float = 240.0) -> None:
                 raise AssertionError(
                     f"{len(hung)} replica(s) still running after {timeout} s:\n" + _logs(hung)
                 ) from None
-            assert rc == 0, f"a replica failed (exit {rc}):\n" + _logs([p])
+            if rc != 0:  # its log in full, the others' ends: what each was doing when it failed
+                others = [q for q in procs if q is not p]
+                raise AssertionError(f"a replica failed (exit {rc}):\n" + _logs([p]) + _logs(others, 1500))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -114,12 +116,18 @@ def _finish(procs, timeout: float = 240.0) -> None:
 
 
 def _logs(procs, tail: int = 6000) -> str:
-    """The end of each process's log (its stdout file)."""
+    """The end of each process's log (its stdout file), with its exit code and the wall time of the
+    last step its replica recorded (to line the logs up)."""
     parts = []
     for p in procs:
         log = getattr(p, "log_path", None)
         text = log.read_text(errors="replace")[-tail:] if log and log.exists() else "(no log)"
-        parts.append(f"--- {log}\n{text}")
+        recs = _records(log.parent, log.name[3:]) if log else []
+        last = "no step"
+        if recs:
+            at = time.strftime("%H:%M:%S", time.localtime(recs[-1]["t"]))
+            last = f"last step {recs[-1]['step']} at {at}"
+        parts.append(f"--- {log} (exit {p.poll()}, {last}, now {time.strftime('%H:%M:%S')})\n{text}")
     return "\n".join(parts)
 
 
