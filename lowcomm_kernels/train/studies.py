@@ -36,7 +36,7 @@ import numpy as np
 
 from ..runtime.launch import WorkerError
 from ..runtime.schedule import WIRE_FORMATS
-from . import study_cocodc, study_frontier, study_loscar
+from . import stats, study_cocodc, study_frontier, study_loscar
 from .args import out_dir, spec_from_args, usage_error
 from .errors import SpecError, UsageError
 from .presets import LM, STUDY_SEEDS
@@ -122,6 +122,77 @@ def wire(base: TrainSpec) -> list[tuple[str, TrainSpec]]:
             if isinstance(target, str):  # a quantized format: also with error feedback
                 configs.append((f"{label} {name}+EF", b.with_(wire_dtype=name, error_feedback=True)))
     return configs
+
+
+# ----- the declared contrasts: (name, a, b), read as a − b in final validation loss, paired by seed;
+# each study's list is its family for Holm's correction. Declared here, before any run, from the
+# configurations' labels (a label a study did not run drops its contrasts).
+Contrasts = Callable[[list[str]], list[tuple[str, str, str]]]
+
+
+def matched_contrasts(labels: list[str]) -> list[tuple[str, str, str]]:
+    """Delay compensation (only the merge differs) and adaptive selection (only the choice differs),
+    at the doubled sync count."""
+    n = [lb.split(", ")[1] for lb in labels if lb.startswith("CoCoDC adaptive, ")]
+    if not n:
+        return []
+    return [
+        ("delay compensation", f"CoCoDC round-robin, {n[0]}", f"Streaming DiLoCo, {n[0]}"),
+        ("adaptive selection", f"CoCoDC adaptive, {n[0]}", f"CoCoDC round-robin, {n[0]}"),
+    ]
+
+
+def _against_first(labels: list[str]) -> list[tuple[str, str, str]]:
+    """Every configuration against the study's first one (lambda: λ = 0; gamma: the smallest γ)."""
+    return [(f"{lb} vs {labels[0]}", lb, labels[0]) for lb in labels[1:]]
+
+
+def overlap_contrasts(labels: list[str]) -> list[tuple[str, str, str]]:
+    """Each deeper overlap against τ = 1 of the same method."""
+    out = []
+    for lb in labels:
+        method, tau = lb.rsplit(" tau=", 1)
+        if tau != "1" and f"{method} tau=1" in labels:
+            out.append((f"{method}: tau={tau} vs tau=1", lb, f"{method} tau=1"))
+    return out
+
+
+def wire_contrasts(labels: list[str]) -> list[tuple[str, str, str]]:
+    """Each wire format against fp32 with the same method."""
+    out = []
+    for lb in labels:
+        method, fmt = lb.rsplit(" ", 1)
+        if fmt != "fp32" and f"{method} fp32" in labels:
+            out.append((f"{method}: {fmt} vs fp32", lb, f"{method} fp32"))
+    return out
+
+
+def contrast_table(contrasts: list[tuple[str, str, str]], results: list[RunResult]) -> str:
+    """The declared contrasts of a study (see ``Contrasts``) from its per-seed final losses, with Holm
+    over the family, the sign test and, for each, the smallest paired effect the design detects."""
+    finals = {(r.name, int(r.config.get("seed", 0))): r.final_loss for r in results}
+    family = {}
+    for name, a, b in contrasts:
+        seeds = sorted(s for (lb, s) in finals if lb == b and (a, s) in finals)
+        if seeds:
+            family[name] = (a, b, stats.paired_diffs([finals[a, s] - finals[b, s] for s in seeds]))
+    if not family:
+        return ""
+    held = stats.holm_family({k: v[2] for k, v in family.items()})
+    lines = [
+        f"Declared contrasts (a − b in final validation loss, nats/byte, paired by seed; Holm over these "
+        f"{len(held)}):",
+        "",
+        "| contrast | a − b | pairs | difference [95 % interval] (t, p, Holm p) | sign test p "
+        "| smallest detectable |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, (a, b, _) in family.items():
+        d = held[name]
+        sign = "-" if d.sign_p is None else f"{d.sign_p:.3g}"
+        det = "-" if d.detectable is None or d.detectable != d.detectable else f"{d.detectable:.4f}"
+        lines.append(f"| {name} | {a} − {b} | {d.n} | {d.cell()} | {sign} | {det} |")
+    return "\n".join(lines)
 
 
 def wire_table(labels: list[str], results: list[RunResult], target: float) -> str:
@@ -235,6 +306,13 @@ class LMStudy:
     configs: Callable[[TrainSpec], list[tuple[str, TrainSpec]]]
     table: Callable[[str, list[str], list[RunResult], float], str]
     extra_plot: tuple[str, Callable[[list[str], list[RunResult], Path], None]] | None = None
+    contrasts: Contrasts | None = None
+
+    def full_table(self, labels: list[str], results: list[RunResult], target: float) -> str:
+        """The study's table and, below it, its declared contrasts."""
+        table = self.table(self.name, labels, results, target)
+        extra = contrast_table(self.contrasts(labels), results) if self.contrasts else ""
+        return f"{table}\n\n{extra}" if extra else table
 
     def run(self, args: argparse.Namespace) -> int:
         """``lowcomm compare --study NAME``: every configuration with ``--seeds`` seeds, resumable."""
@@ -264,7 +342,7 @@ class LMStudy:
         except WorkerError as exc:
             return report_failure(exc, out, "study")
         target = args.target if args.target is not None else auto_target(results)
-        table = self.table(self.name, labels, results, target)
+        table = self.full_table(labels, results, target)
         if self.extra_plot is not None:
             stem, plot = self.extra_plot
             plot(labels, results, out / f"{stem}.png")
@@ -308,7 +386,7 @@ class LMStudy:
             header = study_header(self.name, base, seeds, data.get("corpus", "corpus not recorded"))
         else:
             header = f"study `{self.name}`"
-        table = self.table(self.name, labels, results, target)
+        table = self.full_table(labels, results, target)
         body = f"**{header}**\n\nCommand: `{data.get('command', 'not recorded')}`\n\n{table}"
         plots: list[Path] = []
         if plot_dir:
@@ -327,8 +405,9 @@ def _lm_study(
     table: Callable[[str, list[str], list[RunResult], float], str] = study_table,
     extra_plot: tuple[str, Callable[[list[str], list[RunResult], Path], None]] | None = None,
     headline: Callable[[dict], str] | None = None,
+    contrasts: Contrasts | None = None,
 ) -> Study:
-    lm = LMStudy(name, configs, table, extra_plot)
+    lm = LMStudy(name, configs, table, extra_plot, contrasts)
     return Study(name, configs, lm.run, lm.render, headline)
 
 
@@ -341,11 +420,13 @@ def _wire_table(name: str, labels: list[str], results: list[RunResult], target: 
 STUDIES: dict[str, Study] = {
     s.name: s
     for s in (
-        _lm_study("matched", matched),
-        _lm_study("lambda", lam),
-        _lm_study("gamma", gamma),
-        _lm_study("overlap", overlap),
-        _lm_study("wire", wire, table=_wire_table, extra_plot=("wire_bytes", wire_plot)),
+        _lm_study("matched", matched, contrasts=matched_contrasts),
+        _lm_study("lambda", lam, contrasts=_against_first),
+        _lm_study("gamma", gamma, contrasts=_against_first),
+        _lm_study("overlap", overlap, contrasts=overlap_contrasts),
+        _lm_study(
+            "wire", wire, table=_wire_table, extra_plot=("wire_bytes", wire_plot), contrasts=wire_contrasts
+        ),
         # DiLoCo's loss against its bytes: top-k, 4-bit, eager (see study_frontier.py)
         _lm_study(
             "frontier",

@@ -119,3 +119,46 @@ def test_a_part_whose_checkout_changed_while_it_ran_says_so(tmp_path: Path, caps
     assert sorted(p["revision"][:1] for p in studykit.sittings(tmp_path, 1)) == ["1", "2"]
     (tmp_path / "001.json").write_text(json.dumps({"made_by": {"revision": "3" * 40}}))  # not a config
     assert len(studykit.sittings(tmp_path, 1)) == 2 and len(studykit.sittings(tmp_path)) == 3
+
+
+def test_every_lm_study_declares_its_contrasts_and_renders_them_with_holm():
+    """Each LM study's declared contrasts name configurations it runs; the contrast table pairs the
+    final losses by seed (not by position), adjusts over the study's family, and a contrast one side
+    of which did not run is left out."""
+    from lowcomm_kernels.train import stats
+    from lowcomm_kernels.train.report import EvalPoint, RunResult
+    from lowcomm_kernels.train.studies import (
+        _against_first,
+        contrast_table,
+        matched_contrasts,
+        overlap_contrasts,
+        wire_contrasts,
+    )
+
+    for name, declare in (
+        ("matched", matched_contrasts),
+        ("lambda", _against_first),
+        ("gamma", _against_first),
+        ("overlap", overlap_contrasts),
+        ("wire", wire_contrasts),
+    ):
+        labels = [label for label, _ in STUDIES[name](BASE)]
+        pairs = declare(labels)
+        assert pairs and all(a in labels and b in labels and a != b for _, a, b in pairs), name
+    assert [n for n, _, _ in matched_contrasts([lb for lb, _ in STUDIES["matched"](BASE)])] == [
+        "delay compensation",
+        "adaptive selection",
+    ]
+
+    def run(label, seed, loss):
+        return RunResult(label, "cocodc", {"seed": seed}, [EvalPoint(10, 1.0, 0.0, 0.0, loss)])
+
+    a, b, c = "Streaming DiLoCo fp32", "Streaming DiLoCo int8", "Streaming DiLoCo int4"
+    results = [run(a, s, 2.0 + 0.1 * s) for s in (2, 0, 1)]  # out of seed order
+    results += [run(b, s, 2.0 + 0.1 * s + d) for s, d in ((0, 0.010), (1, 0.012), (2, 0.011))]
+    results += [run(c, 5, 9.0)]  # no seed in common with fp32: its contrast has no pairs
+    text = contrast_table(wire_contrasts([a, b, c]), results)
+    want = stats.holm_family({"x": stats.paired_diffs([0.010, 0.012, 0.011])})["x"]
+    assert f"| Streaming DiLoCo: int8 vs fp32 | {b} − {a} | 3 | {want.cell()} |" in text
+    assert "Holm over these 1" in text and "int4" not in text
+    assert contrast_table([], results) == ""
