@@ -20,13 +20,17 @@ Declared before any run (nothing below is chosen from the study's results):
   from ``OUTER_LRS`` by the lowest mean final test loss of the workers' own models on the tuning seeds
   (``TUNE_SEEDS``, disjoint from the study's) in the homogeneous / short / iid regime. LOSCAR has
   no outer step (its merge has no step size).
-- **Metrics**: the primary one is the final test loss of the workers' own models (mean over
-  workers: the model each worker holds, the only one LOSCAR and p = 0 ever have); also (added after
-  the first full run, from its saved evaluations) the same loss averaged over the last H ticks,
-  since the final tick is one of DiLoCo's syncs (``last_period_loss``); the averaged
-  model's loss, ticks and modeled seconds until the own-model loss first reaches ``TARGET``, and per
-  regime the paired (by seed) difference LOSCAR - other method of the final own-model loss, with its
-  t statistic and two-sided p value (n - 1 degrees of freedom).
+- **Metrics**, every one taken at the same modeled time for every method (``time_budget``: the
+  ticks at the fastest worker's speed with nothing on the link; a method that waited for a slow
+  worker or for its syncs is scored at its last evaluation within it, with fewer of its own steps;
+  added after the first full run, which scored every method after the same number of steps and so
+  gave the dense methods twice LOSCAR's time in the slow-worker regimes): the primary one is the
+  test loss of the workers' own models (mean over workers: the model each worker holds, the only
+  one LOSCAR and p = 0 ever have); also the same loss averaged over the last H steps before it,
+  since an evaluation may fall on one of DiLoCo's syncs (``last_period_loss``); the averaged
+  model's loss, steps and modeled seconds until the own-model loss first reaches ``TARGET``, and per
+  regime the paired (by seed) difference LOSCAR - other method of the own-model loss, with its
+  t statistic, two-sided p value (n - 1 degrees of freedom) and Holm's p over all of them.
 
 Runs that the regime does not change are run once and shared: a method's computation depends on
 the delay only through N, Q, tau (DiLoCo and data-parallel not at all), and on the speeds only for
@@ -267,34 +271,59 @@ def _ms(values: Sequence[float | None], fmt: str = "{:.3f}") -> str:
     return f"{fmt.format(statistics.fmean(vals))} ± {fmt.format(sd)}"
 
 
-def last_period_loss(run: RunResult, base: TrainSpec) -> float:
-    """The workers' own-model loss averaged over the evaluations of the last H = K * R ticks (after
-    tick steps - H): the last tick is one of DiLoCo's syncs, where its workers are equal, so the final
-    loss alone flatters DiLoCo against methods whose workers never are (its own-model loss on the
-    contiguous split is 0.141 at that tick and 0.25-0.28 half a period before)."""
+def time_budget(base: TrainSpec, cfg: MLPConfig) -> float:
+    """The modeled seconds at which every method of every regime is scored: the study's ticks at the
+    fastest worker's speed with nothing on the link (``base.steps`` step times), the time the
+    no-communication baseline takes. Declared, not read from the runs. A method whose steps wait for
+    a slow worker, or for a blocking sync, has made fewer of its own steps by then (a dense method
+    in a "one 2x slower" regime: about half), and is scored at its last evaluation within it."""
+    return base.steps * cfg.step_time_s
+
+
+def scored_index(times: Sequence[float], budget: float) -> int:
+    """The last evaluation at or before ``budget`` modeled seconds (the first one if none is)."""
+    within = [j for j, t in enumerate(times) if t <= budget * (1 + 1e-9)]
+    return within[-1] if within else 0
+
+
+def last_period_loss(run: RunResult, base: TrainSpec, at: int | None = None) -> float:
+    """The workers' own-model loss averaged over the evaluations of the last H = K * R steps up to
+    evaluation ``at`` (default: the last): a single evaluation can fall on one of DiLoCo's syncs,
+    where its workers are equal, which flatters DiLoCo against methods whose workers never are (its
+    own-model loss on the contiguous split is 0.141 at such a step and 0.25-0.28 half a period
+    before)."""
     H = base.sync_every  # K * R: DiLoCo's period
-    end = run.points[-1].step
-    return statistics.fmean(p.val_loss for p in run.points if p.step > end - H)
+    points = run.points if at is None else run.points[: at + 1]
+    end = points[-1].step
+    return statistics.fmean(p.val_loss for p in points if p.step > end - H)
 
 
 def summarise(
     base: TrainSpec, outer_lr: dict, seeds: list[int], results: list[RunResult], cfg: MLPConfig
 ) -> tuple[str, list[dict]]:
-    """Markdown tables and one dict per (regime, method) row."""
+    """Markdown tables and one dict per (regime, method) row, every method scored at the same
+    modeled time (``time_budget``)."""
     by_name = {r.name: r for r in results}
+    budget = time_budget(base, cfg)
     table = [
-        f"target: workers' own models' test loss <= {TARGET} (declared before the runs)",
+        f"Every method is scored at the same modeled time, {budget:g} s (the study's {base.steps} ticks at "
+        f"the fastest worker's speed, nothing on the link): at its last evaluation within it. *steps "
+        f"scored* are the method's own steps by then (a dense method waits for the slow worker, or for "
+        f"its blocking syncs, so it has made fewer); a target reached later counts as not reached. "
+        f"Target: the workers' own models' test loss <= {TARGET} (declared before the runs).",
         "",
-        "| regime | method | seeds | final own-model loss | own-model loss, mean over the last H | final "
-        "averaged-model loss | own-model accuracy | ticks to target | modeled s to target | reached "
-        "| bytes/worker (kB) |",
-        "|" + "---|" * 11,
+        "| regime | method | seeds | steps scored | own-model loss at the budget | own-model loss, mean over "
+        "the last H steps | averaged-model loss | own-model accuracy | steps to target | modeled s to "
+        "target | reached | bytes/worker (kB) |",
+        "|" + "---|" * 12,
     ]
     records = []
     paired = [
         "",
-        "Paired by seed: LOSCAR − method, final own-model test loss (negative: LOSCAR lower); one family "
-        "of every row below, declared before the runs, Holm-adjusted",
+        "Paired by seed: LOSCAR − method, own-model test loss at the time budget (negative: LOSCAR "
+        "lower); one family of every row below, declared before the runs, Holm-adjusted. The rows of "
+        "one method share runs across regimes that change only its time model (the dense methods' "
+        "runs do not depend on the speeds or the delay), so they are not independent evidence.",
         "",
         "| regime | vs | pairs | mean diff [95 % interval] | std | t | p (two-sided) | Holm p | "
         "sign-test p | smallest detectable |",
@@ -302,27 +331,30 @@ def summarise(
     ]
     family: dict[tuple[str, str], stats.Paired] = {}
     for rg in REGIMES:
-        own_final: dict[str, dict[int, float]] = {}  # method -> seed -> final own-model loss
+        own_scored: dict[str, dict[int, float]] = {}  # method -> seed -> own-model loss at the budget
         for _, m, row in [x for x in rows(base, outer_lr, cfg) if x[0] == rg]:
             key = run_key(run_spec(row))
             present = [s for s in seeds if f"{key} seed={s}" in by_name]
             runs = [by_name[f"{key} seed={s}"] for s in present]
-            own = [r.final_loss for r in runs]  # the mean of the workers' own models
-            own_final[m] = dict(zip(present, own, strict=True))
-            hits_tick, hits_s = [], []
+            at, hits_step, hits_s = [], [], []
             for r in runs:
                 times = retime(r, row, cfg)
-                i = next((j for j, p in enumerate(r.points) if p.val_loss <= TARGET), None)
-                hits_tick.append(None if i is None else r.points[i].step)
+                at.append(scored_index(times, budget))
+                i = next((j for j, p in enumerate(r.points[: at[-1] + 1]) if p.val_loss <= TARGET), None)
+                hits_step.append(None if i is None else r.points[i].step)
                 hits_s.append(None if i is None else times[i])
-            reached = sum(h is not None for h in hits_tick)
-            last_h = [last_period_loss(r, base) for r in runs]
+            own = [r.points[i].val_loss for r, i in zip(runs, at, strict=True)]  # mean of the workers' own
+            own_scored[m] = dict(zip(present, own, strict=True))
+            reached = sum(h is not None for h in hits_step)
+            last_h = [last_period_loss(r, base, i) for r, i in zip(runs, at, strict=True)]
+            avg = [r.points[i].val_loss_avg_model for r, i in zip(runs, at, strict=True)]
             table.append(
-                f"| {rg.label} | {LABELS[m]} | {len(runs)} | {_ms(own)} | {_ms(last_h)} | "
-                f"{_ms([r.points[-1].val_loss_avg_model for r in runs])} | "
-                f"{_ms([r.extra['own_acc'][-1] for r in runs])} | {_ms(hits_tick, '{:.0f}')} | "
-                f"{_ms(hits_s, '{:.2f}')} | {reached}/{len(runs)} | "
-                f"{_ms([r.bytes_sent / 1e3 for r in runs], '{:.1f}')} |"
+                f"| {rg.label} | {LABELS[m]} | {len(runs)} | "
+                f"{_ms([r.points[i].step for r, i in zip(runs, at, strict=True)], '{:.0f}')} | {_ms(own)} | "
+                f"{_ms(last_h)} | {_ms(avg)} | "
+                f"{_ms([r.extra['own_acc'][i] for r, i in zip(runs, at, strict=True)])} | "
+                f"{_ms(hits_step, '{:.0f}')} | {_ms(hits_s, '{:.2f}')} | {reached}/{len(runs)} | "
+                f"{_ms([r.points[i].bytes_sent / 1e3 for r, i in zip(runs, at, strict=True)], '{:.1f}')} |"
             )
             records.append(
                 dict(
@@ -330,15 +362,17 @@ def summarise(
                     method=m,
                     run_key=key,
                     seeds=len(runs),
-                    final_own_loss=own,
+                    budget_s=budget,
+                    steps_scored=[r.points[i].step for r, i in zip(runs, at, strict=True)],
+                    own_loss_at_budget=own,
                     last_period_own_loss=last_h,
-                    final_avg_loss=[r.points[-1].val_loss_avg_model for r in runs],
-                    ticks_to_target=hits_tick,
+                    avg_loss_at_budget=avg,
+                    steps_to_target=hits_step,
                     modeled_s_to_target=hits_s,
                 )
             )
         for m in METHODS[1:]:
-            a, b = own_final.get("loscar", {}), own_final.get(m, {})
+            a, b = own_scored.get("loscar", {}), own_scored.get(m, {})
             both = [s for s in seeds if s in a and s in b]  # pairs by seed, never by position
             if not both:
                 continue
@@ -366,7 +400,7 @@ def plot(
     base: TrainSpec, outer_lr: dict, seeds: list[int], results: list[RunResult], cfg: MLPConfig, path
 ) -> None:
     """One panel per regime: the workers' own models' test loss (mean over seeds) against the time
-    model's seconds, one line per method, the target dotted."""
+    model's seconds, one line per method, the target dotted, the time budget dashed."""
     import matplotlib  # optional (the cli extra): only when a plot is drawn
 
     matplotlib.use("Agg")
@@ -385,6 +419,7 @@ def plot(
             loss = np.array([[p.val_loss for p in r.points[:n]] for r in runs]).mean(0)
             ax.plot(t, loss, label=LABELS[m])
         ax.axhline(TARGET, color="grey", ls=":", lw=1)
+        ax.axvline(time_budget(base, cfg), color="black", ls="--", lw=1)  # where every method is scored
         ax.set_title(rg.label, fontsize=9)
         ax.set_yscale("log")
         ax.grid(alpha=0.3)

@@ -243,3 +243,35 @@ def test_a_slow_worker_is_slow_in_compute_not_on_the_link():
     assert stretch_s(3.0, 0.31, 0.30) == pytest.approx(0.02)
     assert stretch_s(3.0, 0.31, 0.0) == pytest.approx(0.62)
     assert stretch_s(1.0, 0.31, 0.0) == 0.0 and stretch_s(2.0, 0.1, 0.2) == 0.0  # never negative
+
+
+def test_every_method_is_scored_at_the_same_modeled_time():
+    """The committed study's rows: each run is scored at its last evaluation within the declared
+    time budget (the study's ticks at the fastest worker's speed, nothing on the link), never later;
+    with one worker 2x slower the dense methods, whose every step waits for it, are scored after
+    about half their steps while LOSCAR (whose slow worker falls behind) uses nearly all its ticks."""
+    import json
+    from pathlib import Path
+
+    from lowcomm_kernels.train import study_loscar as sl
+
+    data = json.loads(
+        (Path(__file__).resolve().parents[2] / "docs/data/loscar-regimes/results.json").read_text()
+    )
+    saved = sl.from_results(data)
+    budget = sl.time_budget(saved.base, saved.cfg)
+    assert budget == saved.base.steps * saved.cfg.step_time_s
+    by_name = {r.name: r for r in saved.results}
+    for _, _, row in sl.rows(saved.base, saved.outer_lr, saved.cfg):
+        for s in saved.seeds:
+            run = by_name[f"{sl.run_key(sl.run_spec(row))} seed={s}"]
+            times = sl.retime(run, row, saved.cfg)
+            i = sl.scored_index(times, budget)
+            assert times[i] <= budget * (1 + 1e-9) and (i + 1 == len(times) or times[i + 1] > budget)
+    _, records = sl.summarise(saved.base, saved.outer_lr, saved.seeds, saved.results, saved.cfg)
+    steps = {(r["regime"], r["method"]): set(r["steps_scored"]) for r in records}
+    for delay in ("short", "long"):
+        slow = f"one 2x slower, {delay} delay, iid"
+        assert max(steps[slow, "loscar"]) >= 1000
+        assert all(400 < st <= 512 for m in ("diloco", "streaming") for st in steps[slow, m])
+    assert sl.scored_index([1.0, 2.0, 3.0], 2.0) == 1 and sl.scored_index([5.0], 1.0) == 0

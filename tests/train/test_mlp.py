@@ -74,10 +74,10 @@ def test_loscar_regimes_quick_study_writes_its_tables(tmp_path: Path):
     assert "Paired by seed" in text and text.count("| one 2x slower, long delay, contiguous |") >= 5
     doc = json.loads((out / "results.json").read_text())
     assert len(doc["rows"]) == 40 and len(doc["runs"]) == 20 * 2
-    assert all(len(r["final_own_loss"]) == 2 for r in doc["rows"])
+    assert all(len(r["own_loss_at_budget"]) == 2 for r in doc["rows"])
     assert main(argv) == 0  # resumed: every launch read back from out/runs and out/tune
     again = json.loads((out / "results.json").read_text())
-    assert [r["final_own_loss"] for r in again["rows"]] == [r["final_own_loss"] for r in doc["rows"]]
+    assert [r["own_loss_at_budget"] for r in again["rows"]] == [r["own_loss_at_budget"] for r in doc["rows"]]
 
 
 @pytest.mark.slow
