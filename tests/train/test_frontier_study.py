@@ -19,7 +19,7 @@ BASE = TrainSpec(steps=200, sync_every=20, workers=2)
 
 def test_every_configuration_is_one_change_against_fp32_diloco():
     cfg = dict(configs(BASE))
-    assert len(cfg) == 18
+    assert len(cfg) == 19
     ref = cfg[REFERENCE]
     assert (ref.method, ref.wire_dtype, ref.error_feedback, ref.outer_delay) == (
         "diloco",
@@ -31,6 +31,8 @@ def test_every_configuration_is_one_change_against_fp32_diloco():
     blocking = {s.wire_dtype for s in cfg.values() if s.method == "diloco" and s.outer_delay == "none"}
     eager = {s.wire_dtype for s in cfg.values() if s.outer_delay == "eager"}
     assert blocking == dense | {"topk"} and eager == dense  # every dense format with and without eager
+    delayed = [(s.wire_dtype, s.error_feedback) for s in cfg.values() if s.outer_delay == "delayed"]
+    assert delayed == [("fp32", False)]  # eager's baseline, the naive delayed update, at fp32
     assert all(
         s.error_feedback == (s.wire_dtype not in ("fp32", "bf16", "topk"))
         for s in cfg.values()
@@ -91,6 +93,12 @@ def test_the_table_reads_the_goals_from_the_interval_not_the_mean():
     assert rows["DiLoCo int4+EF"].endswith("| loss missed |")
     assert rows["DiLoCo eager fp32"].endswith("| eager goal met |")
     assert "Holm p=" in rows["DiLoCo topk k=32 2-bit"]
+    assert "against DiLoCo delayed" not in md  # no delayed runs: no comparison line
+    # eager against the naive delayed update, paired by seed: 0.999 / 1.01 - 1 on every seed
+    delayed = [_run("DiLoCo delayed fp32", s, (2.0 + 0.01 * s) * 1.01, 150e6) for s in (2, 0, 1)]
+    md = table("frontier", [*labels, "DiLoCo delayed fp32"], ref + good + bad + wide + eager + delayed, 2.5)
+    (line,) = [ln for ln in md.splitlines() if ln.startswith("DiLoCo eager fp32 against DiLoCo delayed")]
+    assert f"{0.999 / 1.01 - 1:+.2%}" in line
 
 
 @pytest.mark.slow
