@@ -59,16 +59,19 @@ def _start_all(lh, out: Path, n: int, steps: int, *extra: str, args=None) -> lis
     return [procs[i, 0] for i in range(n)]
 
 
-def _fresh_start(out: Path, names: list, participants: int) -> None:
+def _fresh_start(out: Path, names: list, participants: int, until: int | None = None) -> None:
     """Replicas started together: each one's first run recorded every step from step 1 (it trained its
-    own first steps: nobody healed into the run late) and its first sync averaged all replicas."""
+    own first steps: nobody healed into the run late) and its first sync averaged all replicas.
+    ``until``: the step a replica was killed at; a survivor whose round in flight then failed (it did
+    not commit where another did) heals from then on, as it should, so later heals are not checked."""
     for i in names:
         recs = _records(out, i)
         first = [r for r in recs if r["pid"] == recs[0]["pid"]] if recs else []
         steps = [r["step"] for r in first]
         assert steps and steps == list(range(1, len(steps) + 1)), f"replica {i} started at {steps[:3]}"
         # (the joining round heals the non-primary replicas at step 0; none heals at a later step)
-        assert all(r["healed_at"] in (None, 0) for r in first), f"replica {i} healed into the run late"
+        early = [r for r in first if until is None or r["step"] < until]
+        assert all(r["healed_at"] in (None, 0) for r in early), f"replica {i} healed into the run late"
         synced = [r["participants"] for r in first if r["participants"]]
         assert synced and synced[0] == participants, f"replica {i}: the first syncs averaged {synced[:3]}"
 
@@ -244,7 +247,7 @@ def _hold_run(lighthouse, tmp_path, method: str, steps: int, hold: int, kill_aft
     _wait_step(tmp_path, 0, hold)
     procs[2] = _start(lighthouse, 2, tmp_path, 80, "--method", method, "--ready-file", str(ready))
     _finish(procs)
-    _fresh_start(tmp_path, [0, 1, 2], 3)
+    _fresh_start(tmp_path, [0, 1, 2], 3, until=killed_at)
     return killed_at, [_last(_records(tmp_path, i)) for i in range(3)]
 
 
@@ -257,6 +260,16 @@ def _survivors_common_steps(r0: dict, r1: dict, killed_at: int, steps: int) -> l
     return common
 
 
+def _until_healed(recs: dict[int, dict], killed_at: int) -> set[int]:
+    """The steps from the kill until this survivor healed, if a round of its failed at the kill (it
+    then heals at a later step); empty if it never needed to."""
+    failed_at = min((s for s, r in recs.items() if s >= killed_at and r["failed"] > 0), default=None)
+    if failed_at is None:
+        return set()
+    healed = [s for s, r in recs.items() if s >= failed_at and r["healed_at"] not in (None, 0)]
+    return set(range(failed_at, min(healed) if healed else failed_at))
+
+
 def test_loscar_kill_then_heal(lighthouse, tmp_path):
     """LOSCAR (overwrite merge, so the merged x[S] is the average, equal on every replica): SIGKILL one
     replica mid-run, the others go on with decreasing loss; restarted, it heals from a peer's
@@ -264,8 +277,13 @@ def test_loscar_kill_then_heal(lighthouse, tmp_path):
     steps, hold = 100, 50
     killed_at, (r0, r1, r2) = _hold_run(lighthouse, tmp_path, "loscar", steps, hold, 12)
     common = _survivors_common_steps(r0, r1, killed_at, steps)
-    # the survivors share the round counter and every merged average (g: hash of x[S] after a merge)
-    assert all(r0[s]["round"] == r1[s]["round"] and r0[s]["g"] == r1[s]["g"] for s in common)
+    # the survivors share the round counter and every merged average (g: hash of x[S] after a merge),
+    # except while one of them, whose round in flight at the kill failed where the other's
+    # committed, has not yet healed from the other (torchft decides the commit per replica)
+    lagging = _until_healed(r0, killed_at) | _until_healed(r1, killed_at)
+    assert len(lagging) <= 20
+    same = [s for s in common if s not in lagging]
+    assert all(r0[s]["round"] == r1[s]["round"] and r0[s]["g"] == r1[s]["g"] for s in same)
     merged = [s for s in common if r0[s]["g"] is not None]
     assert len(merged) >= 10
     losses = [r0[s]["loss"] for s in common]
