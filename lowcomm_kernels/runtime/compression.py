@@ -430,6 +430,16 @@ class QuantizedAllReduce:
         chunk = -(-nblocks // self.world) * self.block
         return chunk, [(min(n, c * chunk), min(n, (c + 1) * chunk)) for c in range(self.world)]
 
+    def _all_gather_rows(self, gathered: torch.Tensor, mine: torch.Tensor, job: _Job) -> None:
+        """Every rank's ``mine`` into the rows of ``gathered`` (one row per rank), waited for."""
+        rows = list(gathered.unbind(0))
+        self._run_collective(
+            lambda: dist.all_gather(rows, mine, group=self.group, async_op=True),
+            [*rows, mine],
+            job,
+            "all-gather",
+        )
+
     def _run_collective(
         self, launch: Callable[[], Any], tensors: list[torch.Tensor], job: _Job, phase: str
     ) -> None:
@@ -489,13 +499,7 @@ class QuantizedAllReduce:
             mine[so : so + 4 * nsc] = rs.view(torch.uint8)
         if self.group is not None:
             gathered = torch.empty(M, row, dtype=torch.uint8, device=dev)
-            rows = list(gathered.unbind(0))
-            self._run_collective(
-                lambda: dist.all_gather(rows, mine, group=self.group, async_op=True),
-                [*rows, mine],
-                job,
-                "all-gather",
-            )
+            self._all_gather_rows(gathered, mine, job)
         else:
             gathered = mine.view(1, row)
         for c, (lo, hi) in enumerate(spans):

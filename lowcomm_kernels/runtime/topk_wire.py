@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from .. import ops
 from .._checks import scalar
@@ -136,13 +135,7 @@ class TopKAllGather(QuantizedAllReduce):
         f, payload = self.wire.fmt, job.codes
         if self.group is not None:
             gathered = torch.empty(self.world, payload.numel(), dtype=torch.uint8, device=payload.device)
-            rows = list(gathered.unbind(0))
-            self._run_collective(
-                lambda: dist.all_gather(rows, payload, group=self.group, async_op=True),
-                [*rows, payload],
-                job,
-                "all-gather",
-            )
+            self._all_gather_rows(gathered, payload, job)
         else:
             gathered = payload.view(1, -1)
         job.result.zero_()

@@ -147,24 +147,26 @@ def _against_first(labels: list[str]) -> list[tuple[str, str, str]]:
     return [(f"{lb} vs {labels[0]}", lb, labels[0]) for lb in labels[1:]]
 
 
-def overlap_contrasts(labels: list[str]) -> list[tuple[str, str, str]]:
-    """Each deeper overlap against τ = 1 of the same method."""
+def _within_method(labels: list[str], sep: str, base: str) -> list[tuple[str, str, str]]:
+    """Each label "<method><sep><value>" against "<method><sep><base>", when the study ran that one."""
     out = []
     for lb in labels:
-        method, tau = lb.rsplit(" tau=", 1)
-        if tau != "1" and f"{method} tau=1" in labels:
-            out.append((f"{method}: tau={tau} vs tau=1", lb, f"{method} tau=1"))
+        method, value = lb.rsplit(sep, 1)
+        ref = f"{method}{sep}{base}"
+        if value != base and ref in labels:
+            key = sep.strip()  # "tau=" for " tau=", nothing for a space
+            out.append((f"{method}: {key}{value} vs {key}{base}", lb, ref))
     return out
+
+
+def overlap_contrasts(labels: list[str]) -> list[tuple[str, str, str]]:
+    """Each deeper overlap against τ = 1 of the same method."""
+    return _within_method(labels, " tau=", "1")
 
 
 def wire_contrasts(labels: list[str]) -> list[tuple[str, str, str]]:
     """Each wire format against fp32 with the same method."""
-    out = []
-    for lb in labels:
-        method, fmt = lb.rsplit(" ", 1)
-        if fmt != "fp32" and f"{method} fp32" in labels:
-            out.append((f"{method}: {fmt} vs fp32", lb, f"{method} fp32"))
-    return out
+    return _within_method(labels, " ", "fp32")
 
 
 def contrast_table(contrasts: list[tuple[str, str, str]], results: list[RunResult]) -> str:
