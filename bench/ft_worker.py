@@ -168,6 +168,10 @@ def main() -> None:
     # every replica stops at the same step: apply what is still in flight (a collective), so no
     # rank exits with a sync its peers are still completing
     strat.finish()
+    # group rank 0 hosts the replica's ManagerServer: shutting it down while another rank still waits
+    # for the answer to its last should_commit gave that rank a gRPC "transport error" (seen in CI)
+    if dist.is_initialized():
+        dist.barrier()
     manager.shutdown(wait=False)
     if dist.is_initialized():
         dist.destroy_process_group()
