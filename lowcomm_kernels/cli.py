@@ -157,7 +157,20 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     o.add_argument("--lam-mode", choices=LAM_MODES)
     knob(o, "--gamma", "gamma", "CoCoDC link utilisation (default 0.4)")
     o.add_argument("--syncs-per-period", type=_syncs, help="CoCoDC N per H: 'auto' or an int")
-    o.add_argument("--score", choices=SCORES, help="CoCoDC fragment choice")
+    o.add_argument(
+        "--score",
+        choices=SCORES,
+        help="CoCoDC fragment choice: l2_global (the paper's, |avg delta| / steps), l2_rms "
+        "(|avg delta| / sqrt(steps x elements): no bias toward the fragment sent last when the "
+        "pseudo-gradient is mostly noise), l1_local (the reference code's), round_robin",
+    )
+    o.add_argument(
+        "--log-scores",
+        action="store_true",
+        default=None,
+        help="CoCoDC: record every sync's pseudo-gradient norms and every choice's scores in the "
+        "run's results (extra.score_log)",
+    )
     o.add_argument(
         "--cocodc-timing",
         choices=TIMINGS,

@@ -22,14 +22,23 @@ of every period.
 
 Which fragment at a slot, among those not in flight: (1) stale: last sent ≥ H steps ago, oldest
 first; (2) never sent, lowest index; (3) argmax_p R_p, ties to the lowest index. Scores:
-``l2_global``: R_p = ‖Δ̄_p‖₂ / I_p from the averaged pseudo-gradient of p's last sync, I_p = steps
-that sync covered (send step − previous send step of p); ``l1_local`` (the reference code's score):
+``l2_global`` (the paper's): R_p = ‖Δ̄_p‖₂ / I_p from the averaged pseudo-gradient of p's last sync,
+I_p = steps that sync covered (send step − previous send step of p); ``l2_rms``: R_p = ‖Δ̄_p‖₂ /
+√(I_p·numel_p), the same norm per √step and per √element. Where Δ̄ is mostly noise of the inner
+steps (a random walk: ‖Δ̄_p‖ ∝ √(I_p·numel_p)) the paper's score is ∝ 1/√I_p and favours the
+fragment sent most recently, which then keeps winning; ``l2_rms`` is flat in I_p and size for
+noise, and grows like √I_p for a steady drift (docs/algorithms.md); ``l1_local`` (the reference code's score):
 R_p = Σ_ranks ‖g_p − x_p‖₁ / (I_p·numel_p), the mean absolute local change per element and per
 step, I_p = steps since p's last send (t at the first), measured at each send for every fragment
 and all-reduced beside that sync. Both come from values identical on every rank, so every rank
 picks the same fragment. ``round_robin`` (for matched-sync studies: delay compensation without
 adaptive selection) replaces (2)-(3) by a fixed cycle 0, 1, .., K−1, 0, .. that skips fragments in
 flight; rule (1) still comes first.
+
+``score_log=True`` records, per sync, the fragment, I_p, ‖Δ̄_p‖₂ and this rank's own ‖Δ_p‖₂ (before
+the average: with M ranks of independent noise, ‖Δ̄‖² / ‖Δ‖² is about 1/M for pure noise and 1 for
+pure signal), and per send slot every fragment's score and steps since its last send
+(``score_records()``): diagnostics only, not checkpointed, one extra pass over the fragment per send.
 
 Under torchft with a replica of several ranks (``manager=``, ``Manager(world_size=n)``, the model
 replicated inside the replica), each rank's measured timings and scores are reduced with the same rank
@@ -78,7 +87,7 @@ class CoCoDC(DenseStrategy):
         lam: float = 0.5, lam_mode: str = "normalized", gamma: float = 0.4,
         syncs_per_period: str | int = "auto", score: str = "l2_global",
         timing: str | None = None, step_time_s: float = DEFAULT_STEP_TIME_S, timing_link: WAN | None = None,
-        taylor_control: str = "none", control_seed: int = 0,
+        taylor_control: str = "none", control_seed: int = 0, score_log: bool = False,
         outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True, **common: Any,
     ) -> None:  # fmt: skip
         H, K, tau = fragment_schedule(sync_every, num_fragments, fragment_sync_delay)
@@ -95,6 +104,8 @@ class CoCoDC(DenseStrategy):
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         self.score = score
+        if not isinstance(score_log, bool):
+            raise TypeError(f"score_log must be a bool, got {type(score_log).__name__}")
         if timing_link is not None and not isinstance(timing_link, WAN):
             raise TypeError(f"timing_link must be a WAN or None, got {type(timing_link).__name__}")
         self.timing_link = timing_link if timing_link is not None else common.get("wan")
@@ -136,7 +147,12 @@ class CoCoDC(DenseStrategy):
         self._whole = [
             torch.tensor([0, n], dtype=torch.int64, device=self.outer_dev) for n in self.frags.sizes()
         ]
-        self._norms_due: dict[int, tuple[DeviceToHost, int]] = {}  # l2_global norms not yet read
+        # l2 scores' norms not yet read, with the divisor that makes the score
+        self._norms_due: dict[int, tuple[DeviceToHost, float]] = {}
+        self._score_log: dict[str, list] | None = (
+            {"syncs": [], "choices": [], "numel": list(self.frags.sizes())} if score_log else None
+        )
+        self._local_norms: dict[tuple[int, int], DeviceToHost] = {}  # score_log: (p, send step) -> ‖Δ_p‖
         self._tensor_bounds = [
             self.frags.tensor_bounds(p) if lam_mode == "normalized_tensor" else [0, n]
             for p, n in enumerate(self.frags.sizes())
@@ -191,6 +207,11 @@ class CoCoDC(DenseStrategy):
         if choice is None:
             return []
         p = choice[0]
+        if self._score_log is not None:
+            since = [t - q if q >= 0 else None for q in self.last_send]
+            self._score_log["choices"].append(
+                {"step": t, "fragment": p, "reason": choice[1], "scores": list(self.scores), "since": since}
+            )
         self._rr_next = (p + 1) % self.K
         self.prev_send[p] = max(self.last_send[p], 0)
         self.last_send[p] = t
@@ -200,6 +221,12 @@ class CoCoDC(DenseStrategy):
         # the peers chose (and recorded in the healed state) the fragments of step t before their
         # state was read; choosing again would pick another one (a choice mutates the schedule)
         return [(p, "healed") for p in range(len(self.last_send)) if self.last_send[p] == t]
+
+    def _send(self, p: int, t: int, reason: str) -> None:
+        if self._score_log is not None:  # this rank's own ‖Δ_p‖ = ‖g_p − x_p‖, before the average
+            diff = self.frags.slice(self.g, p).double() - self.to_outer(self.frags.x(p)).double()
+            self._local_norms[(p, t)] = DeviceToHost(torch.linalg.vector_norm(diff).reshape(1))
+        super()._send(p, t, reason)
 
     def _advance(self, t: int) -> None:
         samples = self.new_compute_samples()  # device time on a GPU, not host enqueue time
@@ -250,15 +277,28 @@ class CoCoDC(DenseStrategy):
             if ts > 0:
                 self.T_s = ts
         p = pd.fragment
-        if self.score == "round_robin":
-            return
-        if self.score == "l2_global":
-            # R_p = ‖Δ̄_p‖₂ / I_p, computed on the device now and read on the host at the next choice
+        covered = max(1, pd.send_step - self._covered_from(pd))
+        norm = None
+        if self.score in ("l2_global", "l2_rms") or self._score_log is not None:
+            # ‖Δ̄_p‖₂, computed on the device now and read on the host at the next choice
             d = delta_avg if delta_avg.dtype != torch.bfloat16 else delta_avg.to(self.g.dtype)
-            norm = ops.fragment_norms(d, self._whole[p], ord=2, check_values=False).double()
-            covered = max(1, pd.send_step - self._covered_from(pd))
-            self._norms_due[p] = (DeviceToHost(norm), covered)
-        else:
+            norm = DeviceToHost(ops.fragment_norms(d, self._whole[p], ord=2, check_values=False).double())
+        if self._score_log is not None:
+            local = self._local_norms.pop((p, pd.send_step), None)
+            self._score_log["syncs"].append(
+                {
+                    "fragment": p,
+                    "send_step": pd.send_step,
+                    "covered": covered,
+                    "norm": norm,
+                    "local_norm": local,
+                }
+            )
+        if self.score == "l2_global":  # R_p = ‖Δ̄_p‖₂ / I_p
+            self._norms_due[p] = (norm, float(covered))
+        elif self.score == "l2_rms":  # R_p = ‖Δ̄_p‖₂ / √(I_p·numel_p)
+            self._norms_due[p] = (norm, math.sqrt(covered * self.frags.sizes()[p]))
+        elif self.score == "l1_local":
             self.scores = list(control[2 : 2 + self.K])
 
     def _merge(
@@ -295,9 +335,26 @@ class CoCoDC(DenseStrategy):
                 outer_merge_control_ref(*parts, **kw, control=self.taylor_control, direction=d)
 
     def _resolve_scores(self) -> None:
-        for p, (norm, covered) in self._norms_due.items():
-            self.scores[p] = norm.values()[0] / covered
+        for p, (norm, divisor) in self._norms_due.items():
+            self.scores[p] = norm.values()[0] / divisor
         self._norms_due.clear()
+
+    def score_records(self) -> dict[str, list] | None:
+        """``score_log=True``: {"numel": per fragment, "syncs": [{fragment, send_step, covered, norm,
+        local_norm}], "choices": [{step, fragment, reason, scores, since}]} (JSON-safe; see the
+        module docstring); None without it. A sync whose send this process did not make (restored
+        from a checkpoint or a heal) has local_norm None."""
+        if self._score_log is None:
+            return None
+
+        def value(v: Any) -> float | None:
+            return None if v is None else float(v.values()[0])
+
+        syncs = [
+            {**r, "norm": value(r["norm"]), "local_norm": value(r["local_norm"])}
+            for r in self._score_log["syncs"]
+        ]
+        return {**self._score_log, "syncs": syncs}
 
     def _covered_from(self, pd: Pending) -> int:
         # prev_send was updated at send time; the pending sync is the latest send of its fragment.

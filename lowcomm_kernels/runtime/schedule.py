@@ -21,7 +21,7 @@ from ..wire_formats import DENSE, QUANTIZED, SPARSE
 # CoCoDC's λ modes: the fused op's ('absolute', 'normalized': one scale per fragment) and
 # 'normalized_tensor' (one scale per parameter tensor of the fragment, as the reference code does)
 LAM_MODES = (*_OP_LAM_MODES, "normalized_tensor")
-SCORES = ("l2_global", "l1_local", "round_robin")  # CoCoDC's fragment choice
+SCORES = ("l2_global", "l2_rms", "l1_local", "round_robin")  # CoCoDC's fragment choice
 # how CoCoDC's adaptive N gets T_c and T_s: from the emulated link and step time, or measured
 TIMINGS = ("emulated", "measured")
 DEFAULT_STEP_TIME_S = 0.02  # the emulated inner step of CoCoDC's timing='emulated' (20 ms)

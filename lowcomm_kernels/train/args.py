@@ -25,7 +25,7 @@ _SPEC_FIELDS = (
     "lam_mode gamma "
     "syncs_per_period quant_block error_feedback cocodc_timing step_time_ms taylor_control "
     "score density local_steps overlap_steps merge wire_dtype param_dtype worker_speeds speed_model split "
-    "outer_delay topk_k topk_chunk topk_bits ef_beta"
+    "outer_delay topk_k topk_chunk topk_bits ef_beta log_scores"
 ).split()
 
 

@@ -156,6 +156,7 @@ class TrainSpec:
     gamma: float = 0.4
     syncs_per_period: str | int = "auto"  # N
     score: str = "l2_global"
+    log_scores: bool = False  # CoCoDC: record every sync's norms and every choice's scores (score_log)
     # CoCoDC's adaptive N: T_c and T_s from the emulated link and this emulated step time (reproducible),
     # or measured at run time ('measured')
     cocodc_timing: str = "emulated"
@@ -353,6 +354,13 @@ class TrainSpec:
             f"<speed_model> must be one of {SPEED_MODELS}, got {self.speed_model!r}",
         )
         need(self.split in SPLITS, f"<split> must be one of {SPLITS}, got {self.split!r}")
+        need(
+            isinstance(self.log_scores, bool), f"<log_scores> must be true or false, got {self.log_scores!r}"
+        )
+        need(
+            not self.log_scores or self.method == "cocodc",
+            f"<log_scores> records CoCoDC's fragment scores; method {self.method!r} has none",
+        )
         if self.method == "loscar" and self.speed_model == "steps":
             # ranks evaluate together (a collective): only at a round end has every rank merged
             R = self.round_steps()

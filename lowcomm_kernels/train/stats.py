@@ -120,3 +120,32 @@ def holm_family(family: dict[str, Paired]) -> dict[str, Paired]:
     names = list(family)
     adjusted = holm([family[k].p for k in names])
     return {k: replace(family[k], p_holm=a) for k, a in zip(names, adjusted, strict=True)}
+
+
+def contrast_table(contrasts: list[tuple[str, str, str]], results: Sequence) -> str:
+    """The declared contrasts of a study ((name, label a, label b) each) from its runs' per-seed final
+    losses, with Holm over the family, the sign test and, for each, the smallest paired effect the
+    design detects. ``results``: RunResults (name, config["seed"], final_loss)."""
+    finals = {(r.name, int(r.config.get("seed", 0))): r.final_loss for r in results}
+    family = {}
+    for name, a, b in contrasts:
+        seeds = sorted(s for (lb, s) in finals if lb == b and (a, s) in finals)
+        if seeds:
+            family[name] = (a, b, paired_diffs([finals[a, s] - finals[b, s] for s in seeds]))
+    if not family:
+        return ""
+    held = holm_family({k: v[2] for k, v in family.items()})
+    lines = [
+        f"Declared contrasts (a − b in final validation loss, nats/byte, paired by seed; Holm over these "
+        f"{len(held)}):",
+        "",
+        "| contrast | a − b | pairs | difference [95 % interval] (t, p, Holm p) | sign test p "
+        "| smallest detectable |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, (a, b, _) in family.items():
+        d = held[name]
+        sign = "-" if d.sign_p is None else f"{d.sign_p:.3g}"
+        det = "-" if d.detectable is None or d.detectable != d.detectable else f"{d.detectable:.4f}"
+        lines.append(f"| {name} | {a} − {b} | {d.n} | {d.cell()} | {sign} | {det} |")
+    return "\n".join(lines)

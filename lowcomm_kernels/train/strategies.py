@@ -58,6 +58,9 @@ class CommTotals:
         n_history = getattr(strategy, "n_history", None)
         if n_history:  # CoCoDC: the N chosen in each period of H steps
             extra["syncs_per_period"] = [int(n) for n in n_history]
+        score_log = strategy.score_records() if hasattr(strategy, "score_records") else None
+        if score_log is not None:  # CoCoDC with log_scores: this worker's record
+            extra["score_log"] = score_log
         return cls(float(m.bytes_sent), float(m.exposed_comm_s), int(m.num_syncs), extra)
 
 
@@ -118,6 +121,7 @@ def build_strategy(
             timing_link=rt.WAN(spec.latency_s, spec.bandwidth_bytes_per_s),  # the emulated N's link model
             taylor_control=spec.taylor_control,
             control_seed=spec.seed,
+            score_log=spec.log_scores,
             **stream,
             **outer,
             **common,

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..runtime.launch import WorkerError
 from ..runtime.schedule import WIRE_FORMATS
-from . import stats, study_cocodc, study_frontier, study_loscar
+from . import study_cocodc, study_frontier, study_loscar, study_score
 from .args import out_dir, spec_from_args, usage_error
 from .errors import SpecError, UsageError
 from .presets import LM, STUDY_SEEDS
@@ -44,6 +44,7 @@ from .provenance import collect
 from .report import RunResult, auto_target, write_json
 from .runner import report_failure
 from .spec import RANGES, TrainSpec
+from .stats import contrast_table
 from .studykit import (
     Study,
     cell,
@@ -167,34 +168,6 @@ def overlap_contrasts(labels: list[str]) -> list[tuple[str, str, str]]:
 def wire_contrasts(labels: list[str]) -> list[tuple[str, str, str]]:
     """Each wire format against fp32 with the same method."""
     return _within_method(labels, " ", "fp32")
-
-
-def contrast_table(contrasts: list[tuple[str, str, str]], results: list[RunResult]) -> str:
-    """The declared contrasts of a study (see ``Contrasts``) from its per-seed final losses, with Holm
-    over the family, the sign test and, for each, the smallest paired effect the design detects."""
-    finals = {(r.name, int(r.config.get("seed", 0))): r.final_loss for r in results}
-    family = {}
-    for name, a, b in contrasts:
-        seeds = sorted(s for (lb, s) in finals if lb == b and (a, s) in finals)
-        if seeds:
-            family[name] = (a, b, stats.paired_diffs([finals[a, s] - finals[b, s] for s in seeds]))
-    if not family:
-        return ""
-    held = stats.holm_family({k: v[2] for k, v in family.items()})
-    lines = [
-        f"Declared contrasts (a − b in final validation loss, nats/byte, paired by seed; Holm over these "
-        f"{len(held)}):",
-        "",
-        "| contrast | a − b | pairs | difference [95 % interval] (t, p, Holm p) | sign test p "
-        "| smallest detectable |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, (a, b, _) in family.items():
-        d = held[name]
-        sign = "-" if d.sign_p is None else f"{d.sign_p:.3g}"
-        det = "-" if d.detectable is None or d.detectable != d.detectable else f"{d.detectable:.4f}"
-        lines.append(f"| {name} | {a} − {b} | {d.n} | {d.cell()} | {sign} | {det} |")
-    return "\n".join(lines)
 
 
 def wire_table(labels: list[str], results: list[RunResult], target: float) -> str:
@@ -439,6 +412,7 @@ STUDIES: dict[str, Study] = {
         ),
         study_loscar.STUDY,  # on the digits MLP: see study_loscar.py
         study_cocodc.STUDY,  # the paper's setup and the Taylor-term controls: see study_cocodc.py
+        study_score.STUDY,  # why CoCoDC's score keeps choosing one fragment: see study_score.py
     )
 }
 

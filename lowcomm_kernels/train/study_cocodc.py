@@ -76,6 +76,7 @@ import argparse
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ..runtime.fragments import plan_fragments
@@ -305,12 +306,12 @@ def _avg_model_final(run: RunResult | None) -> float | None:
     return float(v) if v is not None else None
 
 
-def study_header(base: dict, n_seeds: int, corpus: str, how: str) -> str:
+def study_header(name: str, base: dict, n_seeds: int, corpus: str, how: str) -> str:
     """The line above the table. ``base``: the study's base TrainSpec as a dict (results.json stores
     it under "base"), ``how``: where the target came from (results.json: "target_from")."""
     mc = base["model"]
     return (
-        f"study `{NAME}`: {base['workers']} workers, {base['steps']} steps, H={base['sync_every']}, "
+        f"study `{name}`: {base['workers']} workers, {base['steps']} steps, H={base['sync_every']}, "
         f"K={base['num_fragments']}, tau={base['fragment_sync_delay']}, lambda={base['lam']:g} "
         f"({base['lam_mode']}), gamma={base['gamma']:g}, emulated step {base['step_time_ms']:.3f} ms on a "
         f"{base['latency_s'] * 1e3:g} ms / {base['bandwidth_bytes_per_s'] * 8 / 1e6:g} Mbit/s link, "
@@ -326,8 +327,21 @@ def _steps(run: RunResult | None, target: float) -> float | None:
     return float(hit.step) if hit is not None else None
 
 
-def run_cocodc_paper(args: argparse.Namespace) -> int:
-    """The study's command: ``lowcomm compare --study cocodc-paper [--quick] [--seeds N] [flags]``."""
+#: (labels, runs, seeds, target) -> the study's markdown and its paired statistics (JSON-safe)
+Tables = Callable[[list[str], list[RunResult], float, list[int]], tuple[str, dict]]
+
+
+def run_paper_setup(
+    args: argparse.Namespace,
+    name: str,
+    configs_of: Callable[[TrainSpec], list[tuple[str, TrainSpec]]],
+    tables: Tables,
+    seeds_of: Callable[[str, list[int]], list[int]] = lambda label, seeds: seeds,
+) -> int:
+    """A study on this module's setup (the paper's, ``PRESETS`` and ``MODEL``, its step time and its
+    target), resumable: ``configs_of`` gives (label, spec) on the base, ``seeds_of`` the seeds a
+    configuration runs (default: all), ``tables`` the markdown of the results. Writes NAME.md,
+    NAME.png and results.json to the output folder."""
     if args.task != "lm":
         raise UsageError("--study runs on the language-model task (--task lm)")
     args = argparse.Namespace(**vars(args))
@@ -344,13 +358,15 @@ def run_cocodc_paper(args: argparse.Namespace) -> int:
             f"--seed {base.seed} with --seeds {n_seeds} needs seed {seeds[-1]}; the largest is {2**32 - 1}"
         )
     try:
-        cfgs = configs(base)
-        groups = [(label, [spec.with_(name=label, seed=s) for s in seeds]) for label, spec in cfgs]
+        cfgs = configs_of(base)
+        groups = [
+            (label, [spec.with_(name=label, seed=s) for s in seeds_of(label, seeds)]) for label, spec in cfgs
+        ]
     except SpecError as exc:
         raise usage_error(exc) from None
     labels = [label for label, _ in cfgs]
     corpus = load_checked_corpus(args.data, [s for _, specs in groups for s in specs])
-    out = out_dir(args, f"study-{NAME}")
+    out = out_dir(args, f"study-{name}")
     t0 = time.perf_counter()
     try:
         results = run_resumable(groups, corpus, out / "runs", progress=not args.no_progress)
@@ -362,19 +378,19 @@ def run_cocodc_paper(args: argparse.Namespace) -> int:
         target, how = auto_target(results), "the lowest loss every run reached"
     else:
         target, how = TARGET_LOSS, "declared in study_cocodc.py from a pilot at another seed"
-    md, paired = table(labels, results, target, seeds)
+    md, paired = tables(labels, results, target, seeds)
     cmd = (
-        f"lowcomm compare --study {NAME}"
+        f"lowcomm compare --study {name}"
         + (" --quick" if args.quick else "")
         + (f" --seeds {args.seeds}" if args.seeds else "")
     )
-    header = study_header(dataclasses.asdict(base), n_seeds, corpus.describe(), how)
-    (out / f"{NAME}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{md}\n")
-    study_plot(NAME, labels, results, out / f"{NAME}.png")
+    header = study_header(name, dataclasses.asdict(base), n_seeds, corpus.describe(), how)
+    (out / f"{name}.md").write_text(f"# {header}\n\nCommand: `{cmd}`\n\n{md}\n")
+    study_plot(name, labels, results, out / f"{name}.png")
     write_json(
         out / "results.json",
         {
-            "study": NAME,
+            "study": name,
             "command": cmd,
             "target_val_loss": target,
             "target_from": how,
@@ -390,23 +406,35 @@ def run_cocodc_paper(args: argparse.Namespace) -> int:
         },
     )
     print(f"\n{header}\n\n{md}")
-    wrote = f"{out / (NAME + '.md')}, {out / (NAME + '.png')}, {out / 'results.json'}"
+    wrote = f"{out / (name + '.md')}, {out / (name + '.png')}, {out / 'results.json'}"
     print(f"\nwrote {wrote} ({time.perf_counter() - t0:.0f} s)")
     return 0
 
 
-def render(data: dict, plot_dir: Path | None, prefix: str) -> tuple[str, list[Path]]:
-    """``lowcomm report`` of the study's results.json: its header and table (and with ``plot_dir``
-    the loss-vs-steps plot)."""
+def render_paper_setup(
+    name: str, tables: Tables, data: dict, plot_dir: Path | None, prefix: str
+) -> tuple[str, list[Path]]:
+    """``lowcomm report`` of a study made by :func:`run_paper_setup`: its header and tables (and with
+    ``plot_dir`` the loss-vs-steps plot)."""
     results = runs_of(data)
     labels, seeds = labels_of(results), [int(s) for s in data["seeds"]]
-    header = study_header(data["base"], len(seeds), str(data["corpus"]), str(data["target_from"]))
-    md, _ = table(labels, results, float(data["target_val_loss"]), seeds)
+    header = study_header(name, data["base"], len(seeds), str(data["corpus"]), str(data["target_from"]))
+    md, _ = tables(labels, results, float(data["target_val_loss"]), seeds)
     plots: list[Path] = []
     if plot_dir:
-        plots.append(plot_dir / f"{prefix}_{NAME}.png")
-        study_plot(NAME, labels, results, plots[-1])
+        plots.append(plot_dir / f"{prefix}_{name}.png")
+        study_plot(name, labels, results, plots[-1])
     return f"**{header}**\n\nCommand: `{data['command']}`\n\n{md}", plots
+
+
+def run_cocodc_paper(args: argparse.Namespace) -> int:
+    """The study's command: ``lowcomm compare --study cocodc-paper [--quick] [--seeds N] [flags]``."""
+    return run_paper_setup(args, NAME, configs, table)
+
+
+def render(data: dict, plot_dir: Path | None, prefix: str) -> tuple[str, list[Path]]:
+    """``lowcomm report`` of the study's results.json."""
+    return render_paper_setup(NAME, table, data, plot_dir, prefix)
 
 
 STUDY = Study(NAME, configs, run_cocodc_paper, render)
