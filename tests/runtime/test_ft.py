@@ -83,14 +83,21 @@ def _records(out: Path, i: int | str) -> list[dict]:
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
-def _wait_step(out: Path, i: int | str, step: int, timeout: float = 240.0) -> None:
+def _wait_step(out: Path, i: int | str, step: int, procs, timeout: float = 240.0) -> None:
+    """Wait until replica i recorded `step`. Otherwise fail with every replica's stacks and log
+    (``_stacks_and_logs``; `procs`: all the test's replica processes), then end those still running."""
     t_end = time.time() + timeout
     while time.time() < t_end:
         recs = _records(out, i)
         if recs and recs[-1]["step"] >= step:
             return
         time.sleep(0.1)
-    raise AssertionError(f"replica {i} did not reach step {step} within {timeout} s")
+    procs = list(procs)
+    report = _stacks_and_logs(procs)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    raise AssertionError(f"replica {i} did not reach step {step} within {timeout} s:\n" + report)
 
 
 def _finish(procs, timeout: float = 240.0) -> None:
@@ -103,28 +110,38 @@ def _finish(procs, timeout: float = 240.0) -> None:
                 rc = p.wait(timeout=max(t_end - time.time(), 1.0))
             except subprocess.TimeoutExpired:
                 hung = [q for q in procs if q.poll() is None]
-                for q in hung:
-                    q.send_signal(signal.SIGUSR1)
-                time.sleep(2.0)
                 raise AssertionError(
-                    f"{len(hung)} replica(s) still running after {timeout} s:\n" + _logs(hung)
+                    f"{len(hung)} replica(s) still running after {timeout} s:\n" + _stacks_and_logs(hung)
                 ) from None
-            if rc != 0:  # its log in full, the others' ends: what each was doing when it failed
+            if rc != 0:  # its log's end, the others' last lines: what each was doing when it failed
                 others = [q for q in procs if q is not p]
-                raise AssertionError(f"a replica failed (exit {rc}):\n" + _logs([p]) + _logs(others, 1500))
+                raise AssertionError(f"a replica failed (exit {rc}):\n" + _logs([p], 150) + _logs(others, 20))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
 
 
-def _logs(procs, tail: int = 6000) -> str:
-    """The end of each process's log (its stdout file), with its exit code and the wall time of the
-    last step its replica recorded (to line the logs up)."""
+def _stacks_and_logs(procs) -> str:
+    """Every replica process described for a failure: those still running are first asked for their
+    threads' stacks (SIGUSR1: faulthandler in the worker writes them to its log), then ``_logs``
+    with a tail long enough to hold such a dump."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        p.send_signal(signal.SIGUSR1)
+    if live:
+        time.sleep(2.0)  # for the dumps to land in the logs
+    return _logs(procs, 80)
+
+
+def _logs(procs, lines: int = 80) -> str:
+    """The last `lines` lines of each process's log (its stdout and stderr), with its exit code and
+    the wall time of the last step its replica recorded (to line the logs up)."""
     parts = []
     for p in procs:
         log = getattr(p, "log_path", None)
-        text = log.read_text(errors="replace")[-tail:] if log and log.exists() else "(no log)"
+        text = log.read_text(errors="replace") if log and log.exists() else "(no log)"
+        text = "\n".join(text.splitlines()[-lines:])
         recs = _records(log.parent, log.name[3:]) if log else []
         last = "no step"
         if recs:
@@ -198,10 +215,10 @@ def test_stopped_replica_is_dropped(lighthouse, tmp_path):
     steps = 60
     procs = _start_all(lighthouse, tmp_path, 3, steps, "--step-sleep", "0.05")
     try:
-        _wait_step(tmp_path, 2, 12)
+        _wait_step(tmp_path, 2, 12, procs)
         procs[2].send_signal(signal.SIGSTOP)
         stopped_at = _records(tmp_path, 2)[-1]["step"]
-        _wait_step(tmp_path, 0, steps, timeout=90)
+        _wait_step(tmp_path, 0, steps, procs, timeout=90)
         _finish(procs[:2])
     finally:
         procs[2].kill()
@@ -240,11 +257,11 @@ def _hold_run(lighthouse, tmp_path, method: str, steps: int, hold: int, kill_aft
     ready = tmp_path / "ready"
     hold_args = ["--method", method, "--hold-at", str(hold), "--hold-for", str(ready)]
     procs = _start_all(lighthouse, tmp_path, 3, steps, *hold_args)
-    _wait_step(tmp_path, 2, kill_after)
+    _wait_step(tmp_path, 2, kill_after, procs)
     procs[2].send_signal(signal.SIGKILL)
     procs[2].wait()
     killed_at = _records(tmp_path, 2)[-1]["step"]
-    _wait_step(tmp_path, 0, hold)
+    _wait_step(tmp_path, 0, hold, procs)
     procs[2] = _start(lighthouse, 2, tmp_path, 80, "--method", method, "--ready-file", str(ready))
     _finish(procs)
     _fresh_start(tmp_path, [0, 1, 2], 3, until=killed_at)
@@ -362,7 +379,7 @@ def test_replica_is_a_data_parallel_group(lighthouse, tmp_path):
         for r in range(2)
     }
     _start_together(procs, tmp_path)
-    _wait_step(tmp_path, "1_0", 12)
+    _wait_step(tmp_path, "1_0", 12, procs.values())
     for r in range(2):
         procs[1, r].send_signal(signal.SIGKILL)
         procs[1, r].wait()
@@ -405,7 +422,7 @@ def test_replica_data_parallel_group_agrees(lighthouse, tmp_path, method):
         for r in range(2)
     }
     _start_together(procs, tmp_path)
-    _wait_step(tmp_path, "1_0", 12)
+    _wait_step(tmp_path, "1_0", 12, procs.values())
     for r in range(2):
         procs[1, r].send_signal(signal.SIGKILL)
         procs[1, r].wait()
@@ -484,11 +501,11 @@ def test_replica_data_parallel_heals_from_two_sources(lighthouse, tmp_path, meth
         for r in range(2)
     }
     _start_together(procs, tmp_path)
-    _wait_step(tmp_path, "2_0", 12)
+    _wait_step(tmp_path, "2_0", 12, procs.values())
     for r in range(2):
         procs[2, r].send_signal(signal.SIGKILL)
         procs[2, r].wait()
-    _wait_step(tmp_path, "0_0", hold)
+    _wait_step(tmp_path, "0_0", hold, procs.values())
     ports[2] = _free_port()
     for r in range(2):
         extra = (*run, "--ready-file", str(ready)) if r == 1 else run  # the last one up releases them
