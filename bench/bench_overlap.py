@@ -12,10 +12,14 @@ every collective's completion. Reported per strategy (mean over ranks):
 - extra memory per worker: persistent buffers (g, u) plus the peak of in-flight transient buffers
   (wire buffers, snapshots), over plain training.
 
-Usage: ``python bench/bench_overlap.py [--worlds 2 4] [--steps 60] [--emulate-compute 0 0.06]``.
-Writes bench/results/overlap.json and bench/results/overlap.md (a section for bench/RESULTS.md).
+Usage: ``python bench/bench_overlap.py [--worlds 2 4] [--steps 60] [--emulate-compute 0.06 0]``.
 ``--emulate-compute S`` replaces the forward/backward by ``sleep(S)`` (timing independent of how
-busy a shared CPU is); by default compute is real.
+busy a shared CPU is); 0 is real compute; one table each (default: 60 ms, then real).
+
+Writes ``--out`` (default bench/figures/overlap.json: every table's measurements with the run's
+provenance: revision, load, CPU time, command) and prints the tables. ``--render [PATH]`` runs
+nothing and prints the tables of a results file as docs/results.md and bench/RESULTS.md show them
+(bench/render_results.py includes them; tests/test_bench_renders.py checks both verbatim).
 """
 
 from __future__ import annotations
@@ -23,11 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
+from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = Path(HERE).parent
+LABEL = "bench/figures/overlap.json"
+PROG = ".venv/bin/python bench/bench_overlap.py"
+NOTE = (
+    "Exposed comm = time blocked waiting for a collective (incl. the emulated WAN delay) / step time. "
+    "T_s is observed at step granularity (polled once per step). Extra memory = g and u (dense methods) "
+    "+ peak in-flight buffers (wire Δ, snapshots); LOSCAR keeps no global copy, only k-sized buffers."
+)
 
 
 def _model(width: int, blocks: int):
@@ -57,15 +69,18 @@ def worker(rank: int, world: int, cfg: dict) -> dict:
     strategies = {
         "no sync": None,
         "DiLoCo (blocking)": lambda m, o: rt.DiLoCo(m, o, sync_every=H, wan=wan),
-        "Streaming DiLoCo": lambda m, o: rt.StreamingDiLoCo(m, o, sync_every=H, num_fragments=K,
-                                                            fragment_sync_delay=tau, wan=wan),
-        "CoCoDC": lambda m, o: rt.CoCoDC(m, o, sync_every=H, num_fragments=K, fragment_sync_delay=tau,
-                                         syncs_per_period=K, wan=wan),
-        "CoCoDC (auto N)": lambda m, o: rt.CoCoDC(m, o, sync_every=H, num_fragments=K,
-                                                  fragment_sync_delay=tau,
-                                                  syncs_per_period="auto", wan=wan),
-        "LOSCAR p=0.1": lambda m, o: rt.LOSCAR(m, o, density=0.1, local_steps=H - tau, overlap_steps=tau,
-                                               wan=wan),
+        "Streaming DiLoCo": lambda m, o: rt.StreamingDiLoCo(
+            m, o, sync_every=H, num_fragments=K, fragment_sync_delay=tau, wan=wan
+        ),
+        "CoCoDC": lambda m, o: rt.CoCoDC(
+            m, o, sync_every=H, num_fragments=K, fragment_sync_delay=tau, syncs_per_period=K, wan=wan
+        ),
+        "CoCoDC (auto N)": lambda m, o: rt.CoCoDC(
+            m, o, sync_every=H, num_fragments=K, fragment_sync_delay=tau, syncs_per_period="auto", wan=wan
+        ),
+        "LOSCAR p=0.1": lambda m, o: rt.LOSCAR(
+            m, o, density=0.1, local_steps=H - tau, overlap_steps=tau, wan=wan
+        ),
     }
     out: dict[str, dict] = {}
     # Interleave the strategies and keep each one's fastest repeat: on a shared machine the load
@@ -104,16 +119,28 @@ def _measure(rank: int, cfg: dict, make) -> dict:
     wall = time.perf_counter() - t0
     rec = {"step_ms": 1e3 * wall / cfg["steps"], "params": sum(p.numel() for p in model.parameters())}
     if st is None:
-        rec.update(exposed_fraction=0.0, exposed_s=0.0, syncs=0, bytes_per_worker=0, extra_mem_bytes=0,
-                   t_s_ms=0.0, t_c_ms=1e3 * t_compute / cfg["steps"])
+        rec.update(
+            exposed_fraction=0.0,
+            exposed_s=0.0,
+            syncs=0,
+            bytes_per_worker=0,
+            extra_mem_bytes=0,
+            t_s_ms=0.0,
+            t_c_ms=1e3 * t_compute / cfg["steps"],
+        )
     else:
         m = st.metrics
         ts = [r.in_flight_s for r in m.syncs]
-        rec.update(exposed_fraction=m.exposed_fraction(), exposed_s=m.exposed_comm_s, syncs=m.num_syncs,
-                   bytes_per_worker=m.bytes_sent,
-                   extra_mem_bytes=m.extra_memory_bytes + m.peak_inflight_bytes,
-                   t_s_ms=1e3 * sum(ts) / max(1, len(ts)), t_c_ms=1e3 * m.compute_s / max(1, m.steps),
-                   n_history=list(getattr(st, "n_history", [])))
+        rec.update(
+            exposed_fraction=m.exposed_fraction(),
+            exposed_s=m.exposed_comm_s,
+            syncs=m.num_syncs,
+            bytes_per_worker=m.bytes_sent,
+            extra_mem_bytes=m.extra_memory_bytes + m.peak_inflight_bytes,
+            t_s_ms=1e3 * sum(ts) / max(1, len(ts)),
+            t_c_ms=1e3 * m.compute_s / max(1, m.steps),
+            n_history=list(getattr(st, "n_history", [])),
+        )
     return rec
 
 
@@ -122,35 +149,59 @@ def _mean_or_first(values: list):
     return sum(values) / len(values) if isinstance(values[0], (int, float)) else values[0]
 
 
-def render(results: dict, cfg: dict) -> str:
-    mode = "emulated compute" if cfg["emulate_compute"] else "real compute"
+def table(run: dict, machine: dict) -> str:
+    """One run's table (markdown): a title, its configuration, then a row per (ranks, strategy)."""
+    cfg, results = run["config"], run["results"]
     n_params = results[str(cfg["worlds"][0])]["no sync"]["params"]
-    compute = (f"emulated ({cfg['emulate_compute'] * 1e3:.0f} ms sleep)" if cfg["emulate_compute"]
-               else "real (CPU)")
-    lines = [f"### Overlap benchmark, emulated WAN, {mode}", "",
-             f"WAN {cfg['latency'] * 1e3:.0f} ms latency, {cfg['bandwidth'] * 8 / 1e9:.2f} Gbit/s per "
-             "worker; "
-             f"MLP {cfg['blocks']} x Linear({cfg['width']}, {cfg['width']}) ({n_params / 1e6:.2f} M params, "
-             f"fp32), batch {cfg['batch']}, {cfg['steps']} inner steps (fastest of {cfg['repeats']} "
-             f"interleaved repeats); H = {cfg['sync_every']}, K = {cfg['fragments']}, τ = {cfg['delay']}; "
-             f"compute {compute}. Machine: {platform.machine()}, {os.cpu_count()} cores (shared). "
-             "Mean over ranks.", "",
-             "| ranks | strategy | step (ms) | vs no sync | exposed comm | T_c (ms) | T_s (ms) | syncs | "
-             "MB on wire / worker | extra memory / worker (MB) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    if cfg["emulate_compute"]:
+        title = f"Emulated compute ({cfg['emulate_compute'] * 1e3:.0f} ms sleep per step)"
+        compute = f"emulated ({cfg['emulate_compute'] * 1e3:.0f} ms sleep)"
+    else:
+        title, compute = "Real compute (CPU)", "real (CPU)"
+    lines = [
+        f"**{title}**",
+        "",
+        f"WAN {cfg['latency'] * 1e3:.0f} ms latency, {cfg['bandwidth'] * 8 / 1e9:.2f} Gbit/s per "
+        "worker; "
+        f"MLP {cfg['blocks']} x Linear({cfg['width']}, {cfg['width']}) ({n_params / 1e6:.2f} M params, "
+        f"fp32), batch {cfg['batch']}, {cfg['steps']} inner steps (fastest of {cfg['repeats']} "
+        f"interleaved repeats); H = {cfg['sync_every']}, K = {cfg['fragments']}, τ = {cfg['delay']}; "
+        f"compute {compute}. Machine: {machine.get('arch')}, {machine.get('cpu_count')} cores "
+        "(shared). Mean over ranks.",
+        "",
+        "| ranks | strategy | step (ms) | vs no sync | exposed comm | T_c (ms) | T_s (ms) | syncs | "
+        "MB on wire / worker | extra memory / worker (MB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for world, per in results.items():
         base = per["no sync"]["step_ms"]
         for name, r in per.items():
-            lines.append(f"| {world} | {name} | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f}x | "
-                         f"{100 * r['exposed_fraction']:.1f}% | {r['t_c_ms']:.1f} | {r['t_s_ms']:.1f} | "
-                         f"{r['syncs']:.0f} | "
-                         f"{r['bytes_per_worker'] / 1e6:.2f} | {r['extra_mem_bytes'] / 1e6:.2f} |")
-    lines += ["", "Exposed comm = time blocked waiting for a collective (incl. the emulated WAN delay) / "
-              "step "
-              "time. T_s is observed at step granularity (polled once per step). Extra memory = g and u "
-              "(dense methods) + peak in-flight buffers (wire Δ, snapshots); LOSCAR keeps no global copy, "
-              "only k-sized buffers.", ""]
+            lines.append(
+                f"| {world} | {name} | {r['step_ms']:.1f} | {r['step_ms'] / base:.2f}x | "
+                f"{100 * r['exposed_fraction']:.1f}% | {r['t_c_ms']:.1f} | {r['t_s_ms']:.1f} | "
+                f"{r['syncs']:.0f} | "
+                f"{r['bytes_per_worker'] / 1e6:.2f} | {r['extra_mem_bytes'] / 1e6:.2f} |"
+            )
     return "\n".join(lines)
+
+
+def source_line(result: dict) -> str:
+    """Where the figures come from, as ``lowcomm report`` writes it under its tables."""
+    from lowcomm_kernels.train import render
+
+    return render.provenance_line(render.Source(LABEL, Path(LABEL), "overlap", result))
+
+
+def render_blocks(result: dict) -> list[str]:
+    """Every table of a results file, the note on its columns and the source line (markdown), each
+    one block: docs/results.md puts its prose between them."""
+    machine = (result.get("provenance") or {}).get("machine") or {}
+    return [*(table(run, machine) for run in result["runs"]), NOTE, source_line(result)]
+
+
+def render_markdown(result: dict) -> str:
+    """What ``--render`` prints, and bench/RESULTS.md shows: the blocks one after the other."""
+    return "\n\n".join(render_blocks(result))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,36 +216,63 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delay", type=int, default=4)
     ap.add_argument("--latency", type=float, default=0.050)
     ap.add_argument("--bandwidth", type=float, default=125e6, help="bytes/s (125e6 = 1 Gbit/s)")
-    ap.add_argument("--emulate-compute", type=float, nargs="+", default=[0.0, 0.06],
-                    help="seconds of sleep per step instead of real compute; 0 = real compute "
-                         "(one table each)")
+    ap.add_argument(
+        "--emulate-compute",
+        type=float,
+        nargs="+",
+        default=[0.06, 0.0],
+        help="seconds of sleep per step instead of real compute; 0 = real compute "
+        "(one table each; default 0.06 0)",
+    )
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats; the fastest is kept")
-    ap.add_argument("--out", default=os.path.join(HERE, "results"))
+    ap.add_argument("--out", type=Path, default=ROOT / LABEL, help=f"results file (default {LABEL})")
+    ap.add_argument(
+        "--render",
+        type=Path,
+        nargs="?",
+        const=ROOT / LABEL,
+        default=None,
+        help=f"run nothing: print the tables of this results file (default {LABEL})",
+    )
     args = ap.parse_args(argv)
-    sys.path.insert(0, os.path.dirname(HERE))
+    sys.path.insert(0, str(ROOT))  # run as a script: the checkout's package
+    if args.render is not None:
+        print(render_markdown(json.loads(args.render.read_text())))
+        return 0
     from lowcomm_kernels.runtime.launch import spawn_local
+    from lowcomm_kernels.train import provenance
 
-    runs, sections = [], []
+    started = provenance.begin(sys.argv[1:] if argv is None else argv, prog=PROG)
+    git = provenance.git_info(ROOT)  # the checkout as the run found it, before the results file is written
+    runs = []
     for emulate in args.emulate_compute:
-        cfg = {"steps": args.steps, "width": args.width, "blocks": args.blocks, "batch": args.batch,
-               "sync_every": args.sync_every, "fragments": args.fragments, "delay": args.delay,
-               "latency": args.latency, "bandwidth": args.bandwidth, "emulate_compute": emulate,
-               "worlds": args.worlds, "repeats": args.repeats}
+        cfg = {
+            "steps": args.steps,
+            "width": args.width,
+            "blocks": args.blocks,
+            "batch": args.batch,
+            "sync_every": args.sync_every,
+            "fragments": args.fragments,
+            "delay": args.delay,
+            "latency": args.latency,
+            "bandwidth": args.bandwidth,
+            "emulate_compute": emulate,
+            "worlds": args.worlds,
+            "repeats": args.repeats,
+        }
         results = {}
         for world in args.worlds:
             per_rank = spawn_local(f"{os.path.abspath(__file__)}:worker", world, (cfg,), timeout_s=1200)
             names = per_rank[0].keys()
-            results[str(world)] = {n: {k: _mean_or_first([r[n][k] for r in per_rank]) for k in per_rank[0][n]}
-                                   for n in names}
+            results[str(world)] = {
+                n: {k: _mean_or_first([r[n][k] for r in per_rank]) for k in per_rank[0][n]} for n in names
+            }
         runs.append({"config": cfg, "results": results})
-        sections.append(render(results, cfg))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "overlap.json"), "w") as f:
-        json.dump({"runs": runs, "machine": platform.platform()}, f, indent=2)
-    md = "\n".join(sections)
-    with open(os.path.join(args.out, "overlap.md"), "w") as f:
-        f.write(md)
-    print(md)
+    result = {"runs": runs, "provenance": {**provenance.collect(started, repo=ROOT), "git": git}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(render_markdown(result))
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -9,23 +9,35 @@ on the default validation windows (``eval_set`` of the standard library's valida
 cases: the workers hold different models (seeds differ: each rank scores its own model on every
 window and its share of the averaged model's) and the workers hold one model (one scoring, split
 between the ranks). A model every rank held is scored once per process (``_AGREED_LOSSES``); the
-cache is cleared before each timed call, so the "agree" row is the cost of a first scoring. Prints
-the median wall-clock of rank 0 per call, the load average before and after, and the CPU seconds
-of all ranks.
+cache is cleared before each timed call, so the "agree" row is the cost of a first scoring.
+
+Writes ``--out`` (default bench/figures/eval_cost.json: per case the median wall-clock of rank 0 per
+call and the CPU seconds of all ranks, with the run's provenance: revision, load, CPU time, command)
+and prints its table. ``--render [PATH]`` runs nothing and prints the table of a results file as
+docs/results.md shows it (tests/test_bench_renders.py checks that the docs quote it verbatim):
+
+    .venv/bin/python bench/eval_cost.py --render
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lowcomm_kernels.runtime.launch import launch  # noqa: E402
+from lowcomm_kernels.train import provenance  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+LABEL = "bench/figures/eval_cost.json"
+PROG = ".venv/bin/python bench/eval_cost.py"
 
 
 def _rank(rank: int, world: int, eval_bytes: list[int], repeats: int) -> list[dict]:
@@ -67,22 +79,91 @@ def _rank(rank: int, world: int, eval_bytes: list[int], repeats: int) -> list[di
     return rows
 
 
-def main() -> int:
+# What each preset scores (train/presets.py and the harness): step 0 once per launch (every run starts
+# from the same model, so the workers agree), then at every eval step data-parallel's workers agree
+# and DiLoCo's do (its eval steps are multiples of H, right after a sync), while the three streaming
+# methods' workers differ. (preset, validation bytes, eval steps after step 0)
+PRESETS = (("`compare --quick`", 65_536, 2), ("`compare`", 262_144, 3))
+
+
+def preset_cost(result: dict) -> list[str]:
+    """Per preset, what its evaluations cost in CPU seconds of all ranks, from the rows."""
+    cpu = {(r["eval_bytes"], r["case"]): r["cpu_s_all_ranks"] for r in result["rows"]}
+    out = []
+    for name, nbytes, evals in PRESETS:
+        if (nbytes, "agree") not in cpu or (nbytes, "differ") not in cpu:
+            continue
+        agree, differ = 1 + 2 * evals, 3 * evals
+        total = agree * cpu[nbytes, "agree"] + differ * cpu[nbytes, "differ"]
+        out.append(
+            f"{name}: {agree} × {cpu[nbytes, 'agree']:.1f} (agree) + {differ} × "
+            f"{cpu[nbytes, 'differ']:.1f} (differ) ≈ {total:.0f} CPU s, at least {total / 2:.0f} s "
+            "of wall-clock on two cores"
+        )
+    return out
+
+
+def source_line(result: dict) -> str:
+    """Where the figures come from, as ``lowcomm report`` writes it under its tables."""
+    from lowcomm_kernels.train import render
+
+    return render.provenance_line(render.Source(LABEL, Path(LABEL), "eval_cost", result))
+
+
+def render_markdown(result: dict) -> str:
+    """The table (markdown) of a results file, with what the presets' evaluations cost and the
+    source line: what docs/results.md shows."""
+    c = result["config"]
+    lines = [
+        f"{c['workers']} ranks, the default TinyLlama and validation windows, the harness's own "
+        f"`evaluate`; median of {c['repeats']} call{'s' * (c['repeats'] != 1)} per case:",
+        "",
+        "| scored bytes | workers' models | wall-clock per evaluation | CPU s, all ranks |",
+        "|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['eval_bytes']:,} | {r['case']} | {r['wall_s']:.2f} s | {r['cpu_s_all_ranks']:.1f} |"
+        )
+    cost = preset_cost(result) if c["workers"] == 4 else []
+    if cost:
+        lines += ["", "What the presets' evaluations cost, from these rows (CPU s of all ranks):", ""]
+        lines += [f"- {x}" for x in cost]
+    return "\n".join(lines + ["", source_line(result)])
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--eval-bytes", type=int, nargs="+", default=[262_144, 65_536])
     ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=ROOT / LABEL, help=f"results file (default {LABEL})")
+    ap.add_argument(
+        "--render",
+        type=Path,
+        nargs="?",
+        const=ROOT / LABEL,
+        default=None,
+        help=f"run nothing: print the table of this results file (default {LABEL})",
+    )
+    args = ap.parse_args(argv)
+    if args.render is not None:
+        print(render_markdown(json.loads(args.render.read_text())))
+        return 0
     if args.workers < 1 or args.repeats < 1 or min(args.eval_bytes) < 64:
         ap.error("--workers and --repeats must be >= 1 and every --eval-bytes >= 64 (one window)")
-    load0 = os.getloadavg()[0]
+    started = provenance.begin(sys.argv[1:] if argv is None else argv, prog=PROG)
+    git = provenance.git_info(ROOT)  # the checkout as the run found it, before the results file is written
     rows = launch(_rank, args.workers, (args.eval_bytes, args.repeats), timeout_s=3600)[0]
-    load1 = os.getloadavg()[0]
-    print(f"{args.workers} ranks, median of {args.repeats}; load average {load0:.1f} -> {load1:.1f}")
-    print("| scored bytes | workers' models | wall-clock per evaluation | CPU s, all ranks |")
-    print("|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['eval_bytes']:,} | {r['case']} | {r['wall_s']:.2f} s | {r['cpu_s_all_ranks']:.1f} |")
+    result = {
+        "config": {"workers": args.workers, "eval_bytes": args.eval_bytes, "repeats": args.repeats},
+        "rows": rows,
+        "provenance": {**provenance.collect(started, repo=ROOT), "git": git},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(render_markdown(result))
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -13,14 +13,24 @@ at its peak over the steps, beside the inner AdamW state (measured from ``optimi
 g, u), identical seeds, data and schedule; every ``--eval-every`` steps it prints the training loss
 (mean of the last steps, rank 0) and the validation loss of each rank's parameters (evaluated in
 float32, so the comparison is of the parameters, not of bf16 arithmetic in the evaluation).
+
+With no part named, both run. Each part writes its section of ``--out`` (default
+bench/figures/low_precision.json, the other section kept) with its own provenance (revision as the
+command found the checkout, load, CPU time, wall-clock, command), and prints its table.
+``--render [PATH]`` runs nothing and prints both tables of a results file as docs/results.md shows
+them (tests/test_bench_renders.py checks that the docs quote them verbatim):
+
+    .venv/bin/python bench/low_precision.py --render
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,10 +40,15 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import lowcomm_kernels.runtime as rt  # noqa: E402
 from lowcomm_kernels.runtime.launch import spawn_local  # noqa: E402
+from lowcomm_kernels.train import provenance  # noqa: E402
 from lowcomm_kernels.train.corpus import eval_batches, load_corpus, sample_batch, worker_shard  # noqa: E402
 from lowcomm_kernels.train.model import ModelConfig, TinyLlama  # noqa: E402
 
 HERE = os.path.abspath(__file__)
+ROOT = Path(HERE).parent.parent
+LABEL = "bench/figures/low_precision.json"
+PROG = ".venv/bin/python bench/low_precision.py"
+PARTS = ("memory", "loss")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 H = 20  # sync period of the memory runs
 STRATEGIES: dict[str, tuple[type, dict[str, Any]]] = {
@@ -91,23 +106,36 @@ def memory_rank(rank: int, world: int, dtype: str, name: str) -> dict[str, float
     return peak
 
 
-def memory_table() -> str:
-    rows = [
+def memory_run() -> dict:
+    """Every (model dtype, strategy) on one rank: the peaks of memory_per_param() and AdamW's state."""
+    rows = []
+    for dtype in DTYPES:
+        for name in STRATEGIES:
+            m = spawn_local(f"{HERE}:memory_rank", 1, (dtype, name), timeout_s=300)[0]
+            rows.append({"dtype": dtype, "strategy": name, **m})
+    cfg = ModelConfig()
+    return {
+        "config": {"dim": cfg.dim, "n_layers": cfg.n_layers, "sync_every": H, "steps": 2 * H},
+        "rows": rows,
+    }
+
+
+def memory_markdown(part: dict) -> str:
+    c = part["config"]
+    lines = [
+        f"TinyLlama (dim {c['dim']}, {c['n_layers']} layers, {int(part['rows'][0]['numel']):,} parameters), "
+        f"bytes per parameter, peak over {c['steps']} steps (H = {c['sync_every']}), one rank:",
+        "",
         "| model params | strategy | params B/param | outer state (g, u) | in flight, peak | "
         "kept for later sends, peak | extra over plain training, peak | inner AdamW state |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    numel = 0
-    for dtype in DTYPES:
-        for name in STRATEGIES:
-            m = spawn_local(f"{HERE}:memory_rank", 1, (dtype, name), timeout_s=300)[0]
-            numel = int(m["numel"])
-            rows.append(
-                f"| {dtype} | {name} | {m['params']:.2f} | {m['outer_state']:.2f} | {m['in_flight']:.2f} | "
-                f"{m['spare']:.2f} | {m['extra']:.2f} | {m['adamw_state']:.2f} |"
-            )
-    head = f"TinyLlama {ModelConfig()}: {numel} trainable parameters; bytes per parameter, measured\n"
-    return head + "\n".join(rows)
+    for m in part["rows"]:
+        lines.append(
+            f"| {m['dtype']} | {m['strategy']} | {m['params']:.2f} | {m['outer_state']:.2f} | "
+            f"{m['in_flight']:.2f} | {m['spare']:.2f} | {m['extra']:.2f} | {m['adamw_state']:.2f} |"
+        )
+    return "\n".join(lines)
 
 
 def loss_rank(rank: int, world: int, dtype: str, steps: int, eval_every: int, seed: int) -> list[dict]:
@@ -157,40 +185,84 @@ def loss_rank(rank: int, world: int, dtype: str, steps: int, eval_every: int, se
     return out
 
 
-def loss_table(steps: int, eval_every: int, seed: int) -> str:
-    res = {
-        d: spawn_local(f"{HERE}:loss_rank", 2, (d, steps, eval_every, seed), timeout_s=1800)[0]
+def loss_run(steps: int, eval_every: int, seed: int) -> dict:
+    """fp32 then bf16 parameters, 2 ranks each: every eval step's training and validation losses."""
+    per = {
+        d: spawn_local(f"{HERE}:loss_rank", 2, (d, steps, eval_every, seed), timeout_s=3600)[0]
         for d in DTYPES
     }
-    rows = [
+    return {"config": {"steps": steps, "eval_every": eval_every, "seed": seed}, "rows": per}
+
+
+def loss_markdown(part: dict) -> str:
+    c = part["config"]
+    lines = [
+        f"{c['steps']} steps, seed {c['seed']}, every {c['eval_every']} steps: training loss (rank 0, "
+        "mean since the last row) and validation loss of each rank's parameters:",
+        "",
         "| step | fp32 train | fp32 val (rank 0 / 1) | bf16 train | bf16 val (rank 0 / 1) |",
         "| --- | --- | --- | --- | --- |",
     ]
-    for a, b in zip(res["fp32"], res["bf16"], strict=True):
-        rows.append(
+    for a, b in zip(part["rows"]["fp32"], part["rows"]["bf16"], strict=True):
+        lines.append(
             f"| {a['step']} | {a['train']:.3f} | {a['val'][0]:.3f} / {a['val'][1]:.3f} | "
             f"{b['train']:.3f} | {b['val'][0]:.3f} / {b['val'][1]:.3f} |"
         )
-    head = (
-        f"TinyLlama {ModelConfig()}, 2 ranks, Streaming DiLoCo (H=50, K=2, tau=5), AdamW lr 3e-3, "
-        f"batch 8, seed {seed}, {steps} steps\n"
-    )
-    return head + "\n".join(rows)
+    return "\n".join(lines)
+
+
+def source_line(part: dict) -> str:
+    """Where a part's figures come from, as ``lowcomm report`` writes it under its tables."""
+    from lowcomm_kernels.train import render
+
+    return render.provenance_line(render.Source(LABEL, Path(LABEL), "low_precision", part))
+
+
+def render_parts(result: dict) -> dict[str, str]:
+    """Each part's table and source line (markdown), as docs/results.md shows them."""
+    make = {"memory": memory_markdown, "loss": loss_markdown}
+    return {k: make[k](result[k]) + "\n\n" + source_line(result[k]) for k in PARTS if k in result}
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="what", required=True)
-    sub.add_parser("memory", help="bytes per parameter of each strategy, fp32 and bf16 models")
-    lp = sub.add_parser("loss", help="bf16 vs fp32 parameters on TinyLlama, Streaming DiLoCo, 2 ranks")
-    lp.add_argument("--steps", type=int, default=600)
-    lp.add_argument("--eval-every", type=int, default=100)
-    lp.add_argument("--seed", type=int, default=0)
+    ap.add_argument("parts", nargs="*", metavar="PART", help="memory, loss or both (default: both)")
+    ap.add_argument("--steps", type=int, default=600, help="loss: steps per run (default 600)")
+    ap.add_argument("--eval-every", type=int, default=100, help="loss: steps between rows (default 100)")
+    ap.add_argument("--seed", type=int, default=0, help="loss: seed (default 0)")
+    ap.add_argument("--out", type=Path, default=ROOT / LABEL, help=f"results file (default {LABEL})")
+    ap.add_argument(
+        "--render",
+        type=Path,
+        nargs="?",
+        const=ROOT / LABEL,
+        default=None,
+        help=f"run nothing: print the tables of this results file (default {LABEL})",
+    )
     args = ap.parse_args(argv)
-    if args.what == "memory":
-        print(memory_table())
-    else:
-        print(loss_table(args.steps, args.eval_every, args.seed))
+    if args.render is not None:
+        print("\n\n".join(render_parts(json.loads(args.render.read_text())).values()))
+        return
+    bad = [x for x in args.parts if x not in PARTS]
+    if bad:
+        ap.error(f"unknown part(s) {bad}; choose from {', '.join(PARTS)}")
+    if args.steps < 1 or args.eval_every < 1:
+        ap.error("--steps and --eval-every must be >= 1")
+    parts = args.parts or list(PARTS)
+    argv = sys.argv[1:] if argv is None else argv
+    git = provenance.git_info(ROOT)  # the checkout as the command found it, before the file is written
+    result = json.loads(args.out.read_text()) if args.out.exists() else {}
+    for what in PARTS:
+        if what not in parts:
+            continue
+        started = provenance.start(argv, prog=PROG)  # each part: its own load, CPU time and wall-clock
+        part = memory_run() if what == "memory" else loss_run(args.steps, args.eval_every, args.seed)
+        part["provenance"] = {**provenance.collect(started, repo=ROOT), "git": git}
+        result[what] = part
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(render_parts(result)[what] + "\n", flush=True)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

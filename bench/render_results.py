@@ -20,9 +20,11 @@ median over interleaved rounds of the same round's time ratio, the speed-up over
 ratio of the two rows' medians (see ``headline``). Ops with no memcpy target (selection- or
 compute-bound: the sparse rows, mask_indices, the top-k codec) get no verdict, and say so.
 
-Two sections come from other engineers' files and are included verbatim when present:
-bench/results/overlap.md (bench_overlap.py) and bench/results/gpu.md (gpu_check.sh). bench/results/
-is not committed, so when a file is absent the section already in RESULTS.md is kept as it was.
+Two sections come from other scripts. The overlap section is what ``bench/bench_overlap.py --render``
+prints from its committed bench/figures/overlap.json (the tables docs/results.md shows, with their
+source line). The GPU section is bench/results/gpu.md (gpu_check.sh), included verbatim when present:
+bench/results/ is not committed, so when that file is absent the section already in RESULTS.md is
+kept as it was.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ NOT_CHARTED = ("mask_indices", "topk_encode", "topk_decode_add_")
 IMPL_LABEL = {"memcpy_nt": "memcpy (nt stores)", "torch_copy": "torch copy_", "ref": "ref (eager)",
               "compile": "torch.compile(ref)", "fused": "fused"}
 INCLUDES = {  # marker -> (file, what to say while it has never been measured)
-    "overlap": ("overlap.md", "Not measured yet: `bench/bench_overlap.py` writes bench/results/overlap.md."),
+    "overlap": ("overlap.md", "Not measured yet: `bench/bench_overlap.py` writes "
+                              "bench/figures/overlap.json."),
     "gpu": ("gpu.md", "Not measured yet: no GPU was available where this was rendered. Run "
                       "`bash bench/gpu_check.sh` on a machine with an NVIDIA GPU (it builds the CUDA "
                       "library, checks Triton and CUDA against the ref, times every op against a device "
@@ -421,11 +424,28 @@ def memcpy_summary(rows: dict, inter: dict) -> list[str]:
     return out + [""]
 
 
+def overlap_section() -> str | None:
+    """The overlap tables as ``bench/bench_overlap.py --render`` prints them from its committed
+    results file (None while there is none)."""
+    path = HERE / "figures" / "overlap.json"
+    if not path.exists():
+        return None
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_overlap", HERE / "bench_overlap.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.render_markdown(json.loads(path.read_text()))
+
+
 def include(marker: str, previous: str) -> list[str]:
     fname, missing = INCLUDES[marker]
     path = HERE / "results" / fname
     begin, end = f"<!-- {marker}:begin -->", f"<!-- {marker}:end -->"
-    if path.exists():
+    rendered = overlap_section() if marker == "overlap" else None
+    if rendered is not None:
+        body = rendered
+    elif path.exists():
         body = path.read_text().strip()
     else:
         m = re.search(re.escape(begin) + r"\n(.*?)\n?" + re.escape(end), previous, re.S)
