@@ -297,6 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a study's few-line headline in place of its tables (frontier)",
     )
     r.add_argument(
+        "--paper",
+        metavar="NAME",
+        help="a paper's findings beside ours from all the RUN files (streaming-diloco)",
+    )
+    r.add_argument(
         "--update-docs",
         action="store_true",
         help="re-render the marked regions (<!-- report: lowcomm report RUN... -->) of the RUN "

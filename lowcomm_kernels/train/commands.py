@@ -142,9 +142,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.check and not args.update_docs:
         raise UsageError("--check goes with --update-docs")
     if args.update_docs:
-        if args.out or args.plot or args.headline:
+        if args.out or args.plot or args.headline or args.paper:
             raise UsageError(
-                "--update-docs rewrites the docs in place: it takes no --out, --plot or --headline"
+                "--update-docs rewrites the docs in place: it takes no --out, --plot, --headline or --paper"
             )
         docs = [Path(p) for p in args.paths] or render.default_docs()
         stale = render.update_docs(docs, check=args.check)
@@ -166,12 +166,15 @@ def cmd_report(args: argparse.Namespace) -> int:
     if out is not None and out.is_dir():
         raise UsageError(f"--out {out} is a folder; give a markdown file name")
     if out is None:
-        text, _ = render.render(args.paths, headlines=args.headline)
+        text, _ = render.render(args.paths, headlines=args.headline, paper=args.paper)
         print(text, end="")
         return 0
     try:  # every source is checked before the plots and the file are written (render)
         text, plots = render.render(
-            args.paths, plot_dir=out.parent if args.plot else None, headlines=args.headline
+            args.paths,
+            plot_dir=out.parent if args.plot else None,
+            headlines=args.headline,
+            paper=args.paper,
         )
         if args.plot:  # the images, linked relative to the markdown file
             text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"

@@ -20,7 +20,10 @@ seeds both configurations ran). The verdict reads the interval against 0 and the
 - "opposite direction": it excludes 0 on the other side.
 
 A paper that states a direction without a number (a figure's reading) is read by the direction
-alone: "same direction", "not separated from 0" or "opposite direction".
+alone: "same direction", "not separated from 0" or "opposite direction". A paper that states only a
+bound on the effect's size (``bound``: "less than 0.2 %") is read against ±bound: "within the paper's
+bound" (the whole interval inside it), "outside the paper's bound" (the whole interval beyond it) or
+"not resolved" (the interval reaches across it).
 
 The claims were chosen after our runs were made (the papers' headline comparisons, not a
 selection by our outcome); the intervals are per claim, not corrected for their number.
@@ -46,6 +49,7 @@ class Claim:
     baseline: str  # our baseline's label
     direction: int = 0  # for a claim with no number (paper None): -1 lower, +1 higher, 0 none
     words: str = ""  # what the paper says when it gives no number and no direction ("about the same")
+    bound: float | None = None  # for a claim with no number: the paper's bound, |effect| < bound
 
 
 def relative(values: Sequence[float | None], reference: Sequence[float | None]) -> stats.Paired:
@@ -56,12 +60,16 @@ def relative(values: Sequence[float | None], reference: Sequence[float | None]) 
     )
 
 
-def verdict(ours: stats.Paired, paper: float | None, direction: int = 0) -> str:
-    """How our interval reads against 0 and the paper's value, or only its direction when the paper
-    gives no number (see the module docstring)."""
+def verdict(ours: stats.Paired, paper: float | None, direction: int = 0, bound: float | None = None) -> str:
+    """How our interval reads against 0 and the paper's value, or only its direction (or its bound)
+    when the paper gives no number (see the module docstring)."""
     if ours.n < 2 or ours.ci_low is None or ours.ci_high is None:
         return "too few seeds"
     lo, hi = ours.ci_low, ours.ci_high
+    if paper is None and bound is not None:
+        if -bound <= lo and hi <= bound:
+            return "within the paper's bound"
+        return "outside the paper's bound" if lo > bound or hi < -bound else "not resolved"
     if paper is None:
         if lo <= 0 <= hi:
             return "not separated from 0"
@@ -80,6 +88,13 @@ def verdict(ours: stats.Paired, paper: float | None, direction: int = 0) -> str:
 
 
 _WORDS = {-1: "lower", 1: "higher"}  # a claim's direction when the paper gives no number
+
+
+def _no_number(c: Claim) -> str:
+    """The paper's cell of a claim without a number: its bound, its direction or 'not measured'."""
+    if c.bound is not None:
+        return f"within ±{100 * c.bound:.1f}%"
+    return _WORDS.get(c.direction, "not measured")
 
 
 def _pct(v: float | None) -> str:
@@ -103,7 +118,7 @@ def table(claims: Sequence[Claim], ours: dict[tuple[str, str], stats.Paired], pa
         cell = "n/a" if o.n == 0 else _pct(o.mean)
         if o.ci_low is not None and o.ci_high is not None:
             cell += f" [{_pct(o.ci_low)}, {_pct(o.ci_high)}]"
-        paper = _pct(c.paper) if c.paper is not None else (c.words or _WORDS.get(c.direction, "not measured"))
-        v = verdict(o, c.paper, c.direction)
+        paper = _pct(c.paper) if c.paper is not None else (c.words or _no_number(c))
+        v = verdict(o, c.paper, c.direction, c.bound)
         lines.append(f"| {c.what} | {c.metric} | {paper} | {c.source} | {cell} | {o.n} | {v} |")
     return "\n".join(lines)

@@ -18,7 +18,9 @@ Docs stay honest with marked regions::
     ... (replaced by the command's output)
     <!-- /report -->
 
-(``lowcomm report --headline PATH`` in a marker: a study's few-line headline in place of its table.)
+(``lowcomm report --headline PATH`` in a marker: a study's few-line headline in place of its table;
+``lowcomm report --paper NAME PATH...``: a paper's findings beside ours, read from several results
+files, ``PAPERS``.)
 
 ``lowcomm report --update-docs`` re-renders every region of README.md, docs/results.md and
 docs/simulator.md (paths in a marker are relative to the repository root); ``--check`` only says
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..sim.command import markdown
-from . import simcheck
+from . import paper_streaming, simcheck
 from .errors import UsageError
 from .extras import require
 from .provenance import package_root
@@ -44,6 +46,9 @@ from .studykit import labels_of, runs_of
 from .tasks import logreg
 
 KINDS = ("compare", "study", "logreg", "simulate", "simcheck")
+#: ``lowcomm report --paper NAME PATH...``: a paper's findings beside ours, rendered from the results
+#: files given (each by its study name, "compare" for a `lowcomm compare` file)
+PAPERS = {paper_streaming.NAME: paper_streaming.section}
 # a region: the opening marker alone on its line, then anything, then the closing marker on its line
 MARKER = re.compile(
     r"^<!-- report: (?P<cmd>[^\n]+?) -->\n(?P<body>.*?)^<!-- /report -->$", re.DOTALL | re.MULTILINE
@@ -133,16 +138,7 @@ def provenance_line(src: Source) -> str:
     head = f"Source: `{src.label}`"
     if not isinstance(p, dict):
         return f"{head} · no provenance recorded (written before results files carried one)"
-    git = p.get("git") or {}
-    rev = git.get("revision")
-    if rev is None:
-        code = "revision unknown (not run from a git checkout)"
-    elif git.get("dirty"):
-        n = git.get("modified_count") or 0
-        code = f"revision `{rev[:10]}` + uncommitted changes in {n} tracked file{'s' * (n != 1)}"
-    else:
-        code = f"revision `{rev[:10]}` (clean)"
-    parts = [head, code, str(p.get("started_utc") or p.get("finished_utc") or "date unknown")]
+    parts = [head, _code(p), str(p.get("started_utc") or p.get("finished_utc") or "date unknown")]
     load, machine = p.get("load") or {}, p.get("machine") or {}
     a, b = load.get("loadavg_start"), load.get("loadavg_end")
     if a and b:
@@ -155,6 +151,18 @@ def provenance_line(src: Source) -> str:
     line = " · ".join(parts)
     made = _made_by(src.data)
     return f"{line}\n\n{made}" if made else line
+
+
+def _code(p: dict) -> str:
+    """The git revision a provenance record names, and whether the tree had uncommitted changes."""
+    git = p.get("git") or {}
+    rev = git.get("revision")
+    if rev is None:
+        return "revision unknown (not run from a git checkout)"
+    if git.get("dirty"):
+        n = git.get("modified_count") or 0
+        return f"revision `{rev[:10]}` + uncommitted changes in {n} tracked file{'s' * (n != 1)}"
+    return f"revision `{rev[:10]}` (clean)"
 
 
 def _made_by(data: dict) -> str:
@@ -258,15 +266,48 @@ def headline(src: Source) -> str:
     return f"{body}\n\n{provenance_line(src)}"
 
 
+def paper_section(name: str, sources: list[Source]) -> str:
+    """``--paper NAME``: the paper's findings beside ours from ``sources`` (``PAPERS``), and a line
+    naming each file and the code that wrote it (the files' own regions carry their full provenance)."""
+    if name not in PAPERS:
+        raise UsageError(f"--paper {name!r}: no such paper section ({', '.join(PAPERS)})")
+    keyed: dict[str, dict] = {}
+    for src in sources:
+        key = src.data["study"] if src.kind == "study" else src.kind
+        if key in keyed:
+            raise UsageError(f"--paper {name}: two results files of {key} given; give one")
+        keyed[key] = src.data
+    try:
+        body = PAPERS[name](keyed)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as exc:  # a malformed field
+        raise UsageError(f"--paper {name}: a results file with a malformed field ({exc})") from None
+    files = "; ".join(
+        f"`{src.label}` at {_code(p)}"
+        if isinstance(p := src.data.get("provenance"), dict)
+        else f"`{src.label}` (no provenance recorded)"
+        for src in sources
+    )
+    return f"{body}\n\nSources: {files}\n"
+
+
 def render(
-    labels: list[str], plot_dir: Path | None = None, base: Path | None = None, headlines: bool = False
+    labels: list[str],
+    plot_dir: Path | None = None,
+    base: Path | None = None,
+    headlines: bool = False,
+    paper: str | None = None,
 ) -> tuple[str, list[Path]]:
     """Markdown for the sources ``labels`` (relative to ``base`` when given; every one loaded and
     checked before anything is drawn), and the plots written into ``plot_dir`` (none when None).
-    ``headlines``: each source's headline only (a study that has one), no tables or plots."""
+    ``headlines``: each source's headline only (a study that has one), no tables or plots.
+    ``paper``: the named paper's findings beside ours from all the sources together (``PAPERS``)."""
     if not labels:
         raise UsageError("lowcomm report needs at least one run folder or results.json")
+    if paper is not None and (headlines or plot_dir is not None):
+        raise UsageError("--paper renders one table from all its files: it takes no --headline or --plot")
     sources = [load(label, base) for label in labels]
+    if paper is not None:
+        return paper_section(paper, sources), []
     if headlines:
         if plot_dir is not None:
             raise UsageError("--headline draws no plots: it takes no --plot")
@@ -297,20 +338,22 @@ def render(
     return "\n\n".join(parts) + "\n", plots
 
 
-def _marker_args(cmd: str, where: str) -> tuple[list[str], bool]:
-    """A marker's paths, and whether it asks for headlines (``lowcomm report --headline PATH...``)."""
+def _marker_args(cmd: str, where: str) -> tuple[list[str], bool, str | None]:
+    """A marker's paths, whether it asks for headlines (``lowcomm report --headline PATH...``) and the
+    paper it asks for (``lowcomm report --paper NAME PATH...``)."""
     try:
         words = shlex.split(cmd)
     except ValueError as exc:
         raise UsageError(f"{where}: cannot parse the marker's command {cmd!r} ({exc})") from None
     heads = words[2:3] == ["--headline"]
-    paths = words[3:] if heads else words[2:]
+    paper = words[3] if words[2:3] == ["--paper"] and len(words) > 3 else None
+    paths = words[3:] if heads else words[4:] if paper is not None else words[2:]
     if words[:2] != ["lowcomm", "report"] or not paths or any(w.startswith("-") for w in paths):
         raise UsageError(
-            f"{where}: a marker reads '<!-- report: lowcomm report [--headline] PATH... -->' (paths "
-            f"only), got {cmd!r}"
+            f"{where}: a marker reads '<!-- report: lowcomm report [--headline | --paper NAME] PATH... -->' "
+            f"(paths only), got {cmd!r}"
         )
-    return paths, heads
+    return paths, heads, paper
 
 
 def read_doc(doc: Path) -> str:
@@ -333,8 +376,8 @@ def render_regions(doc: Path, root: Path) -> tuple[str, int]:
         nonlocal count
         count += 1
         line = text.count("\n", 0, m.start()) + 1
-        paths, heads = _marker_args(m["cmd"], f"{doc}:{line}")
-        body, _ = render(paths, base=root, headlines=heads)
+        paths, heads, paper = _marker_args(m["cmd"], f"{doc}:{line}")
+        body, _ = render(paths, base=root, headlines=heads, paper=paper)
         return f"<!-- report: {m['cmd']} -->\n{body}<!-- /report -->"
 
     return MARKER.sub(sub, text), count
