@@ -12,7 +12,7 @@ configuration.
 
 Ours: the committed studies that ran the same comparisons on this project's byte-level LM (the
 Python standard library's source, 2 or 4 workers, 20,688 to 230,976 parameters, 200 to 2,000 steps,
-3 or 5 seeds), named by the study each row reads (``ROWS``). Every row is a relative effect on the
+3 or 5 seeds), named by the study each row reads (:func:`rows`). Every row is a relative effect on the
 final loss, method / baseline − 1 (``paper_vs_ours``): for the paper from the numbers of its tables,
 for ours per seed (the same seed on both sides, from one results.json) with its 95 % t interval.
 Nothing of ours is copied here: the section is rendered from the results files given on the
