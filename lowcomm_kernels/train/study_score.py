@@ -13,9 +13,9 @@ This study tells them apart with every sync's norms recorded (``log_scores``):
   (s² + σ²/M) / (s² + σ²), i.e. 1/M for pure noise and 1 for pure signal; the noise share
   σ² / (s² + σ²) = (1 − r) / (1 − 1/M) for the ratio r (from worker 0's own norm; the median over the
   run's syncs).
-- **Growth with I.** The exponent a of ‖Δ̄_p‖ ∝ I_p^a (least squares of log ‖Δ̄_p‖ on log I_p within
-  each fragment, per run): a ≈ 1/2 for noise, 1 for a steady drift. Undefined where I_p is the same at
-  every sync (round-robin).
+- **Growth with I.** The exponent a of ‖Δ̄_p‖ ∝ I_p^a (least squares of log ‖Δ̄_p‖ on log I_p
+  among the syncs of one fragment within one period of H steps, per run): a ≈ 1/2 for noise, 1 for a
+  steady drift. Undefined where I_p does not vary within such a group (round-robin).
 - **Drift rate per fragment**: the median of ‖Δ̄_p‖ / (I_p·√numel_p), the RMS change of an element
   per step, which says which fragment moves fastest whatever its size.
 - **Larger batches** (4× the batch, 3 seeds): less noise per step; if noise drove the choice, the
@@ -68,13 +68,16 @@ def seeds_of(label: str, seeds: list[int]) -> list[int]:
     return seeds[:BIG_BATCH_SEEDS] if label == BIG_BATCH else seeds
 
 
-def _fit_exponent(syncs: list[dict]) -> float | None:
-    """Least-squares slope of log ‖Δ̄_p‖ on log I_p with one intercept per fragment (None without any
-    spread of I_p within a fragment)."""
-    by: dict[int, list[tuple[float, float]]] = {}
+def _fit_exponent(syncs: list[dict], period: int) -> float | None:
+    """Least-squares slope of log ‖Δ̄_p‖ on log I_p with one intercept per fragment and period of
+    `period` steps (so that syncs are compared with others of the same fragment at the same stage of
+    training: the norms shrink as the learning rate decays); None without any spread of I_p within
+    such a group."""
+    by: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for s in syncs:
         if s["norm"] and s["norm"] > 0 and s["covered"] >= 1:
-            by.setdefault(s["fragment"], []).append((math.log(s["covered"]), math.log(s["norm"])))
+            key = (s["fragment"], (s["send_step"] - 1) // period)
+            by.setdefault(key, []).append((math.log(s["covered"]), math.log(s["norm"])))
     sxx = sxy = 0.0
     for pts in by.values():
         mx = sum(x for x, _ in pts) / len(pts)
@@ -108,7 +111,7 @@ def run_facts(run: RunResult) -> dict | None:
         "score_slots": len(by_score),
         "ratio": r,
         "noise_share": noise,
-        "exponent": _fit_exponent(syncs),
+        "exponent": _fit_exponent(syncs, int(run.config.get("sync_every", 1))),
         "rate": rate,
     }
 
@@ -167,7 +170,7 @@ def tables(labels: list[str], results: list[RunResult], target: float, seeds: li
         "",
         "Per configuration: mean over seeds (range in brackets). Ratios and rates from worker 0's "
         "record; the noise share from the ratio r as (1 − r) / (1 − 1/M) with M workers; the exponent "
-        "from each run's syncs with one intercept per fragment.",
+        "from each run's syncs with one intercept per fragment and period of H steps.",
         "",
         contrast_table([c for c in CONTRASTS if c[1] in labels and c[2] in labels], results),
     ]

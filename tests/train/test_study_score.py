@@ -62,7 +62,7 @@ def test_log_scores_is_refused_for_a_method_without_scores():
 def _run(label: str, seed: int, syncs: list[dict], numel: list[int], workers: int = 4) -> RunResult:
     log = {"numel": numel, "syncs": syncs, "choices": []}
     return RunResult(
-        name=label, method="cocodc", config={"seed": seed, "workers": workers},
+        name=label, method="cocodc", config={"seed": seed, "workers": workers, "sync_every": 1000},
         extra={"score_log": log}, final_eval={"val_loss": 2.0 + 0.01 * seed},
     )  # fmt: skip
 
@@ -111,3 +111,24 @@ def test_the_table_shows_each_configuration_and_the_declared_contrasts():
     assert f"| {BIG_BATCH} | 1 | no score log |" in md
     assert "l2_rms vs the paper's score" in md and "round-robin vs the paper's score" in md
     assert len(out["facts"][REFERENCE]) == 3 and out["facts"][BIG_BATCH] == []
+
+
+def test_the_exponent_compares_syncs_within_one_period_only():
+    """Norms that shrink from period to period (a decaying learning rate) while growing like √I
+    within each: the fit reads 1/2, not the trend across periods."""
+    numel = [100]
+    syncs = []
+    for period, scale in enumerate([8.0, 4.0, 2.0, 1.0]):
+        for k, I in enumerate([4, 16, 64]):
+            step = 1000 * period + 10 * k + 1
+            syncs.append(
+                {
+                    "fragment": 0,
+                    "send_step": step,
+                    "covered": I,
+                    "norm": scale * math.sqrt(I),
+                    "local_norm": None,
+                }
+            )
+    f = run_facts(_run("c", 0, syncs, numel))
+    assert f["exponent"] == pytest.approx(0.5) and f["ratio"] is None and f["noise_share"] is None
