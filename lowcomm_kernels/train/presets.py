@@ -8,9 +8,10 @@ from __future__ import annotations
 
 # TrainSpec's defaults for the length of a run, and `lowcomm compare` / `lowcomm train` without --quick.
 # An evaluation scores every worker's own model on TrainSpec.eval_bytes (256 KiB) of validation text.
-# `bench/eval_cost.py` with 4 ranks: 48 CPU seconds (all ranks) while the workers' models differ (each
-# rank scores 4,096 + 1,024 windows), 9.6 when they agree (data-parallel always, DiLoCo right after a
-# sync, every method at step 0); 11.9 and 2.5 for 64 KiB. So evaluations are few, at multiples of H.
+# Scoring four differing models (each rank 4,096 + 1,024 windows) is about five times the work of one
+# model (data-parallel always, DiLoCo right after a sync, every method at step 0): `bench/eval_cost.py`
+# measures both (bench/figures/eval_cost.json, rendered in docs/results.md). So evaluations are few, at
+# multiples of H.
 DEFAULT = dict(steps=600, sync_every=50, fragment_sync_delay=5, eval_every=200)
 
 #: validation bytes of the smoke presets (quick, the studies): 64 KiB (quick scored 2 KiB of the
