@@ -36,7 +36,7 @@ import numpy as np
 
 from ..runtime.launch import WorkerError
 from ..runtime.schedule import WIRE_FORMATS
-from . import study_cocodc, study_frontier, study_loscar, study_score
+from . import study_cocodc, study_frontier, study_loscar, study_scale, study_score
 from .args import out_dir, spec_from_args, usage_error
 from .errors import SpecError, UsageError
 from .presets import LM, STUDY_SEEDS
@@ -413,6 +413,7 @@ STUDIES: dict[str, Study] = {
         study_loscar.STUDY,  # on the digits MLP: see study_loscar.py
         study_cocodc.STUDY,  # the paper's setup and the Taylor-term controls: see study_cocodc.py
         study_score.STUDY,  # why CoCoDC's score keeps choosing one fragment: see study_score.py
+        study_scale.STUDY,  # the headline contrasts on an 11x larger model, 10 seeds: see study_scale.py
     )
 }
 

@@ -166,8 +166,11 @@ def _n_cell(runs: list[RunResult | None]) -> str:
     return ",".join(str(n) for n in ns) if ns else "-"
 
 
-def table(labels: list[str], results: list[RunResult], target: float, seeds: list[int]) -> tuple[str, dict]:
-    """Markdown and the paired statistics (JSON-safe) of the study."""
+def table(
+    labels: list[str], results: list[RunResult], target: float, seeds: list[int], paper: bool = True
+) -> tuple[str, dict]:
+    """Markdown and the paired statistics (JSON-safe) of the study (``paper``: with the paper's
+    headline effects beside ours, for this study's configurations)."""
     head = [
         "configuration", "seeds", "final val loss (own models)", "final, averaged model*",
         "steps to target (reached)", "N per period", "syncs",
@@ -233,8 +236,13 @@ def table(labels: list[str], results: list[RunResult], target: float, seeds: lis
         "holds); * the workers' parameters averaged by one all-reduce that is not counted in any byte or "
         "sync column (no worker holds that model between syncs, except DiLoCo's right after one).",
     ]
-    lines += ["", "**The paper's headline effects beside ours** (relative effects; see below the table)", ""]
-    lines.append(paper_section(labels, results, target, seeds))
+    if paper:
+        lines += [
+            "",
+            "**The paper's headline effects beside ours** (relative effects; see below the table)",
+            "",
+        ]
+        lines.append(paper_section(labels, results, target, seeds))
     return "\n".join(lines), stats_out
 
 
@@ -331,27 +339,53 @@ def _steps(run: RunResult | None, target: float) -> float | None:
 Tables = Callable[[list[str], list[RunResult], float, list[int]], tuple[str, dict]]
 
 
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What a study on the paper's schedule runs: the model (flags), the run presets ("full",
+    "quick"), seeds by default, the target (NaN: the lowest loss every run reached), and how many
+    seeds one saved part holds."""
+
+    model: dict
+    presets: dict
+    seeds: int
+    quick_seeds: int
+    target: float
+    target_from: str
+    seeds_per_part: int | None = None  # seeds per launch and saved part (None: all at once)
+
+
+PAPER_SETUP = Setup(
+    MODEL,
+    PRESETS,
+    SEEDS,
+    QUICK_SEEDS,
+    TARGET_LOSS,
+    "declared in study_cocodc.py from a pilot at another seed",
+)
+
+
 def run_paper_setup(
     args: argparse.Namespace,
     name: str,
     configs_of: Callable[[TrainSpec], list[tuple[str, TrainSpec]]],
     tables: Tables,
     seeds_of: Callable[[str, list[int]], list[int]] = lambda label, seeds: seeds,
+    setup: Setup = PAPER_SETUP,
 ) -> int:
-    """A study on this module's setup (the paper's, ``PRESETS`` and ``MODEL``, its step time and its
-    target), resumable: ``configs_of`` gives (label, spec) on the base, ``seeds_of`` the seeds a
-    configuration runs (default: all), ``tables`` the markdown of the results. Writes NAME.md,
-    NAME.png and results.json to the output folder."""
+    """A study on the paper's schedule (``setup``: by default this module's model, presets and
+    target; the emulated step time that gives N = 8), resumable: ``configs_of`` gives (label, spec)
+    on the base, ``seeds_of`` the seeds a configuration runs (default: all), ``tables`` the markdown
+    of the results. Writes NAME.md, NAME.png and results.json to the output folder."""
     if args.task != "lm":
         raise UsageError("--study runs on the language-model task (--task lm)")
     args = argparse.Namespace(**vars(args))
-    for flag, value in MODEL.items():  # the study's model unless the flags say otherwise
+    for flag, value in setup.model.items():  # the study's model unless the flags say otherwise
         if getattr(args, flag, None) is None:
             setattr(args, flag, value)
-    base = spec_from_args(args, "cocodc", PRESETS["quick" if args.quick else "full"])
+    base = spec_from_args(args, "cocodc", setup.presets["quick" if args.quick else "full"])
     if getattr(args, "step_time_ms", None) is None:
         base = base.with_(step_time_ms=paper_step_time(base) * 1e3)
-    n_seeds = args.seeds or (QUICK_SEEDS if args.quick else SEEDS)
+    n_seeds = args.seeds or (setup.quick_seeds if args.quick else setup.seeds)
     seeds = [base.seed + s for s in range(n_seeds)]
     if seeds[-1] > 2**32 - 1:
         raise UsageError(
@@ -359,9 +393,16 @@ def run_paper_setup(
         )
     try:
         cfgs = configs_of(base)
+        # one launch (and one saved part) per configuration and chunk of seeds, chunk by chunk: a
+        # sitting that stops early leaves every configuration at the same seeds
+        chunk = setup.seeds_per_part or len(seeds)
+        parts = [seeds[i : i + chunk] for i in range(0, len(seeds), chunk)]
         groups = [
-            (label, [spec.with_(name=label, seed=s) for s in seeds_of(label, seeds)]) for label, spec in cfgs
+            (label, [spec.with_(name=label, seed=s) for s in part if s in seeds_of(label, seeds)])
+            for part in parts
+            for label, spec in cfgs
         ]
+        groups = [(label, specs) for label, specs in groups if specs]
     except SpecError as exc:
         raise usage_error(exc) from None
     labels = [label for label, _ in cfgs]
@@ -374,10 +415,10 @@ def run_paper_setup(
         return report_failure(exc, out, "study")
     if args.target is not None:
         target, how = args.target, "--target"
-    elif args.quick or math.isnan(TARGET_LOSS):
+    elif args.quick or math.isnan(setup.target):
         target, how = auto_target(results), "the lowest loss every run reached"
     else:
-        target, how = TARGET_LOSS, "declared in study_cocodc.py from a pilot at another seed"
+        target, how = setup.target, setup.target_from
     md, paired = tables(labels, results, target, seeds)
     cmd = (
         f"lowcomm compare --study {name}"
