@@ -38,7 +38,10 @@ flight; rule (1) still comes first.
 ``score_log=True`` records, per sync, the fragment, I_p, ‖Δ̄_p‖₂ and this rank's own ‖Δ_p‖₂ (before
 the average: with M ranks of independent noise, ‖Δ̄‖² / ‖Δ‖² is about 1/M for pure noise and 1 for
 pure signal), and per send slot every fragment's score and steps since its last send
-(``score_records()``): diagnostics only, not checkpointed, one extra pass over the fragment per send.
+(``score_records()``): diagnostics only, not checkpointed, one extra pass over the fragment per
+send. With a compressed wire (quantized with error feedback, top-k) the averaged norm is of what
+was sent (Δ + the carried error, sparsified), the local one of Δ alone: the ratio then does not
+measure the workers' agreement.
 
 Under torchft with a replica of several ranks (``manager=``, ``Manager(world_size=n)``, the model
 replicated inside the replica), each rank's measured timings and scores are reduced with the same rank
@@ -48,6 +51,7 @@ every send slot each rank takes group rank 0's N and choice (``runtime.ft.Replic
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -150,9 +154,13 @@ class CoCoDC(DenseStrategy):
         # l2 scores' norms not yet read, with the divisor that makes the score
         self._norms_due: dict[int, tuple[DeviceToHost, float]] = {}
         self._score_log: dict[str, list] | None = (
-            {"syncs": [], "choices": [], "numel": list(self.frags.sizes())} if score_log else None
+            {"syncs": [], "choices": [], "loads": [], "numel": list(self.frags.sizes())}
+            if score_log
+            else None
         )
-        self._local_norms: dict[tuple[int, int], DeviceToHost] = {}  # score_log: (p, send step) -> ‖Δ_p‖
+        # score_log: (p, send step) -> this rank's ‖Δ_p‖ of a sync in flight (None: a healed replay)
+        self._local_norms: dict[tuple[int, int], DeviceToHost | None] = {}
+        self._log_settled = 0  # score_log: syncs before this index hold floats, not device reads
         self._tensor_bounds = [
             self.frags.tensor_bounds(p) if lam_mode == "normalized_tensor" else [0, n]
             for p, n in enumerate(self.frags.sizes())
@@ -224,9 +232,28 @@ class CoCoDC(DenseStrategy):
 
     def _send(self, p: int, t: int, reason: str) -> None:
         if self._score_log is not None:  # this rank's own ‖Δ_p‖ = ‖g_p − x_p‖, before the average
-            diff = self.frags.slice(self.g, p).double() - self.to_outer(self.frags.x(p)).double()
-            self._local_norms[(p, t)] = DeviceToHost(torch.linalg.vector_norm(diff).reshape(1))
+            local = None  # a healed replay: this rank did not train the steps that sync covers
+            if reason != "healed":
+                g_p = self.frags.slice(self.g, p)
+                diff = g_p - self.to_outer(self.frags.x(p)).to(g_p.dtype)
+                local = DeviceToHost(torch.linalg.vector_norm(diff, dtype=torch.float64).reshape(1))
+            self._local_norms[(p, t)] = local
         super()._send(p, t, reason)
+
+    def _record_sync(self, pd: Any, t: int, t0: float, **fields: Any) -> None:
+        super()._record_sync(pd, t, t0, **fields)
+        if self._score_log is None:
+            return
+        if fields.get("skipped"):  # no result to score: logged as skipped, with no norms
+            self._local_norms.pop((pd.fragment, pd.send_step), None)
+            self._score_log["syncs"].append(
+                {"fragment": pd.fragment, "send_step": pd.send_step, "covered": None, "norm": None,
+                 "local_norm": None, "skipped": True}
+            )  # fmt: skip
+        # only syncs still in flight keep their local norm (a rollback drops its syncs unapplied)
+        live = {(q.fragment, q.send_step) for q in self.pending}
+        for key in [k for k in self._local_norms if k not in live]:
+            del self._local_norms[key]
 
     def _advance(self, t: int) -> None:
         samples = self.new_compute_samples()  # device time on a GPU, not host enqueue time
@@ -292,6 +319,7 @@ class CoCoDC(DenseStrategy):
                     "covered": covered,
                     "norm": norm,
                     "local_norm": local,
+                    "skipped": False,
                 }
             )
         if self.score == "l2_global":  # R_p = ‖Δ̄_p‖₂ / I_p
@@ -338,23 +366,31 @@ class CoCoDC(DenseStrategy):
         for p, (norm, divisor) in self._norms_due.items():
             self.scores[p] = norm.values()[0] / divisor
         self._norms_due.clear()
+        self._settle_log()
+
+    def _settle_log(self) -> None:
+        """score_log: the device reads of the logged syncs turned into floats (read at the next
+        choice, as the scores are, so a run holds a few pending reads, not one per sync)."""
+        if self._score_log is None:
+            return
+        syncs = self._score_log["syncs"]
+        for r in syncs[self._log_settled :]:
+            for key in ("norm", "local_norm"):
+                if isinstance(r[key], DeviceToHost):
+                    r[key] = float(r[key].values()[0])
+        self._log_settled = len(syncs)
 
     def score_records(self) -> dict[str, list] | None:
         """``score_log=True``: {"numel": per fragment, "syncs": [{fragment, send_step, covered, norm,
-        local_norm}], "choices": [{step, fragment, reason, scores, since}]} (JSON-safe; see the
-        module docstring); None without it. A sync whose send this process did not make (restored
-        from a checkpoint or a heal) has local_norm None."""
+        local_norm, skipped}], "choices": [{step, fragment, reason, scores, since}], "loads": [for
+        each state load (checkpoint, heal), the number of syncs logged before it]} (a JSON-safe
+        copy; see the module docstring); None without it. A sync whose send this process did not
+        make (restored from a checkpoint, or replayed by a heal) has local_norm None; a skipped sync
+        has no norms."""
         if self._score_log is None:
             return None
-
-        def value(v: Any) -> float | None:
-            return None if v is None else float(v.values()[0])
-
-        syncs = [
-            {**r, "norm": value(r["norm"]), "local_norm": value(r["local_norm"])}
-            for r in self._score_log["syncs"]
-        ]
-        return {**self._score_log, "syncs": syncs}
+        self._settle_log()
+        return copy.deepcopy(self._score_log)
 
     def _covered_from(self, pd: Pending) -> int:
         # prev_send was updated at send time; the pending sync is the latest send of its fragment.
@@ -400,6 +436,9 @@ class CoCoDC(DenseStrategy):
                 )
 
     def _load_schedule_state(self, sd: dict[str, Any]) -> None:
+        self._local_norms.clear()  # the syncs in flight are the loaded state's, sent by another run
+        if self._score_log is not None:
+            self._score_log["loads"].append(len(self._score_log["syncs"]))
         self.N = int(sd["N"])
         self.last_send = [int(v) for v in sd["last_send"]]
         self.prev_send = [int(v) for v in sd["prev_send"]]

@@ -140,6 +140,16 @@ def rows() -> list[Row]:
             vs_diloco_src,
         ),
         Row(
+            "Streaming DiLoCo vs DiLoCo, averaged models (`cocodc-paper`)",
+            COCODC_PAPER,
+            STREAM_K,
+            "DiLoCo",
+            vs_diloco,
+            vs_diloco_src,
+            measure="averaged model",
+            base_measure="averaged model",
+        ),
+        Row(
             "Streaming DiLoCo vs DiLoCo (`compare`)",
             COMPARE,
             METHOD_LABELS["streaming"],

@@ -21,9 +21,9 @@ seeds both configurations ran). The verdict reads the interval against 0 and the
 
 A paper that states a direction without a number (a figure's reading) is read by the direction
 alone: "same direction", "not separated from 0" or "opposite direction". A paper that states only a
-bound on the effect's size (``bound``: "less than 0.2 %") is read against ±bound: "within the paper's
-bound" (the whole interval inside it), "outside the paper's bound" (the whole interval beyond it) or
-"not resolved" (the interval reaches across it).
+bound on a cost (``bound``: "a degradation of less than 0.2 %") is read one-sided: "within the
+paper's bound" (the whole interval below +bound, an improvement included), "outside the paper's
+bound" (the whole interval above it) or "not resolved" (the interval reaches across it).
 
 The claims were chosen after our runs were made (the papers' headline comparisons, not a
 selection by our outcome); the intervals are per claim, not corrected for their number.
@@ -49,7 +49,7 @@ class Claim:
     baseline: str  # our baseline's label
     direction: int = 0  # for a claim with no number (paper None): -1 lower, +1 higher, 0 none
     words: str = ""  # what the paper says when it gives no number and no direction ("about the same")
-    bound: float | None = None  # for a claim with no number: the paper's bound, |effect| < bound
+    bound: float | None = None  # for a claim with no number: the paper's bound on a cost, effect < bound
 
 
 def relative(values: Sequence[float | None], reference: Sequence[float | None]) -> stats.Paired:
@@ -66,10 +66,10 @@ def verdict(ours: stats.Paired, paper: float | None, direction: int = 0, bound: 
     if ours.n < 2 or ours.ci_low is None or ours.ci_high is None:
         return "too few seeds"
     lo, hi = ours.ci_low, ours.ci_high
-    if paper is None and bound is not None:
-        if -bound <= lo and hi <= bound:
+    if paper is None and bound is not None:  # a bound on a cost: one-sided
+        if hi <= bound:
             return "within the paper's bound"
-        return "outside the paper's bound" if lo > bound or hi < -bound else "not resolved"
+        return "outside the paper's bound" if lo > bound else "not resolved"
     if paper is None:
         if lo <= 0 <= hi:
             return "not separated from 0"
@@ -93,7 +93,7 @@ _WORDS = {-1: "lower", 1: "higher"}  # a claim's direction when the paper gives 
 def _no_number(c: Claim) -> str:
     """The paper's cell of a claim without a number: its bound, its direction or 'not measured'."""
     if c.bound is not None:
-        return f"within ±{100 * c.bound:.1f}%"
+        return f"a cost < {100 * c.bound:.1f}%"
     return _WORDS.get(c.direction, "not measured")
 
 

@@ -14,8 +14,9 @@ This study tells them apart with every sync's norms recorded (``log_scores``):
   σ² / (s² + σ²) = (1 − r) / (1 − 1/M) for the ratio r (from worker 0's own norm; the median over the
   run's syncs).
 - **Growth with I.** The exponent a of ‖Δ̄_p‖ ∝ I_p^a (least squares of log ‖Δ̄_p‖ on log I_p
-  among the syncs of one fragment within one period of H steps, per run): a ≈ 1/2 for noise, 1 for a
-  steady drift. Undefined where I_p does not vary within such a group (round-robin).
+  among the syncs of one fragment within one period of H steps, per run, leaving out each
+  fragment's first sync, which covers from step 0): a ≈ 1/2 for noise, 1 for a steady drift.
+  Undefined where I_p does not vary within such a group (round-robin).
 - **Drift rate per fragment**: the median of ‖Δ̄_p‖ / (I_p·√numel_p), the RMS change of an element
   per step, which says which fragment moves fastest whatever its size.
 - **Larger batches** (4× the batch, 3 seeds): less noise per step; if noise drove the choice, the
@@ -75,7 +76,8 @@ def _fit_exponent(syncs: list[dict], period: int) -> float | None:
     such a group."""
     by: dict[tuple[int, int], list[tuple[float, float]]] = {}
     for s in syncs:
-        if s["norm"] and s["norm"] > 0 and s["covered"] >= 1:
+        # a fragment's first sync covers from step 0, the steepest part of training: left out
+        if s["norm"] and s["norm"] > 0 and s["covered"] and s["send_step"] - s["covered"] > 0:
             key = (s["fragment"], (s["send_step"] - 1) // period)
             by.setdefault(key, []).append((math.log(s["covered"]), math.log(s["norm"])))
     sxx = sxy = 0.0
@@ -95,12 +97,12 @@ def run_facts(run: RunResult) -> dict | None:
     syncs, numel = log["syncs"], log["numel"]
     workers = int(run.config.get("workers", 1))
     counts = [sum(1 for s in syncs if s["fragment"] == p) for p in range(len(numel))]
-    ratios = [(s["norm"] / s["local_norm"]) ** 2 for s in syncs if s.get("local_norm")]
+    ratios = [(s["norm"] / s["local_norm"]) ** 2 for s in syncs if s.get("local_norm") and s.get("norm")]
     r = statistics.median(ratios) if ratios else None
     noise = None if r is None or workers < 2 else min(1.0, max(0.0, (1 - r) / (1 - 1 / workers)))
     rate = []
     for p, n in enumerate(numel):
-        v = [s["norm"] / (s["covered"] * math.sqrt(n)) for s in syncs if s["fragment"] == p and s["norm"]]
+        v = [s["norm"] / (s["covered"] * math.sqrt(n)) for s in syncs if s["fragment"] == p and s.get("norm")]
         rate.append(statistics.median(v) if v else None)
     by_score = [c for c in log.get("choices", []) if c["reason"] == "score"]
     top = max(counts)

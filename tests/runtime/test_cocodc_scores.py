@@ -20,7 +20,7 @@ def group():
         yield g
 
 
-def _train(group, score: str, steps: int = 96):
+def _train(group, score: str, steps: int = 96, finish: bool = True):
     torch.manual_seed(0)
     model = make_model(torch.float32)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -34,7 +34,8 @@ def _train(group, score: str, steps: int = 96):
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
         st.step()
-    st.finish()
+    if finish:
+        st.finish()
     st.close()
     return st
 
@@ -97,3 +98,62 @@ def test_without_score_log_nothing_is_recorded(group):
         )
     st = CoCoDC(model, opt, sync_every=24, num_fragments=3, fragment_sync_delay=2, process_group=group)
     st.close()  # the refused one did not wrap the model
+
+
+def test_skipped_syncs_are_logged_and_nothing_is_kept_for_them(group):
+    """A rank whose parameters turn non-finite skips its syncs: each is logged as skipped with no
+    norms, and no local norm outlives the syncs in flight."""
+    torch.manual_seed(0)
+    model = make_model(torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    st = CoCoDC(
+        model, opt, sync_every=24, num_fragments=3, fragment_sync_delay=2, syncs_per_period=8,
+        score_log=True, process_group=group,
+    )  # fmt: skip
+    for t in range(1, 61):
+        x, y = batch(0, t, torch.float32)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        if t == 30:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float("nan"))
+        st.step()
+        assert set(st._local_norms) <= {(q.fragment, q.send_step) for q in st.pending}
+    st.finish()
+    syncs = st.score_records()["syncs"]
+    skipped = [s for s in syncs if s["skipped"]]
+    assert len(syncs) == st.metrics.num_syncs and len(skipped) == st.metrics.num_skipped >= 1
+    assert all(s["norm"] is None and s["local_norm"] is None for s in skipped)
+    assert not st._local_norms
+    st.close()
+
+
+def test_a_loaded_state_is_marked_and_its_syncs_have_no_local_norm(group, tmp_path):
+    st = _train(group, "l2_global", steps=40, finish=False)  # saved with a sync in flight
+    sd = st.state_dict()
+    torch.manual_seed(0)
+    model = make_model(torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    fresh = CoCoDC(
+        model, opt, sync_every=24, num_fragments=3, fragment_sync_delay=2, syncs_per_period=8,
+        score="l2_global", score_log=True, process_group=group,
+    )  # fmt: skip
+    fresh.load_state_dict(sd)
+    assert fresh.score_records()["loads"] == [0]  # before any sync this process logged
+    for t in range(fresh.step_count + 1, fresh.step_count + 10):
+        x, y = batch(0, t, torch.float32)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        fresh.step()
+    fresh.finish()
+    restored = {(q["fragment"], q["send_step"]) for q in sd["pending"]}
+    assert restored  # the test's point: a sync in flight came with the state
+    for s in fresh.score_records()["syncs"]:
+        if (s["fragment"], s["send_step"]) in restored:
+            assert s["local_norm"] is None
+        else:
+            assert s["local_norm"] is not None
+    fresh.close()

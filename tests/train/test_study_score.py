@@ -89,7 +89,7 @@ def test_pure_noise_reads_as_noise_and_a_drift_as_signal():
     # drift: every worker moves alike, r per element-step, ‖Δ̄‖ = r·I·√n
     rates = [1e-3, 3e-3]
     drift = [
-        {"fragment": p, "send_step": i, "covered": I, "norm": rates[p] * I * math.sqrt(numel[p]),
+        {"fragment": p, "send_step": 100 + 10 * i, "covered": I, "norm": rates[p] * I * math.sqrt(numel[p]),
          "local_norm": rates[p] * I * math.sqrt(numel[p])}
         for i, (p, I) in enumerate([(0, 5), (1, 7), (1, 3), (0, 11), (1, 2)])
     ]  # fmt: skip
