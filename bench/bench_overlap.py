@@ -205,6 +205,10 @@ def render_markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT))  # run as a script: the checkout's package
+    from lowcomm_kernels.runtime.launch import spawn_local
+    from lowcomm_kernels.train import provenance
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--steps", type=int, default=60)
@@ -225,23 +229,11 @@ def main(argv: list[str] | None = None) -> int:
         "(one table each; default 0.06 0)",
     )
     ap.add_argument("--repeats", type=int, default=2, help="interleaved repeats; the fastest is kept")
-    ap.add_argument("--out", type=Path, default=ROOT / LABEL, help=f"results file (default {LABEL})")
-    ap.add_argument(
-        "--render",
-        type=Path,
-        nargs="?",
-        const=ROOT / LABEL,
-        default=None,
-        help=f"run nothing: print the tables of this results file (default {LABEL})",
-    )
+    provenance.results_file_flags(ap, ROOT / LABEL, "the tables")
     args = ap.parse_args(argv)
-    sys.path.insert(0, str(ROOT))  # run as a script: the checkout's package
     if args.render is not None:
         print(render_markdown(json.loads(args.render.read_text())))
         return 0
-    from lowcomm_kernels.runtime.launch import spawn_local
-    from lowcomm_kernels.train import provenance
-
     started = provenance.begin(sys.argv[1:] if argv is None else argv, prog=PROG)
     git = provenance.git_info(ROOT)  # the checkout as the run found it, before the results file is written
     runs = []

@@ -137,15 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--eval-bytes", type=int, nargs="+", default=[262_144, 65_536])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=ROOT / LABEL, help=f"results file (default {LABEL})")
-    ap.add_argument(
-        "--render",
-        type=Path,
-        nargs="?",
-        const=ROOT / LABEL,
-        default=None,
-        help=f"run nothing: print the table of this results file (default {LABEL})",
-    )
+    provenance.results_file_flags(ap, ROOT / LABEL, "the table")
     args = ap.parse_args(argv)
     if args.render is not None:
         print(render_markdown(json.loads(args.render.read_text())))

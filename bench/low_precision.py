@@ -230,15 +230,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=600, help="loss: steps per run (default 600)")
     ap.add_argument("--eval-every", type=int, default=100, help="loss: steps between rows (default 100)")
     ap.add_argument("--seed", type=int, default=0, help="loss: seed (default 0)")
-    ap.add_argument("--out", type=Path, default=ROOT / LABEL, help=f"results file (default {LABEL})")
-    ap.add_argument(
-        "--render",
-        type=Path,
-        nargs="?",
-        const=ROOT / LABEL,
-        default=None,
-        help=f"run nothing: print the tables of this results file (default {LABEL})",
-    )
+    provenance.results_file_flags(ap, ROOT / LABEL, "the tables")
     args = ap.parse_args(argv)
     if args.render is not None:
         print("\n\n".join(render_parts(json.loads(args.render.read_text())).values()))

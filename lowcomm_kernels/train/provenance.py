@@ -259,3 +259,18 @@ def collect(since: Start | None = None, *, repo: Path | None = None) -> dict:
             "wall_s": round(time.perf_counter() - first.wall, 3) if first else None,
         },
     }
+
+
+def results_file_flags(ap, default: Path, what: str) -> None:
+    """A benchmark script's two flags for its results file: ``--out FILE`` (where a run writes its
+    results and their provenance, default `default`) and ``--render [FILE]`` (run nothing: print
+    `what` from that file, by default `default`)."""
+    ap.add_argument("--out", type=Path, default=default, help=f"results file (default {default})")
+    ap.add_argument(
+        "--render",
+        type=Path,
+        nargs="?",
+        const=default,
+        default=None,
+        help=f"run nothing: print {what} of this results file (default {default})",
+    )

@@ -85,7 +85,7 @@ from ..runtime.transport import ring_wire_bytes
 from . import paper_vs_ours, stats
 from .args import out_dir, spec_from_args, usage_error
 from .errors import SpecError, UsageError
-from .model import TinyLlama
+from .model import ModelConfig, TinyLlama
 from .provenance import collect
 from .report import RunResult, auto_target, write_json
 from .runner import report_failure
@@ -352,6 +352,18 @@ class Setup:
     target: float
     target_from: str
     seeds_per_part: int | None = None  # seeds per launch and saved part (None: all at once)
+
+    def spec(self, preset: str = "full") -> TrainSpec:
+        """The study's base TrainSpec without command-line flags (the emulated step time aside)."""
+        m = self.model
+        model = ModelConfig(
+            dim=m["dim"],
+            n_layers=m["layers"],
+            n_heads=m["heads"],
+            mlp_hidden=m["mlp_hidden"],
+            seq_len=m["seq_len"],
+        )
+        return TrainSpec(method="cocodc", model=model, **self.presets[preset])
 
 
 PAPER_SETUP = Setup(

@@ -8,13 +8,11 @@ import math
 
 import pytest
 
-from lowcomm_kernels.train.model import ModelConfig
 from lowcomm_kernels.train.report import EvalPoint, RunResult
 from lowcomm_kernels.train.spec import TrainSpec
 from lowcomm_kernels.train.studies import STUDIES
 from lowcomm_kernels.train.study_cocodc import (
-    MODEL,
-    PRESETS,
+    PAPER_SETUP,
     REFERENCE,
     TARGET_LOSS,
     configs,
@@ -22,14 +20,7 @@ from lowcomm_kernels.train.study_cocodc import (
     table,
 )
 
-FULL = TrainSpec(
-    method="cocodc",
-    model=ModelConfig(
-        dim=MODEL["dim"], n_layers=MODEL["layers"], n_heads=MODEL["heads"],
-        mlp_hidden=MODEL["mlp_hidden"], seq_len=MODEL["seq_len"],
-    ),
-    **PRESETS["full"],
-)  # fmt: skip
+FULL = PAPER_SETUP.spec()
 
 
 def test_the_study_is_registered_and_runs_the_papers_setup():

@@ -3,19 +3,11 @@ before the runs, each pairing configurations the study runs, at matched sync cou
 
 from __future__ import annotations
 
-from lowcomm_kernels.train.model import ModelConfig, parameter_count
-from lowcomm_kernels.train.spec import TrainSpec
+from lowcomm_kernels.train.model import parameter_count
 from lowcomm_kernels.train.studies import STUDIES
-from lowcomm_kernels.train.study_scale import CONTRASTS, MODEL, PRESETS, SETUP, tables
+from lowcomm_kernels.train.study_scale import CONTRASTS, SETUP, tables
 
-FULL = TrainSpec(
-    method="cocodc",
-    model=ModelConfig(
-        dim=MODEL["dim"], n_layers=MODEL["layers"], n_heads=MODEL["heads"],
-        mlp_hidden=MODEL["mlp_hidden"], seq_len=MODEL["seq_len"],
-    ),
-    **PRESETS["full"],
-)  # fmt: skip
+FULL = SETUP.spec()
 
 
 def test_the_model_is_ten_times_the_small_study_and_ten_seeds_run():

@@ -8,11 +8,10 @@ import math
 import pytest
 
 from lowcomm_kernels.train.errors import SpecError
-from lowcomm_kernels.train.model import ModelConfig
 from lowcomm_kernels.train.report import RunResult
 from lowcomm_kernels.train.spec import TrainSpec
 from lowcomm_kernels.train.studies import STUDIES
-from lowcomm_kernels.train.study_cocodc import MODEL, PRESETS
+from lowcomm_kernels.train.study_cocodc import PAPER_SETUP
 from lowcomm_kernels.train.study_score import (
     BIG_BATCH,
     REFERENCE,
@@ -23,14 +22,7 @@ from lowcomm_kernels.train.study_score import (
     tables,
 )
 
-FULL = TrainSpec(
-    method="cocodc",
-    model=ModelConfig(
-        dim=MODEL["dim"], n_layers=MODEL["layers"], n_heads=MODEL["heads"],
-        mlp_hidden=MODEL["mlp_hidden"], seq_len=MODEL["seq_len"],
-    ),
-    **PRESETS["full"],
-)  # fmt: skip
+FULL = PAPER_SETUP.spec()
 
 
 def test_the_study_logs_the_scores_of_the_papers_setup():
