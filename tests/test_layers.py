@@ -203,6 +203,54 @@ def test_train_imports_its_own_modules_at_module_level():
     assert not local, "function-local imports of train's own modules: " + "; ".join(local)
 
 
+#: the functions of train/ that may call ``backward()`` outside the one training loop: logistic
+#: regression's optimum f* (L-BFGS to convergence, the reference the runs are measured against) and
+#: the LOSCAR study's one-process re-implementation of LOSCAR (the cross-check of the harness's runs)
+NOT_TRAINING_LOOPS = {
+    "lowcomm_kernels.train.tasks.logreg.optimum.closure",
+    "lowcomm_kernels.train.study_loscar.reference_run",
+}
+
+
+def backward_calls(module: str) -> list[tuple[str, int]]:
+    """(qualified name of the enclosing function, line) of every ``.backward(`` call in ``module``."""
+    found = []
+
+    def visit(node: ast.AST, where: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = where
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = f"{where}.{child.name}"
+            if (
+                isinstance(child, ast.Call)
+                and isinstance(child.func, ast.Attribute)
+                and child.func.attr == "backward"
+            ):
+                found.append((where, child.lineno))
+            visit(child, name)
+
+    visit(ast.parse(MODULES[module].read_text()), module)
+    return found
+
+
+def test_one_training_loop_in_train():
+    """Every task (LM, digits MLP, logistic regression) and the fault-injection replicas train
+    through ``train.loop.TrainLoop``: no other function of train/ runs a backward pass, except the
+    two that are not training loops of the harness (NOT_TRAINING_LOOPS)."""
+    loop = f"{PACKAGE}.train.loop"
+    assert backward_calls(loop), "the walk finds the loop's own backward()"
+    others = [
+        f"{where} line {line}"
+        for m in TRAIN
+        if m != loop
+        for where, line in backward_calls(m)
+        if where not in NOT_TRAINING_LOOPS
+    ]
+    assert not others, "training loops outside train/loop.py: " + "; ".join(others)
+    exempt = {where for m in TRAIN for where, _ in backward_calls(m)}
+    assert NOT_TRAINING_LOOPS <= exempt, f"stale exemptions: {NOT_TRAINING_LOOPS - exempt}"
+
+
 def test_lowcomm_report_finds_a_study_by_its_name_not_by_branches():
     """``lowcomm report`` and the commands look a study up in ``studies.STUDIES`` (each study's
     configurations, command and renderer); none of them compares a name with a study's."""

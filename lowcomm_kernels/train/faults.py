@@ -52,6 +52,7 @@ from .args import out_dir, parse_methods
 from .corpus import eval_set, sample_batch, worker_shard
 from .errors import UsageError
 from .extras import require
+from .loop import TrainLoop, every
 from .model import TinyLlama, num_parameters
 from .report import (
     EvalPoint,
@@ -73,9 +74,8 @@ from .worker import (
     _profiler,
     _windows_loss_sum,
     eval_batch_windows,
-    lr_lambda,
+    lr_schedule,
     slim_trace,
-    stretch_s,
 )
 
 FLAG = "--faults"
@@ -303,28 +303,21 @@ def _replica_loop(
     eval_batches = windows.batches(range(windows.n_windows), eval_batch_windows(windows.seq_len))
     # a returning replica draws other batches than its first life did
     gen = torch.Generator().manual_seed(spec.seed * 1_000_003 + index + 7919 * incarnation)
-    lr_at = lr_lambda(spec)
-    speed = spec.step_stretch(index)
     result = RunResult(spec.label, spec.method, spec.to_dict(), num_params=num_parameters(model))
     result.val_loss_basis = f"worker {index}'s own model"  # no fixed group to average over
     result.eval_bytes_scored = windows.scored_bytes
-    eval_s = 0.0
     seen = {"rounds": 0, "committed": 0, "failed": 0}
 
     @torch.no_grad()
     def evaluate(step: int) -> None:
-        nonlocal eval_s
-        t0 = time.perf_counter()
+        elapsed = loop.elapsed()
         torch.nn.utils.vector_to_parameters(_flat_float32(model), eval_model.parameters())
         loss = _windows_loss_sum(eval_model, eval_batches) / windows.scored_bytes
         m = CommTotals.read(strategy)
         result.points.append(
-            EvalPoint(step, t0 - t_start - eval_s, m.bytes_sent, m.exposed_s, loss, val_loss_workers=[loss])
+            EvalPoint(step, elapsed, m.bytes_sent, m.exposed_s, loss, val_loss_workers=[loss])
         )
-        eval_s += time.perf_counter() - t0
         conn.send(("eval", index, step, loss, _state_hash(strategy)))
-
-    conn.send(("ready", index, incarnation))
 
     held = [0.0]  # seconds waited at return steps for the new process (in the training wall-clock)
 
@@ -337,49 +330,52 @@ def _replica_loop(
                 if step > 0:
                     held[0] += time.perf_counter() - t0
 
+    healed_sent = [incarnation == 0]
+
+    def after_step(step: int, loss: torch.Tensor) -> None:
+        """Tell the parent what the step did: the heal, the rounds committed or failed, the loss."""
+        if not healed_sent[0] and tr.joined:
+            healed_sent[0] = True
+            conn.send(("healed", index, tr.healed_at))
+        if tr.rounds > seen["rounds"]:
+            committed = tr.participants[seen["committed"] :]
+            failed = tr.failed_rounds - seen["failed"]
+            seen.update(rounds=tr.rounds, committed=len(tr.participants), failed=tr.failed_rounds)
+            quorum = int(manager.num_participants())
+            conn.send(("rounds", index, step, committed, failed, quorum, time.time()))
+        conn.send(("step", index, step, float(loss)))
+
+    def after_tick(step: int, evaluated: bool) -> None:
+        if kill_step is not None and step >= kill_step:
+            conn.send(("kill-me", index, step))
+            while True:  # the parent SIGKILLs this process now
+                time.sleep(1.0)
+        hold(step)
+
+    loop = TrainLoop(
+        model,
+        optimizer,
+        lambda: model.loss(*sample_batch(shard, spec.batch_size, spec.model.seq_len, gen)),
+        spec.steps,
+        evaluate,
+        every(spec.eval_every, spec.steps),
+        evaluate_first=incarnation == 0,  # a returning replica's step 0 was evaluated in its first life
+        grad_clip=spec.grad_clip,
+        lr_at=lr_schedule(spec),
+        speed=spec.step_stretch(index),
+        link_wait_s=lambda: float(strategy.metrics.exposed_comm_s),
+        position=lambda tick: strategy.step_count,  # a healed replica jumps ahead to the peers' step
+        after_step=after_step,
+        after_tick=after_tick,
+    )
+    conn.send(("ready", index, incarnation))
     hold(0)
-    t_start = time.perf_counter()
     with _profiler(spec) as prof, strategy:  # the profiler: `lowcomm profile --faults`
-        if incarnation == 0:
-            evaluate(0)
-        healed_sent = incarnation == 0
-        while strategy.step_count < spec.steps:  # a healed replica jumps ahead to the peers' step
-            t_step, exposed0 = time.perf_counter(), float(strategy.metrics.exposed_comm_s)
-            for group in optimizer.param_groups:
-                group["lr"] = spec.lr * lr_at(strategy.step_count)
-            x, y = sample_batch(shard, spec.batch_size, spec.model.seq_len, gen)
-            loss = model.loss(x, y)
-            loss.backward()
-            if spec.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
-            optimizer.step()  # the strategy's hook: quorum, rounds, merges (and the heal at the first)
-            optimizer.zero_grad(set_to_none=True)
-            step = strategy.step_count
-            if not healed_sent and tr.joined:
-                healed_sent = True
-                conn.send(("healed", index, tr.healed_at))
-            if tr.rounds > seen["rounds"]:
-                committed = tr.participants[seen["committed"] :]
-                failed = tr.failed_rounds - seen["failed"]
-                seen.update(rounds=tr.rounds, committed=len(tr.participants), failed=tr.failed_rounds)
-                quorum = int(manager.num_participants())
-                conn.send(("rounds", index, step, committed, failed, quorum, time.time()))
-            conn.send(("step", index, step, float(loss)))
-            if speed != 1.0:  # emulate a slower worker
-                waited = float(strategy.metrics.exposed_comm_s) - exposed0
-                time.sleep(stretch_s(speed, time.perf_counter() - t_step, waited))
-            if step % spec.eval_every == 0 or step == spec.steps:
-                evaluate(step)
-            if kill_step is not None and step >= kill_step:
-                conn.send(("kill-me", index, step))
-                while True:  # the parent SIGKILLs this process now
-                    time.sleep(1.0)
-            hold(step)
-        t_end = time.perf_counter()
+        loop.run()
     m = CommTotals.read(strategy)
-    result.train_wall_s = t_end - t_start - eval_s
+    result.train_wall_s = loop.train_wall_s
     result.bytes_sent, result.exposed_s, result.syncs = m.bytes_sent, m.exposed_s, m.syncs
-    result.extra = dict(m.extra, eval_s=eval_s, waited_for_returns_s=held[0])
+    result.extra = dict(m.extra, eval_s=loop.eval_s, waited_for_returns_s=held[0])
     if prof is not None:  # a returned worker's trace is trace_rank<W>_back<n>.json
         name = f"rank{index}" + (f"_back{incarnation}" if incarnation else "")
         trace = str(Path(spec.profile_dir) / f"trace_{name}.json")

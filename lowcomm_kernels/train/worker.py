@@ -17,6 +17,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,23 +31,27 @@ from ..runtime.launch import send
 from ..runtime.sinks import TensorBoardSink
 from ..runtime.transport import WAN, Transport
 from .corpus import EvalSet, eval_set, sample_batch, worker_shard
+from .loop import TrainLoop, every
 from .model import TinyLlama, num_parameters
 from .report import EvalPoint, RunResult
 from .spec import PARAM_DTYPES, TrainSpec
 from .strategies import CommTotals, build_strategy
 
 
-def lr_lambda(spec: TrainSpec):
-    """Linear warm-up to lr over warmup_steps, then cosine to lr * min_lr_frac at the last step."""
+def lr_schedule(spec: TrainSpec) -> Callable[[int], float]:
+    """The learning rate of the step after ``t`` steps: a linear warm-up to lr over warmup_steps,
+    then a cosine to lr * min_lr_frac at the last step."""
 
-    def f(step: int) -> float:
+    def lr_at(step: int) -> float:
         if step < spec.warmup_steps:
-            return (step + 1) / spec.warmup_steps
-        span = max(1, spec.steps - spec.warmup_steps)
-        progress = min(1.0, (step - spec.warmup_steps) / span)
-        return spec.min_lr_frac + (1 - spec.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
+            f = (step + 1) / spec.warmup_steps
+        else:
+            span = max(1, spec.steps - spec.warmup_steps)
+            progress = min(1.0, (step - spec.warmup_steps) / span)
+            f = spec.min_lr_frac + (1 - spec.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * progress))
+        return spec.lr * f
 
-    return f
+    return lr_at
 
 
 class GradAllReduce:
@@ -107,13 +112,6 @@ def eval_batch_windows(seq_len: int) -> int:
 #: which is then scored once, not once per method. The same computation on the same bytes gives the
 #: same number.
 _AGREED_LOSSES: dict[tuple, float] = {}
-
-
-def stretch_s(speed: float, elapsed_s: float, link_wait_s: float) -> float:
-    """How long a worker ``speed`` x slower than measured sleeps after a step that took
-    ``elapsed_s``, of which ``link_wait_s`` waiting on the link: (speed - 1) x its compute only, since
-    a slower processor does not make the link slower."""
-    return max(0.0, (speed - 1.0) * (elapsed_s - link_wait_s))
 
 
 @dataclass
@@ -284,10 +282,25 @@ class RankRun:
             if self.dp is not None
             else build_strategy(spec, self.model, self.optimizer, self.train_group, self.tb)
         )
-        # The scheduler is created after the strategy: the runtime may re-home parameters into flat
-        # buffers, but the optimizer object (and its param_groups' lr) stays the user's.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(spec))
-        self.speed = spec.step_stretch(rank)
+        self.progress_every = max(1, spec.steps // 100)
+        # The learning rate is set on the optimizer's param_groups before each step: the runtime may
+        # re-home parameters into flat buffers, but the optimizer object stays the user's.
+        self.loop = TrainLoop(
+            self.model,
+            self.optimizer,
+            self.batch_loss,
+            spec.steps,
+            self.evaluate,
+            every(spec.eval_every, spec.steps),
+            grad_sync=self.dp,
+            grad_clip=spec.grad_clip,
+            lr_at=lr_schedule(spec),
+            speed=spec.step_stretch(rank),
+            link_wait_s=self.exposed_s,
+            steps_on=lambda tick: spec.steps_on(rank, tick),  # speed_model 'steps': a slower worker idles
+            after_step=self.after_step,
+            after_tick=self.after_tick,
+        )
         self.result = RunResult(
             spec.label,
             spec.method,
@@ -295,8 +308,7 @@ class RankRun:
             num_params=num_parameters(self.model),
             eval_bytes_scored=self.windows.scored_bytes,
         )
-        self.eval_s = self.final_eval_s = 0.0
-        self.t_start = self.t_end = 0.0
+        self.final_eval_s = 0.0
         self.prof: Any = None
         dist.barrier(group=self.eval_group)
 
@@ -304,14 +316,14 @@ class RankRun:
         return self.dp.metrics if self.dp is not None else CommTotals.read(self.strategy)
 
     def evaluate(self, step: int) -> None:
-        t0 = time.perf_counter()
+        elapsed = self.loop.elapsed()
         losses = evaluate(self.model, self.eval_model, self.windows, self.eval_group, self.rank, self.world)
         loss = statistics.fmean(losses.workers)  # the headline: the mean of the workers' own models
         m = self.totals()
         self.result.points.append(
             EvalPoint(
                 step,
-                t0 - self.t_start - self.eval_s,
+                elapsed,
                 m.bytes_sent,
                 m.exposed_s,
                 loss,
@@ -320,7 +332,6 @@ class RankRun:
                 workers_agree=losses.agree,
             )
         )
-        self.eval_s += time.perf_counter() - t0
         if self.tb is not None:
             self.tb.add_scalar("val/loss", loss, step)
             self.tb.add_scalar("val/loss_avg_model", losses.avg_model, step)
@@ -336,47 +347,25 @@ class RankRun:
             return self.dp.metrics.exposed_s
         return float(self.strategy.metrics.exposed_comm_s) if self.strategy is not None else 0.0
 
-    def compute_range(self) -> contextlib.AbstractContextManager:
-        # The runtime marks lowcomm/compute itself (between two optimizer hooks); the harness marks
-        # it only for the data-parallel baseline, which runs without a strategy.
-        return nvtx_range("compute") if self.dp is not None else contextlib.nullcontext()
+    def batch_loss(self) -> torch.Tensor:
+        x, y = sample_batch(self.shard, self.spec.batch_size, self.spec.model.seq_len, self.gen)
+        return self.model.loss(x, y)
+
+    def after_step(self, step: int, loss: torch.Tensor) -> None:
+        if self.tb is not None:
+            self.tb.add_scalar("train/loss", loss.item(), step)
+            self.tb.add_scalar("train/lr", self.optimizer.param_groups[0]["lr"], step)
+
+    def after_tick(self, step: int, evaluated: bool) -> None:
+        if self.rank == 0 and not evaluated and step % self.progress_every == 0:
+            self.report(step, None)
 
     def train(self) -> None:
-        """The plain training loop, inside the strategy's context (and the profiler's, if any)."""
-        spec, model, optimizer = self.spec, self.model, self.optimizer
+        """The training loop (train/loop.py), inside the strategy's context (and the profiler's)."""
+        spec = self.spec
         ctx = self.strategy if self.strategy is not None else contextlib.nullcontext()
-        progress_every = max(1, spec.steps // 100)
         with _profiler(spec) as self.prof, ctx:
-            self.t_start = time.perf_counter()
-            self.evaluate(0)
-            for step in range(1, spec.steps + 1):
-                if not spec.steps_on(self.rank, step):  # speed_model 'steps': a slower worker idles
-                    self.scheduler.step()  # the learning rate follows the ticks, the same on every rank
-                    continue  # (never an evaluation tick: those are round ends, where every rank steps)
-                t_step, exposed0 = time.perf_counter(), self.exposed_s()
-                with self.compute_range():
-                    x, y = sample_batch(self.shard, spec.batch_size, spec.model.seq_len, self.gen)
-                    loss = model.loss(x, y)
-                    loss.backward()
-                if self.tb is not None:
-                    self.tb.add_scalar("train/loss", loss.item(), step)
-                    self.tb.add_scalar("train/lr", self.scheduler.get_last_lr()[0], step)
-                if self.dp is not None:
-                    self.dp.sync_grads()
-                with self.compute_range():
-                    if spec.grad_clip > 0:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip)
-                    optimizer.step()  # the strategy's hook runs here (sends, merges)
-                    optimizer.zero_grad(set_to_none=True)
-                    self.scheduler.step()
-                if self.speed != 1.0:  # emulate a slower worker
-                    elapsed = time.perf_counter() - t_step
-                    time.sleep(stretch_s(self.speed, elapsed, self.exposed_s() - exposed0))
-                if step % spec.eval_every == 0 or step == spec.steps:
-                    self.evaluate(step)
-                elif self.rank == 0 and step % progress_every == 0:
-                    self.report(step, None)
-            self.t_end = time.perf_counter()
+            self.loop.run()
             if self.final_windows is not None:
                 self.final_evaluate()
 
@@ -398,7 +387,7 @@ class RankRun:
         returns the RunResult, other ranks None."""
         spec, result = self.spec, self.result
         m = self.totals()
-        result.train_wall_s = self.t_end - self.t_start - self.eval_s
+        result.train_wall_s = self.loop.train_wall_s
         result.bytes_sent, result.exposed_s, result.syncs = m.bytes_sent, m.exposed_s, m.syncs
         # CPU seconds of all ranks together (setup, training, evaluation): with C cores free, the run
         # needs at least cpu_s / C seconds of wall-clock, whatever the machine's load was.
@@ -406,9 +395,9 @@ class RankRun:
         dist.all_reduce(cpu, group=self.eval_group)
         result.extra = dict(
             m.extra,
-            eval_s=self.eval_s,
+            eval_s=self.loop.eval_s,
             final_eval_s=self.final_eval_s,
-            setup_s=self.t_start - self.t_setup,
+            setup_s=self.loop.t_start - self.t_setup,
             cpu_s_all_ranks=float(cpu),
         )
         if self.prof is not None and spec.profile_dir is not None:

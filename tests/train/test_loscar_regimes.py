@@ -238,7 +238,7 @@ def test_a_slow_worker_is_slow_in_time_unless_loscar_gives_it_fewer_steps(method
 def test_a_slow_worker_is_slow_in_compute_not_on_the_link():
     """The stretch multiplies the step's compute only: a step that spent 0.3 s of its 0.31 s waiting
     on the link sleeps (c - 1) x 0.01 s, not (c - 1) x 0.31 s (the link is no slower for it)."""
-    from lowcomm_kernels.train.worker import stretch_s
+    from lowcomm_kernels.train.loop import stretch_s
 
     assert stretch_s(3.0, 0.31, 0.30) == pytest.approx(0.02)
     assert stretch_s(3.0, 0.31, 0.0) == pytest.approx(0.62)

@@ -37,6 +37,7 @@ from ...runtime import LOSCAR
 from ...runtime.launch import WorkerError, send
 from .. import paper_vs_ours
 from ..args import _SPEC_FIELDS, check_workers, out_dir
+from ..loop import TrainLoop
 from ..presets import LOGREG
 from ..provenance import collect
 from ..report import mean_std, write_json
@@ -169,17 +170,26 @@ def run_one(
         )
         curve.append((r, avg, sum(own) / len(own)))
 
+    def batch_loss() -> torch.Tensor:
+        i = shard[torch.randint(0, shard.numel(), (cfg.batch_size,), generator=gen)]
+        return torch.nn.functional.softplus(-y[i] * model(X[i]).reshape(-1)).mean()
+
+    # this rank's ticks are its own steps: rounds of steps_per_round (fewer on a slower worker), and
+    # the evaluations (collective) at the ends of the same rounds on every rank
+    def round_end(tick: int) -> bool:
+        r, within = divmod(tick, steps_per_round)
+        return within == 0 and (r % cfg.eval_every == 0 or r == cfg.rounds)
+
+    loop = TrainLoop(
+        model,
+        opt,
+        batch_loss,
+        cfg.rounds * steps_per_round,
+        lambda tick: record(tick // steps_per_round),
+        round_end,
+    )
     with strategy:
-        record(0)
-        for r in range(1, cfg.rounds + 1):
-            for _ in range(steps_per_round):
-                i = shard[torch.randint(0, shard.numel(), (cfg.batch_size,), generator=gen)]
-                loss = torch.nn.functional.softplus(-y[i] * model(X[i]).reshape(-1)).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            if r % cfg.eval_every == 0 or r == cfg.rounds:
-                record(r)
+        loop.run()
     return curve
 
 

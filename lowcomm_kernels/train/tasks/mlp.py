@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from ...runtime.launch import WorkerError, send
 from ..args import out_dir, parse_methods, spec_from_args
+from ..loop import TrainLoop, every
 from ..provenance import collect
 from ..report import EvalPoint, RunResult, auto_target, comparison_rows, format_table, write_json
 from ..runner import report_failure
@@ -227,20 +228,25 @@ def run_one(
         avg_acc.append(avg_a)
         own_acc.append(sum(own_a) / world)
 
+    def batch_loss() -> torch.Tensor:
+        nonlocal steps_run
+        steps_run += 1
+        i = rows[torch.randint(0, rows.numel(), (spec.batch_size,), generator=gen)]
+        return torch.nn.functional.cross_entropy(model(Xtr[i]), ytr[i])
+
+    loop = TrainLoop(
+        model,
+        opt,
+        batch_loss,
+        spec.steps,
+        record,
+        every(spec.eval_every, spec.steps),
+        grad_sync=dp,
+        steps_on=lambda tick: spec.steps_on(rank, tick),  # a slower LOSCAR worker's fewer local steps
+    )
     t0 = time.perf_counter()
     with strategy if strategy is not None else contextlib.nullcontext():  # none: dp, LOSCAR at p = 0
-        record(0)
-        for tick in range(1, spec.steps + 1):
-            if spec.steps_on(rank, tick):
-                i = rows[torch.randint(0, rows.numel(), (spec.batch_size,), generator=gen)]
-                torch.nn.functional.cross_entropy(model(Xtr[i]), ytr[i]).backward()
-                if dp is not None:
-                    dp.sync_grads()
-                opt.step()  # the strategy's hook runs here (sends, merges)
-                opt.zero_grad(set_to_none=True)
-                steps_run += 1
-            if tick % spec.eval_every == 0 or tick == spec.steps:
-                record(tick)
+        loop.run()
     m = totals()
     mine = torch.tensor([steps_run, time.process_time() - cpu0], dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
