@@ -11,7 +11,8 @@ smallest effect a comparison could have detected.
   p_(i) = max_{j≤i} min(1, (m − j + 1)·p_(j)). A family is declared in the study's code before its
   runs; comparisons chosen after seeing the data are labelled post hoc.
 - **Smallest detectable effect** (for a null result): the true paired difference that a two-sided
-  t test at α = 0.05 would detect with 80 % power, (t_{0.975, n−1} + t_{0.8, n−1})·s/√n.
+  t test at α = 0.05 would detect with 80 % power, (t_{0.975, n−1} + t_{0.8, n−1})·s/√n; and, for
+  a goal effect, the pairs that would reach it at the measured s (``pairs_to_detect``).
 
 The t distribution comes from scipy (a dependency of scikit-learn, which the CLI's tasks use); where
 it is missing, the p-values, intervals and detectable effects are None and rendered as '-'.
@@ -93,6 +94,30 @@ def paired_diffs(diffs: Sequence[float]) -> Paired:
         t = mean / se
         p = None if dist is None else float(2.0 * dist.sf(abs(t), df))
     return Paired(n, mean, std, t, df, p, ci[0], ci[1], sign_test(d), detectable)
+
+
+def pairs_to_detect(std: float, effect: float, most: int = 10_000) -> int | None:
+    """The fewest pairs n at which a paired difference of standard deviation ``std`` has a smallest
+    detectable effect (t_{0.975, n−1} + t_{0.8, n−1})·std/√n of at most ``effect``; None without
+    scipy or when more than ``most`` would be needed."""
+    dist = _t()
+    if dist is None or not std == std:
+        return None
+    if std == 0.0:
+        return 2
+
+    def detectable(n: int) -> float:
+        return (float(dist.ppf(0.975, n - 1)) + float(dist.ppf(0.8, n - 1))) * std / math.sqrt(n)
+
+    lo, hi = 2, 2
+    while detectable(hi) > effect:  # detectable(n) falls with n: double, then bisect
+        lo, hi = hi, hi * 2
+        if hi > most:
+            return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (mid + 1, hi) if detectable(mid) > effect else (lo, mid)
+    return lo
 
 
 def paired(values: Sequence[float | None], reference: Sequence[float | None]) -> Paired:

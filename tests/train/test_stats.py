@@ -58,3 +58,19 @@ def test_holm_on_a_worked_example():
     fam = stats.holm_family({"a": stats.paired_diffs([1, 2, 3]), "b": stats.paired_diffs([0.1, -0.2, 0.05])})
     assert fam["a"].p_holm == pytest.approx(min(1.0, 2 * fam["a"].p))
     assert "Holm p=" in fam["a"].cell()
+
+
+def test_pairs_to_detect_is_the_first_n_whose_detectable_effect_reaches_the_goal():
+    from scipy import stats as st
+
+    from lowcomm_kernels.train.stats import pairs_to_detect
+
+    def detectable(n: int, s: float) -> float:
+        return (st.t.ppf(0.975, n - 1) + st.t.ppf(0.8, n - 1)) * s / math.sqrt(n)
+
+    for s in (0.003, 0.0128, 0.0226):
+        n = pairs_to_detect(s, 0.01)
+        assert detectable(n, s) <= 0.01 and (n == 2 or detectable(n - 1, s) > 0.01)
+    assert pairs_to_detect(0.0, 0.01) == 2
+    assert pairs_to_detect(1.0, 0.01, most=100) is None  # would need about 80,000
+    assert pairs_to_detect(math.nan, 0.01) is None
