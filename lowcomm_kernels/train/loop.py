@@ -56,7 +56,9 @@ class TrainLoop:
     - ``speed`` > 1: sleep after each step so it takes ``speed`` x its compute (``link_wait_s()``:
       seconds waited on the link so far, left out of the stretch).
     - ``after_step(tick, loss)`` after each optimizer step; ``after_tick(tick, evaluated)`` at the
-      end of every tick (progress, fault injection).
+      end of every tick this worker stepped (progress, fault injection).
+    - Everything ``evaluate`` does (the losses, and what it logs or sends about them) counts as
+      evaluation time, not training time.
     """
 
     model: torch.nn.Module

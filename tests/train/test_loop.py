@@ -41,7 +41,18 @@ def test_it_steps_every_tick_and_evaluates_at_0_every_n_and_the_last():
     assert log["steps"] == list(range(1, 11))
     assert log["evals"] == [0, 4, 8, 10]
     assert log["ticks"] == [(t, t in (4, 8, 10)) for t in range(1, 11)]
-    assert loop.t_end >= loop.t_start and 0 <= loop.train_wall_s <= loop.t_end - loop.t_start
+    assert loop.train_wall_s == pytest.approx(loop.t_end - loop.t_start - loop.eval_s)
+
+
+def test_an_evaluation_sees_the_training_seconds_so_far():
+    seen = []
+    loop, _ = _loop(4, eval_at=every(2, 4))
+    loop.evaluate = lambda t: (seen.append((loop.elapsed(), loop.eval_s)), time.sleep(0.02))
+    loop.run()
+    assert [round(e, 6) for _, e in seen][0] == 0.0 and seen[0][0] < 0.02  # at tick 0: nothing yet
+    for (elapsed, _), (later, _) in zip(seen, seen[1:], strict=False):
+        assert later >= elapsed  # training time only grows, evaluations left out
+    assert seen[-1][1] >= 0.04  # the two evaluations before the last are counted as evaluation
 
 
 def test_it_trains_the_model_as_the_plain_loop_does():
@@ -81,11 +92,43 @@ def test_a_replica_that_heals_jumps_to_its_peers_step():
     """position: the tick after a step (a torchft replica's strategy step count, which a heal moves
     ahead); the loop continues from there and evaluates where that lands."""
     jumps = {1: 5}
-    loop, log = _loop(8, position=lambda t: jumps.get(t, t), evaluate_first=False, eval_at=every(4, 8))
+    loop, log = _loop(
+        8,
+        position=lambda t: jumps.get(t, t),
+        evaluate_first=False,
+        eval_at=every(4, 8),
+        lr_at=lambda t: 1.0 + t,
+    )
     loop.run()
     assert log["steps"] == [5, 6, 7, 8]
     assert log["evals"] == [8]  # no evaluation at 0 (a returning replica's was in its first life)
-    assert log["lrs"] == [0.1] * 4
+    assert log["lrs"] == [1.0, 6.0, 7.0, 8.0]  # after the jump, the rate of the peers' step
+
+
+def test_the_lm_schedule_equals_torchs_lambdalr_bit_for_bit():
+    """worker.lr_schedule sets the rate before each step; it equals what a LambdaLR stepped once per
+    tick gives (base_lr x the same factor), warm-up and cosine, for every step."""
+    import math
+
+    from lowcomm_kernels.train.spec import TrainSpec
+    from lowcomm_kernels.train.worker import lr_schedule
+
+    for lr, warmup, steps, floor in ((3e-3, 40, 2000, 0.1), (1e-3, 7, 53, 0.01), (0.7, 1, 2, 0.5)):
+        spec = TrainSpec(lr=lr, warmup_steps=warmup, steps=steps, min_lr_frac=floor)
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+
+        def factor(t: int, warmup=warmup, steps=steps, floor=floor) -> float:
+            if t < warmup:
+                return (t + 1) / warmup
+            progress = min(1.0, (t - warmup) / max(1, steps - warmup))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+        ours = lr_schedule(spec)
+        for t in range(steps):
+            assert ours(t) == opt.param_groups[0]["lr"], (lr, warmup, steps, t)
+            opt.step()
+            sched.step()
 
 
 def test_evaluation_time_is_not_training_time():
@@ -106,17 +149,18 @@ def test_a_slower_worker_is_stretched_and_its_link_wait_is_not():
         loop, _ = _loop(3, speed=3.0, link_wait_s=lambda: waited[0])
         inner = loop.batch_loss
 
-        def batch_loss() -> torch.Tensor:  # 30 ms in each step, on the link or computing
-            time.sleep(0.03)
-            waited[0] += 0.03 if link_wait else 0.0
+        def batch_loss() -> torch.Tensor:  # 50 ms in each step, on the link or computing
+            time.sleep(0.05)
+            waited[0] += 0.05 if link_wait else 0.0
             return inner()
 
         loop.batch_loss = batch_loss
         loop.run()
         return loop.train_wall_s
 
-    assert timed(link_wait=False) >= 3 * 3 * 0.03  # 3 steps, each stretched to 3x its 30 ms
-    assert timed(link_wait=True) < 3 * 2 * 0.03  # the link's wait is not stretched
+    assert timed(link_wait=False) >= 3 * 3 * 0.05  # 3 steps, each stretched to 3x its 50 ms
+    # the link's wait is not stretched: about 3 x 50 ms (a margin for a loaded machine's sleeps)
+    assert timed(link_wait=True) < 3 * 3 * 0.05 - 0.1
 
 
 def test_a_data_parallel_gradient_sync_runs_between_backward_and_step():
