@@ -179,6 +179,8 @@ def _made_by(data: dict) -> str:
             code += (
                 " (clean)" if s.get("diff_sha256") is None else f" + changes (diff {s['diff_sha256'][:8]})"
             )
+        if "machine" in s:  # recorded by parts since machines were recorded; older files say nothing
+            code += f" on {s['machine'] or 'a machine not recorded'}"
         n = len(s.get("parts") or [])
         when = f", {s['first_utc']} → {s['last_utc']}" if s.get("first_utc") else ""
         codes.append(f"{code}: {n} saved part{'s' * (n != 1)}{when}")
@@ -186,7 +188,11 @@ def _made_by(data: dict) -> str:
     cpu_note = ""
     if cpu and all(isinstance(c, (int, float)) for c in cpu):
         cpu_note = f"; {len(cpu)} runs, {sum(cpu):,.0f} CPU s of all ranks"
-    mixed = " (more than one code: the runs mix code versions)" if len(sits) > 1 else ""
+    revisions = {(s.get("revision"), s.get("diff_sha256")) for s in sits}
+    machines = {s.get("machine") for s in sits if s.get("machine")}
+    mixed = " (more than one code: the runs mix code versions)" if len(revisions) > 1 else ""
+    if len(machines) > 1:
+        mixed += " (more than one machine: seeded runs are not bitwise comparable across them)"
     return "Runs made by " + "; ".join(codes) + mixed + cpu_note
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .provenance import git_info
+from .provenance import cpu_model, git_info, torch_cpu_capability
 from .report import RunResult, mean_std, val_loss_basis, write_json
 from .runner import run_specs
 from .spec import TrainSpec
@@ -85,9 +85,11 @@ def run_resumable(
     """Run each configuration's specs in one launch and save its results to ``folder`` at once; a
     configuration whose file holds results of exactly these specs is read back instead of run.
     ``run`` runs one configuration's specs (default: the LM task on ``corpus``). Each file also
-    records the code that made it (``made_by``: git revision, uncommitted-changes digest, UTC time,
-    load), so a study completed in several sittings says whether its parts ran the same code
-    (:func:`sittings`); reusing a part made by other code prints a warning."""
+    records the code and machine that made it (``made_by``: git revision, uncommitted-changes digest,
+    UTC time, load, CPU model and torch's CPU capability), so a study completed in several sittings
+    says whether its parts ran the same code on the same kind of machine (:func:`sittings`; another
+    CPU rounds the last bits of some kernels differently, so seeded runs drift apart); reusing a
+    part made by other code prints a warning."""
     folder.mkdir(parents=True, exist_ok=True)
     results: list[RunResult] = []
     for i, (label, specs) in enumerate(configs):
@@ -130,7 +132,16 @@ def _made_by() -> dict:
         "diff_sha256": g["diff_sha256"],
         "utc": utc,
         "load": load,
+        "machine": {"cpu_model": cpu_model(), "torch_cpu_capability": torch_cpu_capability()},
     }
+
+
+def _machine(made_by: dict | None) -> str | None:
+    """'CPU model (torch CPU capability)' of a part; None when the part did not record it."""
+    m = (made_by or {}).get("machine")
+    if not isinstance(m, dict) or not (m.get("cpu_model") or m.get("torch_cpu_capability")):
+        return None
+    return f"{m.get('cpu_model') or 'unknown CPU'} ({m.get('torch_cpu_capability') or 'capability unknown'})"
 
 
 def _code_id(made_by: dict | None) -> tuple:
@@ -147,8 +158,9 @@ def _code_text(code: tuple) -> str:
 
 
 def sittings(folder: Path, parts: int | None = None) -> list[dict]:
-    """The distinct codes that made the parts in ``folder`` (each: revision, diff_sha256, the part
-    files it made, its first and last UTC time); more than one means the study mixes code versions.
+    """The distinct codes and machines that made the parts in ``folder`` (each: revision,
+    diff_sha256, machine (None: not recorded), the part files it made, its first and last UTC time);
+    more than one means the study mixes code versions or machines.
     ``parts``: only the first ``parts`` files (000.json ...), the study's configurations, not files left
     by an earlier, longer list; a part whose checkout changed while it ran counts under both codes."""
     out: dict[tuple, dict] = {}
@@ -165,9 +177,17 @@ def sittings(folder: Path, parts: int | None = None) -> list[dict]:
 
 
 def _add_sitting(out: dict[tuple, dict], name: str, made_by: dict | None) -> None:
-    code = _code_id(made_by)
+    code, machine = _code_id(made_by), _machine(made_by)
     entry = out.setdefault(
-        code, {"revision": code[0], "diff_sha256": code[1], "parts": [], "first_utc": None, "last_utc": None}
+        (*code, machine),
+        {
+            "revision": code[0],
+            "diff_sha256": code[1],
+            "machine": machine,
+            "parts": [],
+            "first_utc": None,
+            "last_utc": None,
+        },
     )
     if name not in entry["parts"]:
         entry["parts"].append(name)

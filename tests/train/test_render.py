@@ -149,6 +149,22 @@ def test_runs_made_by_several_codes_are_flagged():
     assert render._made_by({"runs": []}) == ""
 
 
+def test_runs_made_on_several_machines_are_flagged():
+    """Parts that recorded their machine name it; one code on two machines is one code, two
+    machines (another CPU rounds the last bits of some kernels differently)."""
+    rev = "a" * 40
+    sits = [
+        {"revision": rev, "diff_sha256": None, "machine": "AMD EPYC (AVX512)", "parts": ["000.json"]},
+        {"revision": rev, "diff_sha256": None, "machine": "Intel Xeon (AVX512)", "parts": ["001.json"]},
+        {"revision": rev, "diff_sha256": None, "machine": None, "parts": ["002.json"]},
+    ]
+    line = render._made_by({"sittings": sits, "runs": []})
+    assert "revision `aaaaaaaaaa` (clean) on AMD EPYC (AVX512): 1 saved part" in line
+    assert "on Intel Xeon (AVX512): 1 saved part" in line and "on a machine not recorded" in line
+    assert "more than one machine" in line and "mix code versions" not in line
+    assert "more than one machine" not in render._made_by({"sittings": sits[:1] + sits[2:], "runs": []})
+
+
 def _rc_err(argv: list[str], capsys) -> tuple[int, str]:
     rc = main(argv)
     return rc, capsys.readouterr().err

@@ -91,6 +91,34 @@ def test_each_saved_part_records_the_code_that_made_it(tmp_path: Path, capsys, m
     assert studykit.sittings(tmp_path)[0]["revision"] is None
 
 
+def test_each_saved_part_records_the_machine_that_made_it(tmp_path: Path, monkeypatch):
+    """made_by names the CPU and torch's CPU capability; sittings() separates one code's parts by
+    machine, and a part without the record reads as machine None."""
+    from lowcomm_kernels.train import provenance, studykit
+    from lowcomm_kernels.train.report import RunResult
+
+    fake = lambda specs: [RunResult(s.label, s.method, s.to_dict()) for s in specs]  # noqa: E731
+    cfgs = [(name, [TrainSpec(name=name, seed=i)]) for i, name in enumerate("abc")]
+    studykit.run_resumable(cfgs[:1], None, tmp_path, progress=False, run=fake)
+    made = json.loads((tmp_path / "000.json").read_text())["made_by"]
+    assert made["machine"] == {
+        "cpu_model": provenance.cpu_model(),
+        "torch_cpu_capability": provenance.torch_cpu_capability(),
+    }
+    monkeypatch.setattr(studykit, "cpu_model", lambda: "Other CPU")
+    studykit.run_resumable(cfgs[:2], None, tmp_path, progress=False, run=fake)
+    doc = json.loads((tmp_path / "000.json").read_text())
+    studykit.run_resumable(cfgs, None, tmp_path, progress=False, run=fake)
+    third = json.loads((tmp_path / "002.json").read_text())
+    del third["made_by"]["machine"]
+    (tmp_path / "002.json").write_text(json.dumps(third))
+    machines = {tuple(p["parts"]): p["machine"] for p in studykit.sittings(tmp_path)}
+    cpu, cap = provenance.cpu_model(), provenance.torch_cpu_capability()
+    assert machines[("000.json",)] == f"{cpu or 'unknown CPU'} ({cap or 'capability unknown'})"
+    assert doc["made_by"]["machine"]["cpu_model"] == cpu  # the part made here was reused, not remade
+    assert machines[("001.json",)].startswith("Other CPU (") and machines[("002.json",)] is None
+
+
 def test_a_part_whose_checkout_changed_while_it_ran_says_so(tmp_path: Path, capsys, monkeypatch):
     """The code is recorded at launch (the workers import what is on disk then); a commit landing
     while the part runs is recorded too, warned about, and sittings() counts the part under both.
