@@ -19,11 +19,22 @@ def wan_bounds(rank: int, world: int) -> dict:
     untouched), then bare Transport waits on such links (a SyncError at once, not a sleep)."""
     out: dict = {}
     links = {"latency": rt.WAN(1e9, 1e9), "bandwidth": rt.WAN(0.0, 1e-12 * 1e6 / 8)}
+    # what a first construction pays once (imports, the native library, groups) is paid here, on a
+    # fast link, so that the clock below measures the refusal and not a loaded machine's start-up
+    t0 = time.perf_counter()
+    model = make_model(torch.float32)
+    rt.DiLoCo(model, make_opt(model), sync_every=2, timeout_s=5.0).close()
+    model = make_model(torch.float32)
+    rt.LOSCAR(model, make_opt(model), density=0.5, local_steps=2, overlap_steps=1, timeout_s=5.0).close()
+    out["warm_up_s"] = time.perf_counter() - t0
     for name, wan in links.items():
         for cls, kw in (("diloco", {"sync_every": 2}),
                         ("loscar", {"density": 0.5, "local_steps": 2, "overlap_steps": 1})):
             model = make_model(torch.float32)
             before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            # both ranks start the clock together: on a loaded machine one rank may reach the first
+            # case seconds after the other, and the construction's agreement waits for it
+            dist.barrier()
             t0 = time.perf_counter()
             try:
                 st = getattr(rt, {"diloco": "DiLoCo", "loscar": "LOSCAR"}[cls])(
