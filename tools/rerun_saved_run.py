@@ -26,7 +26,6 @@ from pathlib import Path
 
 from lowcomm_kernels.runtime.launch import launch
 from lowcomm_kernels.train.corpus import load_corpus
-from lowcomm_kernels.train.model import ModelConfig
 from lowcomm_kernels.train.provenance import cpu_model, git_info, torch_cpu_capability
 from lowcomm_kernels.train.spec import TrainSpec
 from lowcomm_kernels.train.worker import run_rank
@@ -45,14 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         doc = json.loads(args.part.read_text())
         run = doc["runs"][args.run]
-        cfg = dict(run["config"])
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        spec = TrainSpec.from_dict(run["config"])
+        saved = {p["step"]: p["val_loss"] for p in run["points"]}
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:  # SpecError too
         print(f"error: {args.part}: not a saved part with a run {args.run} ({exc})", file=sys.stderr)
         return 2
-    cfg.pop("label", None)
-    cfg["model"] = ModelConfig(**cfg["model"])
-    spec = TrainSpec(**cfg)
-    saved = {p["step"]: p["val_loss"] for p in run["points"]}
     made = doc.get("made_by") or {}
     print(f"{args.part} run {args.run}: {spec.label}, seed {spec.seed}, {spec.steps} steps")
     rev, machine = str(made.get("revision"))[:10], made.get("machine", "not recorded")

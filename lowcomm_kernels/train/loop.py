@@ -128,13 +128,14 @@ class TrainLoop:
                 done = tick  # this worker sits the tick out
                 stepped = False
             else:
-                t0, wait0 = time.perf_counter(), self.link_wait_s()
+                stretch = self.speed != 1.0  # only then the step's times are read
+                t0, wait0 = (time.perf_counter(), self.link_wait_s()) if stretch else (0.0, 0.0)
                 loss = self.step(done)
                 done = self.position(tick) if self.position is not None else tick
                 stepped = True
                 if self.after_step is not None:
                     self.after_step(done, loss)
-                if self.speed != 1.0:  # emulate a slower worker
+                if stretch:  # emulate a slower worker
                     elapsed = time.perf_counter() - t0
                     time.sleep(stretch_s(self.speed, elapsed, self.link_wait_s() - wait0))
             evaluated = self.eval_at(done)

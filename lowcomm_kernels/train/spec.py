@@ -7,7 +7,7 @@ receives (it pickles), so a run is fully described by it and it is saved beside 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -425,3 +425,19 @@ class TrainSpec:
         d = asdict(self)
         d["label"] = self.label
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainSpec:
+        """The spec :meth:`to_dict` wrote (a results file's run config), validated: the label is
+        derived again, JSON's lists become the tuples they were. A field this version does not know
+        is a SpecError naming it."""
+        d = dict(d)
+        d.pop("label", None)
+        unknown = sorted(set(d) - {f.name for f in fields(cls)})
+        if unknown:
+            raise SpecError(f"unknown run-config fields {unknown} (made by another version?)")
+        if isinstance(d.get("model"), dict):
+            d["model"] = ModelConfig(**d["model"])
+        if isinstance(d.get("worker_speeds"), list):
+            d["worker_speeds"] = tuple(d["worker_speeds"])
+        return cls(**d)

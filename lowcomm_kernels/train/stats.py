@@ -147,16 +147,24 @@ def holm_family(family: dict[str, Paired]) -> dict[str, Paired]:
     return {k: replace(family[k], p_holm=a) for k, a in zip(names, adjusted, strict=True)}
 
 
-def contrast_table(contrasts: list[tuple[str, str, str]], results: Sequence) -> str:
-    """The declared contrasts of a study ((name, label a, label b) each) from its runs' per-seed final
-    losses, with Holm over the family, the sign test and, for each, the smallest paired effect the
-    design detects. ``results``: RunResults (name, config["seed"], final_loss)."""
+def contrast_pairs(contrasts: list[tuple[str, str, str]], results: Sequence) -> dict[str, tuple]:
+    """name -> (label a, label b, Paired a − b) of each contrast ((name, label a, label b)) with at
+    least one seed both ran, from the runs' per-seed final losses. ``results``: RunResults (name,
+    config["seed"], final_loss)."""
     finals = {(r.name, int(r.config.get("seed", 0))): r.final_loss for r in results}
     family = {}
     for name, a, b in contrasts:
         seeds = sorted(s for (lb, s) in finals if lb == b and (a, s) in finals)
         if seeds:
             family[name] = (a, b, paired_diffs([finals[a, s] - finals[b, s] for s in seeds]))
+    return family
+
+
+def contrast_table(contrasts: list[tuple[str, str, str]], results: Sequence) -> str:
+    """The declared contrasts of a study ((name, label a, label b) each) from its runs' per-seed final
+    losses, with Holm over the family, the sign test and, for each, the smallest paired effect the
+    design detects. ``results``: RunResults (name, config["seed"], final_loss)."""
+    family = contrast_pairs(contrasts, results)
     if not family:
         return ""
     held = holm_family({k: v[2] for k, v in family.items()})

@@ -46,7 +46,7 @@ from pathlib import Path
 from . import study_cocodc
 from .report import RunResult
 from .spec import TrainSpec
-from .stats import contrast_table, paired_diffs, pairs_to_detect
+from .stats import contrast_pairs, contrast_table, pairs_to_detect
 from .studykit import Study
 
 NAME = "cocodc-scale"
@@ -97,7 +97,6 @@ def tables(labels: list[str], results: list[RunResult], target: float, seeds: li
 def detection_table(contrasts: list[tuple[str, str, str]], results: list[RunResult]) -> str:
     """For each declared contrast: the spread of its paired differences, the smallest effect these
     pairs detect, and how many pairs (and CPU hours, at the runs' measured cost) would detect GOAL."""
-    finals = {(r.name, int(r.config.get("seed", 0))): r.final_loss for r in results}
     cpu = [r.extra["cpu_s_all_ranks"] for r in results if "cpu_s_all_ranks" in (r.extra or {})]
     per_run = sum(cpu) / len(cpu) if cpu else math.nan
     lines = [
@@ -108,11 +107,9 @@ def detection_table(contrasts: list[tuple[str, str, str]], results: list[RunResu
         "both configurations |",
         "|---|---|---|---|---|---|",
     ]
-    for name, a, b in contrasts:
-        seeds = sorted(sd for (lb, sd) in finals if lb == b and (a, sd) in finals)
-        if len(seeds) < 2:
+    for name, (_, _, d) in contrast_pairs(contrasts, results).items():
+        if d.n < 2:
             continue
-        d = paired_diffs([finals[a, sd] - finals[b, sd] for sd in seeds])
         need = pairs_to_detect(d.std, GOAL)
         det = "-" if d.detectable is None else f"{d.detectable:.4f}"
         hours = "-" if need is None or per_run != per_run else f"{2 * need * per_run / 3600:.1f}"

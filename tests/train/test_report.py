@@ -154,3 +154,28 @@ def test_results_json_from_before_per_worker_evaluation_still_loads():
     assert "final val loss (averaged model)" in text and "| n/a | 2.5000 |" in text
     mixed = format_table([r, _run("a", [5.0, 2.4], 1)], 2.5)
     assert "differs between runs: averaged model, worker models, mean" in mixed
+
+
+def test_a_run_config_reads_back_as_the_spec_that_wrote_it():
+    """TrainSpec.from_dict inverts to_dict through JSON (the model, tuples from lists, the label
+    derived again); an unknown field is a SpecError naming it, not a quiet default."""
+    import json
+
+    import pytest
+
+    from lowcomm_kernels.train.errors import SpecError
+    from lowcomm_kernels.train.model import ModelConfig
+    from lowcomm_kernels.train.spec import TrainSpec
+
+    spec = TrainSpec(
+        method="loscar",
+        workers=4,
+        steps=48,
+        model=ModelConfig(dim=32, n_layers=2, n_heads=2, mlp_hidden=86, seq_len=32),
+        worker_speeds=(1.0, 1.0, 2.0, 2.0),
+        name="slow pair",
+    )
+    back = TrainSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+    assert back == spec and back.label == "slow pair" and back.worker_speeds == (1.0, 1.0, 2.0, 2.0)
+    with pytest.raises(SpecError, match="no_such_knob"):
+        TrainSpec.from_dict({**spec.to_dict(), "no_such_knob": 1})
