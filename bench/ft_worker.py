@@ -41,6 +41,14 @@ def main() -> None:
     ap.add_argument("--hold-at", type=int, default=-1, help="after this step, wait for --hold-for")
     ap.add_argument("--hold-for", default="")
     ap.add_argument(
+        "--die-at",
+        type=int,
+        default=-1,
+        help="SIGKILL this process right after recording this step: a crash at a known step (a kill "
+        "sent from outside lands wherever the replica has got to by then, which on a loaded machine "
+        "can be dozens of steps later)",
+    )
+    ap.add_argument(
         "--start-gate",
         default="",
         help="with the Manager up (heartbeating), touch GATE.<replica>_<group rank> and wait for GATE "
@@ -160,6 +168,8 @@ def main() -> None:
             }  # fmt: skip
             f.write(json.dumps(rec) + "\n")
             f.flush()
+            if 0 <= a.die_at <= strat.step_count:
+                os.kill(os.getpid(), signal.SIGKILL)
             if strat.step_count == a.hold_at:
                 while not os.path.exists(a.hold_for):
                     time.sleep(0.05)

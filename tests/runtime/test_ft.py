@@ -202,7 +202,7 @@ def test_kill_then_heal(lighthouse, tmp_path, method):
     losses = [r0[s]["loss"] for s in common]
     assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
     # the round in flight at the kill failed everywhere, then rounds ran with the two survivors
-    assert any(r0[s]["participants"] == 2 for s in r0 if killed_at < s <= hold)
+    _synced_without_the_killed(r0, killed_at, hold)
     # the restarted replica healed (its steps continue the others') and then matches g exactly
     healed = [s for s in r2 if s > hold]
     assert healed, "the restarted replica recorded nothing after the heal"
@@ -256,16 +256,38 @@ def _hold_run(lighthouse, tmp_path, method: str, steps: int, hold: int, kill_aft
     step 80. Returns the step it was killed at and the three replicas' records by step."""
     ready = tmp_path / "ready"
     hold_args = ["--method", method, "--hold-at", str(hold), "--hold-for", str(ready)]
-    procs = _start_all(lighthouse, tmp_path, 3, steps, *hold_args)
-    _wait_step(tmp_path, 2, kill_after, procs)
-    procs[2].send_signal(signal.SIGKILL)
-    procs[2].wait()
-    killed_at = _records(tmp_path, 2)[-1]["step"]
+    die = ["--die-at", str(kill_after)]
+    procs = _start_all(lighthouse, tmp_path, 3, steps, *hold_args, args=lambda i: die if i == 2 else [])
+    _killed(procs[2], tmp_path, 2, kill_after, procs)
+    killed_at = kill_after
     _wait_step(tmp_path, 0, hold, procs)
     procs[2] = _start(lighthouse, 2, tmp_path, 80, "--method", method, "--ready-file", str(ready))
     _finish(procs)
     _fresh_start(tmp_path, [0, 1, 2], 3, until=killed_at)
     return killed_at, [_last(_records(tmp_path, i)) for i in range(3)]
+
+
+def _killed(p: subprocess.Popen, out: Path, name, step: int, procs, timeout: float = 240.0) -> None:
+    """Wait for a replica started with ``--die-at step`` to SIGKILL itself right after recording that
+    step. (A kill sent by the test once it sees the step lands wherever the replica has got to by then:
+    on a loaded machine dozens of steps later, past the steps a test needs the survivors to sync alone.)"""
+    try:
+        rc = p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        report = _stacks_and_logs(procs)
+        raise AssertionError(f"replica {name} did not die at step {step}:\n{report}") from None
+    recs = _records(out, name)
+    last = recs[-1]["step"] if recs else None
+    assert rc == -signal.SIGKILL and last == step, (
+        f"replica {name}: exit {rc}, last step {last}\n{_logs([p])}"
+    )
+
+
+def _synced_without_the_killed(recs: dict[int, dict], killed_at: int, hold: int) -> None:
+    """A round committed with the 2 survivors alone between the kill and the hold (the one in flight at
+    the kill may have failed)."""
+    seen = [(s, recs[s]["participants"], recs[s]["failed"]) for s in sorted(recs) if killed_at < s <= hold]
+    assert any(n == 2 for _, n, _ in seen), f"(step, participants, failed rounds) after the kill: {seen}"
 
 
 def _survivors_common_steps(r0: dict, r1: dict, killed_at: int, steps: int) -> list[int]:
@@ -305,7 +327,7 @@ def test_loscar_kill_then_heal(lighthouse, tmp_path):
     assert len(merged) >= 10
     losses = [r0[s]["loss"] for s in common]
     assert sum(losses[-10:]) < 0.5 * sum(losses[:10])
-    assert any(r0[s]["participants"] == 2 for s in r0 if killed_at < s <= hold)
+    _synced_without_the_killed(r0, killed_at, hold)
     # a round in flight at the kill (if any) failed on both survivors alike
     assert r0[steps]["failed"] == r1[steps]["failed"] and r0[steps]["skipped"] == r1[steps]["skipped"]
     # the restarted replica healed at a round's send point: its parameters right after the heal are
@@ -350,6 +372,9 @@ def test_loscar_commit_failure_applies_nowhere(lighthouse, tmp_path):
     assert all(rec[s]["g"] == r[s]["g"] for rec in recs for s in good if s in rec)
 
 
+_DIE_AT_12 = {False: (), True: ("--die-at", "12")}  # the killed replica's extra arguments
+
+
 def _start_dp(lh, i, r, port, out: Path, steps: int, *extra: str, replicas: int = 2) -> subprocess.Popen:
     """Group rank r of replica i, a replica of 2 ranks with DDP inside (its store on `port`)."""
     cmd = [sys.executable, str(WORKER), "--lighthouse", lh.address(), "--replica", str(i)]
@@ -373,16 +398,15 @@ def test_replica_is_a_data_parallel_group(lighthouse, tmp_path):
     all four ranks hold the same g, and the two ranks of a replica the same parameters, at every step."""
     steps = 40
     ports = [_free_port(), _free_port()]
+    gate = ("--start-gate", str(tmp_path / "go"))
     procs = {
-        (i, r): _start_dp(lighthouse, i, r, ports[i], tmp_path, steps, "--start-gate", str(tmp_path / "go"))
+        (i, r): _start_dp(lighthouse, i, r, ports[i], tmp_path, steps, *gate, *_DIE_AT_12[i == 1])
         for i in range(2)
         for r in range(2)
     }
     _start_together(procs, tmp_path)
-    _wait_step(tmp_path, "1_0", 12, procs.values())
     for r in range(2):
-        procs[1, r].send_signal(signal.SIGKILL)
-        procs[1, r].wait()
+        _killed(procs[1, r], tmp_path, f"1_{r}", 12, procs.values())
     ports[1] = _free_port()
     for r in range(2):
         procs[1, r] = _start_dp(lighthouse, 1, r, ports[1], tmp_path, steps)
@@ -416,17 +440,24 @@ def test_replica_data_parallel_group_agrees(lighthouse, tmp_path, method):
     extra = ("--method", method, "--skew")
     procs = {
         (i, r): _start_dp(
-            lighthouse, i, r, ports[i], tmp_path, steps, *extra, "--start-gate", str(tmp_path / "go")
+            lighthouse,
+            i,
+            r,
+            ports[i],
+            tmp_path,
+            steps,
+            *extra,
+            "--start-gate",
+            str(tmp_path / "go"),
+            *_DIE_AT_12[i == 1],
         )
         for i in range(2)
         for r in range(2)
     }
     _start_together(procs, tmp_path)
-    _wait_step(tmp_path, "1_0", 12, procs.values())
     for r in range(2):
-        procs[1, r].send_signal(signal.SIGKILL)
-        procs[1, r].wait()
-    killed_at = max(_records(tmp_path, f"1_{r}")[-1]["step"] for r in range(2))
+        _killed(procs[1, r], tmp_path, f"1_{r}", 12, procs.values())
+    killed_at = 12
     ports[1] = _free_port()
     for r in range(2):
         procs[1, r] = _start_dp(lighthouse, 1, r, ports[1], tmp_path, steps, *extra)
@@ -495,16 +526,15 @@ def test_replica_data_parallel_heals_from_two_sources(lighthouse, tmp_path, meth
             *held,
             "--start-gate",
             str(tmp_path / "go"),
+            *_DIE_AT_12[i == 2],
             replicas=3,
         )
         for i in range(3)
         for r in range(2)
     }
     _start_together(procs, tmp_path)
-    _wait_step(tmp_path, "2_0", 12, procs.values())
     for r in range(2):
-        procs[2, r].send_signal(signal.SIGKILL)
-        procs[2, r].wait()
+        _killed(procs[2, r], tmp_path, f"2_{r}", 12, procs.values())
     _wait_step(tmp_path, "0_0", hold, procs.values())
     ports[2] = _free_port()
     for r in range(2):
