@@ -1,19 +1,25 @@
 """Input validation shared by every op. Each check names the offending argument and runs
 before anything is written, so a rejected call leaves every buffer untouched.
 
+Each op declares its tensor and scalar arguments once, in a ``Contract`` (dtype rules, sizes,
+optional buffers, which pairs may share memory), keyed by name to its C entry point's pointer
+parameters; the op's body checks a call with it, and the few checks a contract cannot say (index
+entries, a format's wire sizes) after it.
+
 Most checks need real data (pointers, index values, concrete scalars), so they run in eager calls
 and in the body of each registered op, never on the fake tensors of a torch.compile trace; the
-fake kernels use only ``same_device`` (see ``ops._common``).
+fake kernels use only ``Contract.same_device`` (see ``ops._common``).
 
 Metadata checks (dtype, device, shape, strides, aliasing: pointers, not data) cost no device
-access. Value checks of device data (``index``'s entries, fragment_norms' offsets) read the data
+access. Value checks of device data (``index_values``, fragment_norms' offsets) read the data
 on the host, which on a GPU waits for every queued kernel: the ops that have them take
 ``check_values=False`` for internal callers that produced the values themselves."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -99,12 +105,6 @@ def same_numel(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) 
             )
 
 
-def same_dtype(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
-    for name, t in others.items():
-        if t is not None and t.dtype != ref.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but {ref_name} has {ref.dtype}")
-
-
 def _span(t: torch.Tensor) -> tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)
@@ -118,18 +118,6 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, a1 = _span(a)
     b0, b1 = _span(b)
     return a0 < b1 and b0 < a1
-
-
-def no_alias(pairs: Iterable[tuple[str, torch.Tensor | None, str, torch.Tensor | None]]) -> None:
-    """Reject any pair of (name, tensor) whose memory overlaps."""
-    for an, a, bn, b in pairs:
-        if a is not None and b is not None and overlaps(a, b):
-            raise ValueError(f"{an} and {bn} share memory; they must be distinct buffers")
-
-
-def distinct(named: dict[str, torch.Tensor | None]) -> None:
-    items = [(n, t) for n, t in named.items() if t is not None]
-    no_alias((an, a, bn, b) for i, (an, a) in enumerate(items) for bn, b in items[i + 1 :])
 
 
 def flag(name: str, value: object) -> bool:
@@ -177,31 +165,168 @@ def integer(name: str, value: object, *, lo: int | None = None, hi: int | None =
     return int(value)
 
 
-def index(
-    name: str,
-    idx: object,
-    *,
-    n: int,
-    device: torch.device,
-    strictly_increasing: bool,
-    check_values: bool = True,
-) -> torch.Tensor:
-    """idx: 1-D contiguous int64 on `device`, every entry in [0, n); optionally sorted and unique.
+def index_values(name: str, idx: torch.Tensor, *, n: int, strictly_increasing: bool) -> None:
+    """Every entry of the (checked: 1-D int64) index list in [0, n); with `strictly_increasing`,
+    sorted and unique. Reads idx on the host: a device synchronisation on a GPU, which is why the
+    ops that take an index list check its entries only when their ``check_values`` is True."""
+    if not idx.numel():
+        return
+    if strictly_increasing:
+        if idx.numel() > 1 and not bool((idx[1:] > idx[:-1]).all()):
+            raise ValueError(
+                f"{name} must be strictly increasing (sorted, no duplicates), as mask_indices returns it"
+            )
+        lo, hi = int(idx[0]), int(idx[-1])  # sorted: the ends are the extremes (one pass, not three)
+    else:
+        lo, hi = (int(v) for v in torch.aminmax(idx))
+    if lo < 0 or hi >= n:
+        raise ValueError(f"{name} has entries outside [0, {n}): min {lo}, max {hi}")
 
-    The entries are checked only with `check_values` (it reads idx on the host: a device
-    synchronisation on a GPU); the metadata always."""
-    t = tensor(name, idx, dtypes=(torch.int64,), dim=1)
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but the data is on {device}")
-    if check_values and t.numel():
-        if strictly_increasing:
-            if t.numel() > 1 and not bool((t[1:] > t[:-1]).all()):
-                raise ValueError(
-                    f"{name} must be strictly increasing (sorted, no duplicates), as mask_indices returns it"
-                )
-            lo, hi = int(t[0]), int(t[-1])  # sorted: the ends are the extremes (one pass, not three)
-        else:
-            lo, hi = (int(v) for v in torch.aminmax(t))
-        if lo < 0 or hi >= n:
-            raise ValueError(f"{name} has entries outside [0, {n}): min {lo}, max {hi}")
-    return t
+
+# ---- an op's arguments, declared once ---------------------------------------------------------------
+
+#: A buffer's dtype rule: the dtypes it may have, or a function of the buffers checked before it
+#: (by name) that returns them (``like``, ``master_of``, ``wire_of``).
+DtypeRule = tuple[torch.dtype, ...] | Callable[[dict[str, torch.Tensor]], tuple[torch.dtype, ...]]
+_FIRST = "<the first buffer>"
+
+
+def like(ref: str) -> DtypeRule:
+    """The dtype of buffer `ref`."""
+    return lambda seen: (seen[ref].dtype,)
+
+
+def master_of(ref: str) -> DtypeRule:
+    """The outer state's dtype for parameters like `ref` (``master_dtype``)."""
+    return lambda seen: (master_dtype(seen[ref].dtype),)
+
+
+def wire_of(ref: str) -> DtypeRule:
+    """What a wire buffer may hold for data like `ref`: the master dtype or a narrow wire dtype."""
+    return lambda seen: wire_dtypes(master_dtype(seen[ref].dtype))
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One tensor argument of an op. `name`: the op's (its schema's and abi.h's) name for it;
+    `shown`: the name its errors use when the public function calls it otherwise. `numel`: the
+    buffer whose element count it has (default the contract's first buffer), or None when the op
+    checks its size itself (index lists, wire codes). `params_of`: it holds parameters whose outer
+    state is that buffer (``params_of``)."""
+
+    name: str
+    dtypes: DtypeRule
+    shown: str = ""
+    optional: bool = False
+    numel: str | None = _FIRST
+    dim: int | None = None
+    params_of: str | None = None
+
+    @property
+    def label(self) -> str:
+        return self.shown or self.name
+
+
+@dataclass(frozen=True)
+class Real:
+    """A finite real-number argument in a range (``scalar``)."""
+
+    name: str
+    lo: float | None = None
+    hi: float | None = None
+    hi_open: bool = False
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A bool argument (``flag``)."""
+
+    name: str
+
+
+class Contract:
+    """The tensor and scalar arguments of one op, written once: what its body checks (in the
+    declared order, before anything is written: dtype, dimensions, contiguity, device, size, then
+    that no two buffers overlap except the `may_alias` pairs), what its fake kernel checks (one
+    device), and, by name, the pointer parameters of its C entry point ``entry`` in
+    ``_native.ABI`` (less `internal`: outputs the op allocates itself, or pointers it passes as
+    NULL). A test holds each contract to abi.h and to the registered op's schema. Checks a
+    contract cannot say (index entries, wire sizes of a format, a buffer required by a scalar's
+    value) stay with the op, after ``check``."""
+
+    def __init__(
+        self,
+        entry: str,
+        *args: Buffer | Real | Flag,
+        may_alias: Iterable[tuple[str, str]] = (),
+        internal: Iterable[str] = (),
+    ) -> None:
+        self.entry = entry
+        self.args = args
+        self.buffers = tuple(a for a in args if isinstance(a, Buffer))
+        self.may_alias = {frozenset(p) for p in may_alias}
+        self.internal = tuple(internal)
+        self._names = frozenset(a.name for a in args)
+        self._labels = {b.name: b.label for b in self.buffers}
+        first = self.buffers[0]
+        if first.optional:
+            raise TypeError(
+                f"{entry}: the first buffer ({first.name}) is the reference; it cannot be optional"
+            )
+        optional = {b.name for b in self.buffers if b.optional}
+        for b in self.buffers:
+            refs = {b.numel, b.params_of} - {None, _FIRST}
+            if refs - set(self._labels):
+                raise TypeError(f"{entry}: {b.name} refers to no buffer {sorted(refs - set(self._labels))}")
+            if refs & optional:
+                raise TypeError(f"{entry}: {b.name} refers to an optional buffer {sorted(refs & optional)}")
+        if any(set(p) - set(self._labels) for p in self.may_alias):
+            raise TypeError(f"{entry}: may_alias names no buffer")
+        # the size reference of each buffer, resolved once (checks run once per fragment per sync)
+        self._numel_ref = {
+            b.name: (first.name if b.numel == _FIRST else b.numel)
+            for b in self.buffers
+            if b.numel is not None and (first.name if b.numel == _FIRST else b.numel) != b.name
+        }
+
+    def check(self, **values: object) -> dict[str, float | bool]:
+        """Check one call's arguments (every declared one, by name; a missing optional buffer is
+        None). Returns the scalars, as floats and bools."""
+        if values.keys() != self._names:
+            raise TypeError(f"{self.entry}: the contract's arguments are {[a.name for a in self.args]}")
+        labels = self._labels
+        first = self.buffers[0].name
+        seen: dict[str, torch.Tensor] = {}
+        scalars: dict[str, float | bool] = {}
+        for a in self.args:
+            v = values[a.name]
+            if isinstance(a, Real):
+                scalars[a.name] = scalar(a.name, v, lo=a.lo, hi=a.hi, hi_open=a.hi_open)
+            elif isinstance(a, Flag):
+                scalars[a.name] = flag(a.name, v)
+            elif v is not None or not a.optional:
+                t = tensor(a.label, v, dtypes=a.dtypes(seen) if callable(a.dtypes) else a.dtypes, dim=a.dim)
+                if a.params_of:
+                    params_of(a.label, t, labels[a.params_of], seen[a.params_of])
+                if seen and t.device != seen[first].device:
+                    same_device(labels[first], seen[first], **{a.label: t})
+                ref = self._numel_ref.get(a.name)
+                if ref is not None and t.numel() != seen[ref].numel():
+                    same_numel(labels[ref], seen[ref], **{a.label: t})
+                seen[a.name] = t
+        self._no_overlap(seen)
+        return scalars
+
+    def same_device(self, **tensors: torch.Tensor | None) -> None:
+        """The fake kernel's one check (see ``ops._common``): every buffer on one device."""
+        first = self.buffers[0]
+        same_device(first.label, tensors[first.name], **{b.label: tensors[b.name] for b in self.buffers[1:]})
+
+    def _no_overlap(self, seen: dict[str, torch.Tensor]) -> None:
+        # each buffer against those declared before it; the error names it first
+        spans = [(n, t.device, *_span(t)) for n, t in seen.items() if t.numel()]
+        for i, (bn, bd, b0, b1) in enumerate(spans):
+            for an, ad, a0, a1 in spans[:i]:
+                if a0 < b1 and b0 < a1 and ad == bd and frozenset((an, bn)) not in self.may_alias:
+                    b_name, a_name = self._labels[bn], self._labels[an]
+                    raise ValueError(f"{b_name} and {a_name} share memory; they must be distinct buffers")

@@ -61,15 +61,23 @@ native(
 triton("fragment_norms", "fragment_norms", "launch_fragment_norms")
 
 
+#: fragment_norms' arguments (offsets' entries are checked with check_values; out: the op's own).
+CONTRACT = _checks.Contract(
+    "lc_fragment_norms",
+    _checks.Buffer("buf", _checks.PARAM_DTYPES),
+    _checks.Buffer("offsets", (torch.int64,), dim=1, numel=None),
+    _checks.Flag("check_values"),
+    may_alias=[("buf", "offsets")],
+    internal=["out"],
+)
+
+
 def _norms_impl(
     buf: torch.Tensor, offsets: torch.Tensor, ord: int, backend: str | None, check_values: bool = True
 ) -> torch.Tensor:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     fragment_norms."""
-    _checks.tensor("buf", buf, dtypes=_checks.PARAM_DTYPES)
-    _checks.flag("check_values", check_values)
-    _checks.tensor("offsets", offsets, dtypes=(torch.int64,), dim=1)
-    _checks.same_device("buf", buf, offsets=offsets)
+    CONTRACT.check(buf=buf, offsets=offsets, check_values=check_values)
     if isinstance(ord, bool) or not isinstance(ord, int):
         raise TypeError(f"ord must be the int 1 or 2, got {type(ord).__name__} {ord!r}")
     if ord not in ORDS:
@@ -98,7 +106,7 @@ _norms_op = torch.library.custom_op("lowcomm::fragment_norms", _norms_impl, muta
 
 @_norms_op.register_fake
 def _(buf, offsets, ord, backend, check_values=True):
-    _checks.same_device("buf", buf, offsets=offsets)  # see _common
+    CONTRACT.same_device(buf=buf, offsets=offsets)  # see _common
     return buf.new_empty(max(offsets.numel() - 1, 0))
 
 

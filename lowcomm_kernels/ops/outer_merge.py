@@ -35,6 +35,8 @@ from ..profiling import nvtx_range
 from ._common import code, compiling, declare, launch, launcher, native, traced_call, triton
 from .quant_format import (
     _FMT_CODE,
+    CODES_DTYPES,
+    SCALES_DTYPES,
     Quantized,
     _check_fmt_block,
     _check_wire,
@@ -206,34 +208,35 @@ triton("taylor_norms", "outer_merge", "launch_taylor_norms")
 triton("outer_merge", "outer_merge", "launch_outer_merge")
 
 
-def _check(
-    g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode
-) -> tuple[float, float, float, float, float]:
-    """Every check of an outer_merge_ call, before anything is written; returns the scalars
-    (lr, momentum, alpha, beta, lam) as floats."""
-    for name, t in (("g", g), ("u", u)):
-        _checks.tensor(name, t, dtypes=_checks.FLOAT_DTYPES)
-    _checks.tensor("x", x, dtypes=_checks.PARAM_DTYPES)
-    _checks.params_of("x", x, "g", g)
-    _checks.tensor("delta_avg", delta_avg, dtypes=_checks.wire_dtypes(g.dtype))
-    _checks.same_dtype("g", g, u=u)
-    _checks.same_device("g", g, u=u, delta_avg=delta_avg, x=x, x_sent=x_sent)
-    _checks.same_numel("g", g, u=u, delta_avg=delta_avg, x=x, x_sent=x_sent)
-    lr = _checks.scalar("lr", lr, lo=0.0)
-    momentum = _checks.scalar("momentum", momentum, lo=0.0, hi=1.0, hi_open=True)
-    alpha = _checks.scalar("alpha", alpha, lo=0.0, hi=1.0)
-    beta = _checks.scalar("beta", beta, lo=0.0)
-    lam = _checks.scalar("lam", lam, lo=0.0)
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"nesterov must be a bool, got {type(nesterov).__name__}")
+# The scalars of both merges (and of taylor_norms' pass inside outer_merge_).
+_MERGE_SCALARS = (
+    _checks.Real("lr", lo=0.0),
+    _checks.Real("momentum", lo=0.0, hi=1.0, hi_open=True),
+    _checks.Flag("nesterov"),
+    _checks.Real("alpha", lo=0.0, hi=1.0),
+    _checks.Real("beta", lo=0.0),
+    _checks.Real("lam", lo=0.0),
+)
+#: outer_merge_'s arguments: g, u, delta_avg, x and x_sent pairwise distinct. (lam_sums: taylor_norms'
+#: two sums, which the op allocates for the normalized Taylor mode.)
+CONTRACT = _checks.Contract(
+    "lc_outer_merge",
+    _checks.Buffer("g", _checks.FLOAT_DTYPES),
+    _checks.Buffer("u", _checks.like("g")),
+    _checks.Buffer("delta_avg", _checks.wire_of("g")),
+    _checks.Buffer("x", _checks.PARAM_DTYPES, params_of="g"),
+    _checks.Buffer("x_sent", _checks.like("g"), optional=True),
+    *_MERGE_SCALARS,
+    internal=["lam_sums"],
+)
+
+
+def _check_lam(x_sent: torch.Tensor | None, beta: float, lam: float, lam_mode: object) -> None:
+    """What both merges check beyond their contract."""
     if lam_mode not in LAM_MODES:
         raise ValueError(f"lam_mode must be one of {LAM_MODES}, got {lam_mode!r}")
     if x_sent is None and (beta != 0.0 or lam != 0.0):
         raise ValueError("x_sent is required when beta or lam is non-zero")
-    if x_sent is not None:
-        _checks.tensor("x_sent", x_sent, dtypes=(g.dtype,))
-    _checks.distinct({"g": g, "u": u, "delta_avg": delta_avg, "x": x, "x_sent": x_sent})
-    return lr, momentum, alpha, beta, lam
 
 
 def _outer_merge_impl(
@@ -253,9 +256,10 @@ def _outer_merge_impl(
 ) -> None:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     outer_merge_."""
-    lr, momentum, alpha, beta, lam = _check(
-        g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode
-    )
+    step = dict(lr=lr, momentum=momentum, nesterov=nesterov, alpha=alpha, beta=beta, lam=lam)
+    c = CONTRACT.check(g=g, u=u, delta_avg=delta_avg, x=x, x_sent=x_sent, **step)
+    lr, momentum, alpha, beta, lam = c["lr"], c["momentum"], c["alpha"], c["beta"], c["lam"]
+    _check_lam(x_sent, beta, lam, lam_mode)
     b = _dispatch.resolve(backend, g.device, "lc_outer_merge")
     if g.numel() == 0:
         return
@@ -278,7 +282,7 @@ _outer_merge_op = torch.library.custom_op(
 
 @_outer_merge_op.register_fake
 def _(g, u, delta_avg, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend):
-    _checks.same_device("g", g, u=u, delta_avg=delta_avg, x=x, x_sent=x_sent)  # see _common
+    CONTRACT.same_device(g=g, u=u, delta_avg=delta_avg, x=x, x_sent=x_sent)  # see _common
 
 
 declare("outer_merge_")
@@ -370,35 +374,32 @@ native(
 )
 
 
+#: outer_merge_quantized_'s arguments: outer_merge_'s with Δ̄ as (codes, scales) of a quantized
+#: format (their sizes: ``_check_wire``).
+QUANTIZED_CONTRACT = _checks.Contract(
+    "lc_outer_merge_quantized",
+    _checks.Buffer("g", _checks.FLOAT_DTYPES),
+    _checks.Buffer("u", _checks.like("g")),
+    _checks.Buffer("codes", CODES_DTYPES, shown="delta_avg.codes", numel=None),
+    _checks.Buffer("scales", SCALES_DTYPES, shown="delta_avg.scales", numel=None),
+    _checks.Buffer("x", _checks.PARAM_DTYPES, params_of="g"),
+    _checks.Buffer("x_sent", _checks.like("g"), optional=True),
+    *_MERGE_SCALARS,
+    internal=["lam_sums"],
+)
+
+
 def _outer_merge_quantized_impl(
     g, u, codes, scales, fmt, block, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend
 ) -> None:
     """outer_merge_'s checks with Δ̄ as (codes, scales); then one fused pass (cpu, cuda), or
     dequantize into a temporary and the dense merge (the normalized Taylor mode, and triton)."""
     f, block = _check_fmt_block(fmt, block)
-    for name, t in (("g", g), ("u", u)):
-        _checks.tensor(name, t, dtypes=_checks.FLOAT_DTYPES)
-    _checks.tensor("x", x, dtypes=_checks.PARAM_DTYPES)
-    _checks.params_of("x", x, "g", g)
-    _checks.same_dtype("g", g, u=u)
-    _checks.same_device("g", g, u=u, x=x, x_sent=x_sent)
-    _checks.same_numel("g", g, u=u, x=x, x_sent=x_sent)
+    step = dict(lr=lr, momentum=momentum, nesterov=nesterov, alpha=alpha, beta=beta, lam=lam)
+    c = QUANTIZED_CONTRACT.check(g=g, u=u, codes=codes, scales=scales, x=x, x_sent=x_sent, **step)
+    lr, momentum, alpha, beta, lam = c["lr"], c["momentum"], c["alpha"], c["beta"], c["lam"]
     _check_wire(f, block, g.numel(), codes, scales, g.device, prefix="delta_avg.")
-    lr = _checks.scalar("lr", lr, lo=0.0)
-    momentum = _checks.scalar("momentum", momentum, lo=0.0, hi=1.0, hi_open=True)
-    alpha = _checks.scalar("alpha", alpha, lo=0.0, hi=1.0)
-    beta = _checks.scalar("beta", beta, lo=0.0)
-    lam = _checks.scalar("lam", lam, lo=0.0)
-    _checks.flag("nesterov", nesterov)
-    if lam_mode not in LAM_MODES:
-        raise ValueError(f"lam_mode must be one of {LAM_MODES}, got {lam_mode!r}")
-    if x_sent is None and (beta != 0.0 or lam != 0.0):
-        raise ValueError("x_sent is required when beta or lam is non-zero")
-    if x_sent is not None:
-        _checks.tensor("x_sent", x_sent, dtypes=(g.dtype,))
-    _checks.distinct(
-        {"g": g, "u": u, "delta_avg.codes": codes, "delta_avg.scales": scales, "x": x, "x_sent": x_sent}
-    )
+    _check_lam(x_sent, beta, lam, lam_mode)
     b = _dispatch.resolve(backend, g.device, "lc_outer_merge_quantized")
     if g.numel() == 0:
         return
@@ -430,7 +431,7 @@ _outer_merge_quantized_op = torch.library.custom_op(
 def _(
     g, u, codes, scales, fmt, block, x, x_sent, lr, momentum, nesterov, alpha, beta, lam, lam_mode, backend
 ):
-    _checks.same_device("g", g, u=u, codes=codes, scales=scales, x=x, x_sent=x_sent)
+    QUANTIZED_CONTRACT.same_device(g=g, u=u, codes=codes, scales=scales, x=x, x_sent=x_sent)
 
 
 declare("outer_merge_quantized_")

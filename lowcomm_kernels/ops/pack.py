@@ -51,30 +51,16 @@ native("pack", "lc_pack", dtype=("x", code), wire_dtype=("delta", code), n=("g",
 triton("pack", "pack", "launch_pack")
 
 
-def _check(g: torch.Tensor, x: torch.Tensor, delta: torch.Tensor, snapshot: torch.Tensor | None) -> None:
-    """Every check of pack's tensors (named as pack's arguments), before anything is written."""
-    _checks.tensor("g", g, dtypes=_checks.FLOAT_DTYPES)
-    _checks.tensor("x", x, dtypes=_checks.PARAM_DTYPES)
-    _checks.same_device("g", g, x=x)
-    _checks.params_of("x", x, "g", g)
-    _checks.same_numel("g", g, x=x)
-    _checks.tensor("delta_out", delta, dtypes=_checks.wire_dtypes(g.dtype))
-    _checks.same_device("g", g, delta_out=delta)
-    _checks.same_numel("g", g, delta_out=delta)
-    if snapshot is not None:
-        _checks.tensor("snapshot_out", snapshot, dtypes=(g.dtype,))
-        _checks.same_device("g", g, snapshot_out=snapshot)
-        _checks.same_numel("g", g, snapshot_out=snapshot)
-    # g and x may alias each other (delta = 0); outputs may alias nothing.
-    _checks.no_alias(
-        [
-            ("delta_out", delta, "g", g),
-            ("delta_out", delta, "x", x),
-            ("snapshot_out", snapshot, "g", g),
-            ("snapshot_out", snapshot, "x", x),
-            ("delta_out", delta, "snapshot_out", snapshot),
-        ]
-    )
+#: pack's arguments: g and x may alias each other (delta = 0); the outputs alias nothing.
+CONTRACT = _checks.Contract(
+    "lc_pack",
+    _checks.Buffer("g", _checks.FLOAT_DTYPES),
+    _checks.Buffer("x", _checks.PARAM_DTYPES, params_of="g"),
+    _checks.Buffer("delta", _checks.wire_of("g"), shown="delta_out"),
+    _checks.Buffer("snapshot", _checks.like("g"), shown="snapshot_out", optional=True),
+    may_alias=[("g", "x")],
+    internal=["nonfinite"],
+)
 
 
 def _pack_impl(
@@ -82,7 +68,7 @@ def _pack_impl(
 ) -> torch.Tensor:
     """Check, choose the backend, launch: the registered op's body, and the eager path of pack.
     Returns the 0-d int64 non-finite count (the one tensor allocated here)."""
-    _check(g, x, delta, snapshot)
+    CONTRACT.check(g=g, x=x, delta=delta, snapshot=snapshot)
     b = _dispatch.resolve(backend, g.device, "lc_pack")
     nonfinite = torch.zeros((), dtype=torch.int64, device=g.device)
     if g.numel():
@@ -96,7 +82,7 @@ _pack_op = torch.library.custom_op("lowcomm::pack", _pack_impl, mutates_args=("d
 
 @_pack_op.register_fake
 def _(g, x, delta, snapshot, backend):
-    _checks.same_device("g", g, x=x, delta_out=delta, snapshot_out=snapshot)  # see _common
+    CONTRACT.same_device(g=g, x=x, delta=delta, snapshot=snapshot)  # see _common
     return g.new_empty((), dtype=torch.int64)
 
 

@@ -256,6 +256,10 @@ def _check_fmt_block(fmt: object, block: object) -> tuple[QuantFormat, int]:
     return f, block
 
 
+#: The dtypes of a quantized buffer's two tensors on the wire.
+CODES_DTYPES, SCALES_DTYPES = (torch.uint8,), (torch.float32,)
+
+
 def _check_wire(
     f: QuantFormat,
     block: int,
@@ -269,8 +273,8 @@ def _check_wire(
     """codes: uint8 of f.payload_bytes(n); scales: fp32 of f.num_scales(n, block); on `device`.
     Errors name them ``{prefix}codes{suffix}`` and ``{prefix}scales{suffix}``."""
     cname, sname = f"{prefix}codes{suffix}", f"{prefix}scales{suffix}"
-    c = _checks.tensor(cname, codes, dtypes=(torch.uint8,))
-    s = _checks.tensor(sname, scales, dtypes=(torch.float32,))
+    c = _checks.tensor(cname, codes, dtypes=CODES_DTYPES)
+    s = _checks.tensor(sname, scales, dtypes=SCALES_DTYPES)
     if c.numel() != f.payload_bytes(n):
         raise ValueError(
             f"{cname} has {c.numel()} bytes; {f.name} codes of n = {n} elements take {f.payload_bytes(n)}"

@@ -25,9 +25,11 @@ from ._common import code, compiling, declare, launch, launcher, native, refusin
 from .quant_format import (
     _FMT_CODE,
     _KEY,
+    CODES_DTYPES,
     FORMATS,
     GAMMA,
     MAX_BLOCK,
+    SCALES_DTYPES,
     QuantFormat,
     Quantized,
     _check_fmt_block,
@@ -178,6 +180,45 @@ def _(codes, scales, out_codes, out_scales, fmt, block, n, scale):
 # ---- implementations (the registered ops' bodies and the eager paths) ------------------------------
 
 
+# A quantized buffer's two tensors; their sizes for a format and block: ``_check_wire``.
+_WIRE = (
+    _checks.Buffer("codes", CODES_DTYPES, numel=None),
+    _checks.Buffer("scales", SCALES_DTYPES, numel=None),
+)
+#: quantize's arguments: lowcomm::pack_quantized with x (and so residual and snapshot) None.
+QUANTIZE = _checks.Contract(
+    "lc_pack_quantized",
+    _checks.Buffer("g", _checks.PARAM_DTYPES, shown="v"),
+    *_WIRE,
+    internal=["x", "residual", "snapshot", "nonfinite"],
+)
+#: pack_quantized's arguments: g and x may alias each other (e = 0); the outputs alias nothing.
+#: (Named as pack_quantized's keywords: its codes and scales are the caller's codes_out and
+#: scales_out, or new ones, which overlap nothing.)
+PACK_QUANTIZED = _checks.Contract(
+    "lc_pack_quantized",
+    _checks.Buffer("g", _checks.FLOAT_DTYPES),
+    _checks.Buffer("x", _checks.PARAM_DTYPES, params_of="g"),
+    _checks.Buffer("residual", _checks.like("g"), optional=True),
+    _checks.Buffer("snapshot", _checks.like("g"), shown="snapshot_out", optional=True),
+    _checks.Buffer("codes", CODES_DTYPES, shown="codes_out", numel=None),
+    _checks.Buffer("scales", SCALES_DTYPES, shown="scales_out", numel=None),
+    may_alias=[("g", "x")],
+    internal=["nonfinite"],
+)
+#: dequantize's arguments: codes, scales and out pairwise distinct.
+DEQUANTIZE = _checks.Contract("lc_dequantize", _checks.Buffer("out", _checks.PARAM_DTYPES), *_WIRE)
+#: reduce_quantized's arguments: M rows of codes and scales in, one row out, all distinct.
+REDUCE_QUANTIZED = _checks.Contract(
+    "lc_reduce_quantized",
+    _checks.Buffer("codes", CODES_DTYPES, dim=2, numel=None),
+    _checks.Buffer("scales", SCALES_DTYPES, dim=2, numel=None),
+    _checks.Buffer("out_codes", CODES_DTYPES, numel=None),
+    _checks.Buffer("out_scales", SCALES_DTYPES, numel=None),
+    _checks.Real("scale"),
+)
+
+
 def _pack_quantized_impl(
     g: torch.Tensor,
     x: torch.Tensor | None,
@@ -196,31 +237,14 @@ def _pack_quantized_impl(
     non-finite count."""
     f, block = _check_fmt_block(fmt, block)
     sr, seed, round = _check_seed(sr, seed, round)
-    name = "v" if x is None else "g"
     if x is None:
-        _checks.tensor("v", g, dtypes=_checks.PARAM_DTYPES)
-    else:
-        _checks.tensor("x", x, dtypes=_checks.PARAM_DTYPES)
-        _checks.tensor("g", g, dtypes=_checks.FLOAT_DTYPES)
-        _checks.params_of("x", x, "g", g)
-        _checks.same_device("g", g, x=x)
-        _checks.same_numel("g", g, x=x)
-        for oname, t in (("residual", residual), ("snapshot_out", snapshot)):
+        for name, t in (("residual", residual), ("snapshot_out", snapshot)):
             if t is not None:
-                _checks.tensor(oname, t, dtypes=(g.dtype,))
-                _checks.same_device("g", g, **{oname: t})
-                _checks.same_numel("g", g, **{oname: t})
-    _check_wire(
-        f,
-        block,
-        g.numel(),
-        codes,
-        scales,
-        g.device,
-    )
-    _checks.distinct(
-        {name: g, "x": x, "residual": residual, "snapshot_out": snapshot, "codes": codes, "scales": scales}
-    )
+                raise ValueError(f"{name} needs x: quantize (x None) has no error feedback or snapshot")
+        QUANTIZE.check(g=g, codes=codes, scales=scales)
+    else:
+        PACK_QUANTIZED.check(g=g, x=x, residual=residual, snapshot=snapshot, codes=codes, scales=scales)
+    _check_wire(f, block, g.numel(), codes, scales, g.device, suffix="" if x is None else "_out")
     b = _dispatch.resolve(backend, g.device, "lc_pack_quantized")
     nonfinite = torch.zeros((), dtype=torch.int64, device=g.device)
     if g.numel():
@@ -251,7 +275,7 @@ _pack_quantized_op = torch.library.custom_op(
 
 @_pack_quantized_op.register_fake
 def _(g, x, residual, snapshot, codes, scales, fmt, block, sr, seed, round, backend):
-    _checks.same_device("g", g, x=x, residual=residual, snapshot_out=snapshot, codes=codes, scales=scales)
+    PACK_QUANTIZED.same_device(g=g, x=x, residual=residual, snapshot=snapshot, codes=codes, scales=scales)
     return g.new_empty((), dtype=torch.int64)
 
 
@@ -259,9 +283,8 @@ def _dequantize_impl(
     codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, fmt: str, block: int, backend: str | None
 ) -> None:
     f, block = _check_fmt_block(fmt, block)
-    _checks.tensor("out", out, dtypes=_checks.PARAM_DTYPES)
+    DEQUANTIZE.check(out=out, codes=codes, scales=scales)
     _check_wire(f, block, out.numel(), codes, scales, out.device)
-    _checks.distinct({"codes": codes, "scales": scales, "out": out})
     b = _dispatch.resolve(backend, out.device, "lc_dequantize")
     if out.numel():
         with nvtx_range("dequantize"):
@@ -273,7 +296,7 @@ _dequantize_op = torch.library.custom_op("lowcomm::dequantize", _dequantize_impl
 
 @_dequantize_op.register_fake
 def _(codes, scales, out, fmt, block, backend):
-    _checks.same_device("out", out, codes=codes, scales=scales)
+    DEQUANTIZE.same_device(out=out, codes=codes, scales=scales)
 
 
 def _reduce_quantized_impl(
@@ -289,9 +312,8 @@ def _reduce_quantized_impl(
 ) -> None:
     f, block = _check_fmt_block(fmt, block)
     n = _checks.integer("n", n, lo=0)
-    scale = _checks.scalar("scale", scale)
-    c = _checks.tensor("codes", codes, dtypes=(torch.uint8,), dim=2)
-    s = _checks.tensor("scales", scales, dtypes=(torch.float32,), dim=2)
+    c, s, wire = codes, scales, dict(out_codes=out_codes, out_scales=out_scales)
+    scale = REDUCE_QUANTIZED.check(codes=c, scales=s, **wire, scale=scale)["scale"]
     if c.shape[0] < 1 or tuple(c.shape) != (c.shape[0], f.payload_bytes(n)):
         raise ValueError(
             f"codes must be (M >= 1, {f.payload_bytes(n)}) for n = {n} {f.name} codes, got {tuple(c.shape)}"
@@ -300,9 +322,7 @@ def _reduce_quantized_impl(
         raise ValueError(
             f"scales must be ({c.shape[0]}, {f.num_scales(n, block)}) (M rows as codes), got {tuple(s.shape)}"
         )
-    _checks.same_device("codes", c, scales=s)
     _check_wire(f, block, n, out_codes, out_scales, c.device, prefix="out_")
-    _checks.distinct({"codes": c, "scales": s, "out_codes": out_codes, "out_scales": out_scales})
     b = _dispatch.resolve(backend, c.device, "lc_reduce_quantized")
     if n:
         with nvtx_range("reduce_quantized"):
@@ -316,7 +336,7 @@ _reduce_quantized_op = torch.library.custom_op(
 
 @_reduce_quantized_op.register_fake
 def _(codes, scales, out_codes, out_scales, fmt, block, n, scale, backend):
-    _checks.same_device("codes", codes, scales=scales, out_codes=out_codes, out_scales=out_scales)
+    REDUCE_QUANTIZED.same_device(codes=codes, scales=scales, out_codes=out_codes, out_scales=out_scales)
 
 
 for _name in (
@@ -481,14 +501,6 @@ def pack_quantized(
     if codes_out is None:
         codes, scales = _wire_out(f, block, g.numel(), g.device)
     else:
-        _check_wire(f, block, g.numel(), codes_out, scales_out, g.device, suffix="_out")
-        others = {"g": g, "x": x, "residual": residual, "scales_out": scales_out}
-        if isinstance(snapshot_out, torch.Tensor):
-            others["snapshot_out"] = snapshot_out
-        for on, o in others.items():  # x may alias g; the outputs may alias nothing
-            _checks.no_alias([("codes_out", codes_out, on, o)])
-            if on != "scales_out":
-                _checks.no_alias([("scales_out", scales_out, on, o)])
         codes, scales = codes_out, scales_out
     if snapshot_out is False:
         snapshot = None

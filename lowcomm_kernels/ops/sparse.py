@@ -19,6 +19,8 @@ from ..profiling import nvtx_range
 from ._common import code, compiling, declare, launch, launcher, native, traced_call, triton
 from .quant_format import (
     _FMT_CODE,
+    CODES_DTYPES,
+    SCALES_DTYPES,
     Quantized,
     _check_fmt_block,
     _check_wire,
@@ -68,20 +70,46 @@ triton("sparse_gather", "sparse", "launch_sparse_gather")
 triton("sparse_scatter_merge", "sparse", "launch_sparse_scatter_merge")
 
 
-def _checked_x_idx(
-    x: torch.Tensor, idx: torch.Tensor, check_values: bool, strictly_increasing: bool
-) -> torch.Tensor:
-    """The checks both sparse ops make of x and idx (idx's entries only if check_values)."""
-    _checks.tensor("x", x, dtypes=_checks.PARAM_DTYPES)
-    _checks.flag("check_values", check_values)
-    return _checks.index(
-        "idx",
-        idx,
-        n=x.numel(),
-        device=x.device,
-        strictly_increasing=strictly_increasing,
-        check_values=check_values,
-    )
+# x and idx, as both sparse ops (and the quantized merge) take them; idx's entries: ``_check_idx``.
+_X = _checks.Buffer("x", _checks.PARAM_DTYPES)
+_IDX = _checks.Buffer("idx", (torch.int64,), dim=1, numel=None)
+#: sparse_gather's arguments: out overlaps neither x nor idx (those two are only read).
+GATHER = _checks.Contract(
+    "lc_sparse_gather",
+    _X,
+    _IDX,
+    _checks.Buffer("out", _checks.like("x"), numel="idx"),
+    _checks.Flag("check_values"),
+    may_alias=[("x", "idx")],
+)
+#: sparse_scatter_merge_'s arguments: x, idx, avg and sent pairwise distinct.
+SCATTER = _checks.Contract(
+    "lc_sparse_scatter_merge",
+    _X,
+    _IDX,
+    _checks.Buffer("avg", _checks.wire_of("x"), numel="idx"),
+    _checks.Buffer("sent", _checks.master_of("x"), numel="idx"),
+    _checks.Real("beta", lo=0.0),
+    _checks.Flag("check_values"),
+)
+#: sparse_scatter_merge_quantized_'s arguments: the scatter's with avg as (codes, scales) of a
+#: quantized format (their sizes: ``_check_wire``).
+SCATTER_QUANTIZED = _checks.Contract(
+    "lc_sparse_scatter_merge_quantized",
+    _X,
+    _IDX,
+    _checks.Buffer("codes", CODES_DTYPES, shown="avg.codes", numel=None),
+    _checks.Buffer("scales", SCALES_DTYPES, shown="avg.scales", numel=None),
+    _checks.Buffer("sent", _checks.like("x"), numel="idx"),
+    _checks.Real("beta", lo=0.0),
+    _checks.Flag("check_values"),
+)
+
+
+def _check_idx(x: torch.Tensor, idx: torch.Tensor, check_values: bool, strictly_increasing: bool) -> None:
+    """idx's entries (if check_values: it reads idx on the host)."""
+    if check_values:
+        _checks.index_values("idx", idx, n=x.numel(), strictly_increasing=strictly_increasing)
 
 
 def _gather_impl(
@@ -89,11 +117,8 @@ def _gather_impl(
 ) -> None:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     sparse_gather. Every check runs before anything is written."""
-    idx = _checked_x_idx(x, idx, check_values, strictly_increasing=False)
-    _checks.tensor("out", out, dtypes=(x.dtype,))
-    _checks.same_device("x", x, out=out)
-    _checks.same_numel("idx", idx, out=out)
-    _checks.no_alias([("out", out, "x", x), ("out", out, "idx", idx)])
+    GATHER.check(x=x, idx=idx, out=out, check_values=check_values)
+    _check_idx(x, idx, check_values, strictly_increasing=False)
     b = _dispatch.resolve(backend, x.device, "lc_sparse_gather")
     if idx.numel():
         with nvtx_range("sparse_gather"):
@@ -111,14 +136,8 @@ def _scatter_merge_impl(
 ) -> None:
     """Check, choose the backend, launch: the registered op's body, and the eager path of
     sparse_scatter_merge_. Every check runs before anything is written."""
-    idx = _checked_x_idx(x, idx, check_values, strictly_increasing=True)
-    master = _checks.master_dtype(x.dtype)
-    _checks.tensor("avg", avg, dtypes=_checks.wire_dtypes(master))
-    _checks.tensor("sent", sent, dtypes=(master,))
-    _checks.same_device("x", x, avg=avg, sent=sent)
-    _checks.same_numel("idx", idx, avg=avg, sent=sent)
-    beta = _checks.scalar("beta", beta, lo=0.0)
-    _checks.distinct({"x": x, "idx": idx, "avg": avg, "sent": sent})
+    beta = SCATTER.check(x=x, idx=idx, avg=avg, sent=sent, beta=beta, check_values=check_values)["beta"]
+    _check_idx(x, idx, check_values, strictly_increasing=True)
     b = _dispatch.resolve(backend, x.device, "lc_sparse_scatter_merge")
     if idx.numel():
         with nvtx_range("sparse_scatter_merge"):
@@ -130,7 +149,7 @@ _gather_op = torch.library.custom_op("lowcomm::sparse_gather", _gather_impl, mut
 
 @_gather_op.register_fake
 def _(x, idx, out, backend, check_values=True):
-    _checks.same_device("x", x, idx=idx, out=out)  # see _common
+    GATHER.same_device(x=x, idx=idx, out=out)  # see _common
 
 
 _scatter_merge_op = torch.library.custom_op(
@@ -140,7 +159,7 @@ _scatter_merge_op = torch.library.custom_op(
 
 @_scatter_merge_op.register_fake
 def _(x, idx, avg, sent, beta, backend, check_values=True):
-    _checks.same_device("x", x, idx=idx, avg=avg, sent=sent)  # see _common
+    SCATTER.same_device(x=x, idx=idx, avg=avg, sent=sent)  # see _common
 
 
 declare("sparse_gather")
@@ -272,13 +291,10 @@ def _scatter_merge_quantized_impl(
     check_values: bool = True,
 ) -> None:
     f, block = _check_fmt_block(fmt, block)
-    idx = _checked_x_idx(x, idx, check_values, strictly_increasing=True)
-    _checks.tensor("sent", sent, dtypes=(x.dtype,))
-    _checks.same_device("x", x, sent=sent)
-    _checks.same_numel("idx", idx, sent=sent)
+    tensors = dict(x=x, idx=idx, codes=codes, scales=scales, sent=sent)
+    beta = SCATTER_QUANTIZED.check(**tensors, beta=beta, check_values=check_values)["beta"]
     _check_wire(f, block, idx.numel(), codes, scales, x.device, prefix="avg.")
-    beta = _checks.scalar("beta", beta, lo=0.0)
-    _checks.distinct({"x": x, "idx": idx, "avg.codes": codes, "avg.scales": scales, "sent": sent})
+    _check_idx(x, idx, check_values, strictly_increasing=True)
     b = _dispatch.resolve(backend, x.device, "lc_sparse_scatter_merge_quantized")
     if idx.numel() == 0:
         return
@@ -298,7 +314,7 @@ _scatter_merge_quantized_op = torch.library.custom_op(
 
 @_scatter_merge_quantized_op.register_fake
 def _(x, idx, codes, scales, fmt, block, sent, beta, backend, check_values=True):
-    _checks.same_device("x", x, idx=idx, codes=codes, scales=scales, sent=sent)
+    SCATTER_QUANTIZED.same_device(x=x, idx=idx, codes=codes, scales=scales, sent=sent)
 
 
 declare("sparse_scatter_merge_quantized_")

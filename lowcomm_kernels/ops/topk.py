@@ -264,16 +264,27 @@ native("topk_decode_add", "lc_topk_decode_add", dtype=("out", code), n=("out", t
 # ---- implementations (the registered ops' bodies and the eager paths) ---------------------------
 
 
-def _check_payload(payload: object, fmt: TopKFormat, n: int, device: torch.device, name: str) -> torch.Tensor:
-    p = _checks.tensor(name, payload, dtypes=(torch.uint8,), dim=1)
-    if p.numel() != fmt.payload_bytes(n):
+_PAYLOAD = _checks.Buffer("payload", (torch.uint8,), dim=1, numel=None)  # its size: _check_payload
+#: topk_encode's arguments: delta, e and payload pairwise distinct.
+ENCODE = _checks.Contract(
+    "lc_topk_encode",
+    _checks.Buffer("e", _checks.FLOAT_DTYPES),
+    _checks.Buffer("delta", _checks.like("e")),
+    _PAYLOAD,
+    _checks.Real("beta", lo=0.0, hi=1.0),
+    _checks.Flag("check_values"),
+    internal=["nonfinite"],
+)
+#: topk_decode_add_'s arguments: out and payload distinct.
+DECODE_ADD = _checks.Contract("lc_topk_decode_add", _checks.Buffer("out", _checks.FLOAT_DTYPES), _PAYLOAD)
+
+
+def _check_payload(payload: torch.Tensor, fmt: TopKFormat, n: int) -> None:
+    if payload.numel() != fmt.payload_bytes(n):
         raise ValueError(
-            f"{name} has {p.numel()} bytes; n = {n} values with k = {fmt.k}, chunk = {fmt.chunk}, "
+            f"payload has {payload.numel()} bytes; n = {n} values with k = {fmt.k}, chunk = {fmt.chunk}, "
             f"bits = {fmt.bits} take {fmt.payload_bytes(n)}"
         )
-    if p.device != device:
-        raise ValueError(f"{name} is on {p.device} but the data is on {device}")
-    return p
 
 
 def _encode_impl(
@@ -289,14 +300,8 @@ def _encode_impl(
 ) -> torch.Tensor:
     """Check, choose the backend, launch. Returns the 0-d int64 non-finite count."""
     fmt = TopKFormat(*check_format(k, chunk, bits))
-    beta = _checks.scalar("beta", beta, lo=0.0, hi=1.0)
-    _checks.tensor("e", e, dtypes=_checks.FLOAT_DTYPES)
-    _checks.tensor("delta", delta, dtypes=(e.dtype,))
-    _checks.same_device("e", e, delta=delta)
-    _checks.same_numel("e", e, delta=delta)
-    _check_payload(payload, fmt, e.numel(), e.device, "payload")
-    _checks.distinct({"delta": delta, "e": e, "payload": payload})
-    _checks.flag("check_values", check_values)
+    beta = ENCODE.check(e=e, delta=delta, payload=payload, beta=beta, check_values=check_values)["beta"]
+    _check_payload(payload, fmt, e.numel())
     if check_values:
         for name, t in (("delta", delta), ("e", e)):
             if not bool(torch.isfinite(t).all()):
@@ -313,9 +318,8 @@ def _decode_add_impl(
     out: torch.Tensor, payload: torch.Tensor, k: int, chunk: int, bits: int, backend: str | None
 ) -> None:
     fmt = TopKFormat(*check_format(k, chunk, bits))
-    _checks.tensor("out", out, dtypes=_checks.FLOAT_DTYPES)
-    _check_payload(payload, fmt, out.numel(), out.device, "payload")
-    _checks.distinct({"out": out, "payload": payload})
+    DECODE_ADD.check(out=out, payload=payload)
+    _check_payload(payload, fmt, out.numel())
     b = _dispatch.resolve(backend, out.device, "lc_topk_decode_add")
     if out.numel():
         with nvtx_range("topk_decode_add"):
@@ -327,7 +331,7 @@ _encode_op = torch.library.custom_op("lowcomm::topk_encode", _encode_impl, mutat
 
 @_encode_op.register_fake
 def _(delta, e, payload, k, chunk, bits, beta, backend, check_values=True):
-    _checks.same_device("e", e, delta=delta, payload=payload)  # see _common
+    ENCODE.same_device(e=e, delta=delta, payload=payload)  # see _common
     return e.new_empty((), dtype=torch.int64)
 
 
@@ -336,7 +340,7 @@ _decode_add_op = torch.library.custom_op("lowcomm::topk_decode_add_", _decode_ad
 
 @_decode_add_op.register_fake
 def _(out, payload, k, chunk, bits, backend):
-    _checks.same_device("out", out, payload=payload)  # see _common
+    DECODE_ADD.same_device(out=out, payload=payload)  # see _common
 
 
 declare("topk_encode")
