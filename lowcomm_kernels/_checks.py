@@ -185,25 +185,37 @@ def index_values(name: str, idx: torch.Tensor, *, n: int, strictly_increasing: b
 
 # ---- an op's arguments, declared once ---------------------------------------------------------------
 
-#: A buffer's dtype rule: the dtypes it may have, or a function of the buffers checked before it
-#: (by name) that returns them (``like``, ``master_of``, ``wire_of``).
-DtypeRule = tuple[torch.dtype, ...] | Callable[[dict[str, torch.Tensor]], tuple[torch.dtype, ...]]
+
+@dataclass(frozen=True)
+class Relative:
+    """A dtype rule relative to another buffer, declared (and so checked) before this one: the
+    dtypes `rule` makes of that buffer's dtype."""
+
+    ref: str
+    rule: Callable[[torch.dtype], tuple[torch.dtype, ...]]
+
+    def __call__(self, seen: dict[str, torch.Tensor]) -> tuple[torch.dtype, ...]:
+        return self.rule(seen[self.ref].dtype)
+
+
+#: A buffer's dtype rule: the dtypes it may have, or ones relative to another buffer.
+DtypeRule = tuple[torch.dtype, ...] | Relative
 _FIRST = "<the first buffer>"
 
 
-def like(ref: str) -> DtypeRule:
+def like(ref: str) -> Relative:
     """The dtype of buffer `ref`."""
-    return lambda seen: (seen[ref].dtype,)
+    return Relative(ref, lambda d: (d,))
 
 
-def master_of(ref: str) -> DtypeRule:
+def master_of(ref: str) -> Relative:
     """The outer state's dtype for parameters like `ref` (``master_dtype``)."""
-    return lambda seen: (master_dtype(seen[ref].dtype),)
+    return Relative(ref, lambda d: (master_dtype(d),))
 
 
-def wire_of(ref: str) -> DtypeRule:
+def wire_of(ref: str) -> Relative:
     """What a wire buffer may hold for data like `ref`: the master dtype or a narrow wire dtype."""
-    return lambda seen: wire_dtypes(master_dtype(seen[ref].dtype))
+    return Relative(ref, lambda d: wire_dtypes(master_dtype(d)))
 
 
 @dataclass(frozen=True)
@@ -267,6 +279,8 @@ class Contract:
         self.may_alias = {frozenset(p) for p in may_alias}
         self.internal = tuple(internal)
         self._names = frozenset(a.name for a in args)
+        if len(self._names) != len(args):
+            raise TypeError(f"{entry}: an argument is declared twice")
         self._labels = {b.name: b.label for b in self.buffers}
         first = self.buffers[0]
         if first.optional:
@@ -274,12 +288,20 @@ class Contract:
                 f"{entry}: the first buffer ({first.name}) is the reference; it cannot be optional"
             )
         optional = {b.name for b in self.buffers if b.optional}
+        before: set[str] = set()  # a buffer's rules refer only to buffers checked before it, never a None
         for b in self.buffers:
             refs = {b.numel, b.params_of} - {None, _FIRST}
+            if isinstance(b.dtypes, Relative):
+                refs.add(b.dtypes.ref)
             if refs - set(self._labels):
                 raise TypeError(f"{entry}: {b.name} refers to no buffer {sorted(refs - set(self._labels))}")
+            if refs - before:
+                raise TypeError(
+                    f"{entry}: {b.name} refers to a buffer declared after it {sorted(refs - before)}"
+                )
             if refs & optional:
                 raise TypeError(f"{entry}: {b.name} refers to an optional buffer {sorted(refs & optional)}")
+            before.add(b.name)
         if any(set(p) - set(self._labels) for p in self.may_alias):
             raise TypeError(f"{entry}: may_alias names no buffer")
         # the size reference of each buffer, resolved once (checks run once per fragment per sync)
@@ -305,7 +327,8 @@ class Contract:
             elif isinstance(a, Flag):
                 scalars[a.name] = flag(a.name, v)
             elif v is not None or not a.optional:
-                t = tensor(a.label, v, dtypes=a.dtypes(seen) if callable(a.dtypes) else a.dtypes, dim=a.dim)
+                dtypes = a.dtypes(seen) if isinstance(a.dtypes, Relative) else a.dtypes
+                t = tensor(a.label, v, dtypes=dtypes, dim=a.dim)
                 if a.params_of:
                     params_of(a.label, t, labels[a.params_of], seen[a.params_of])
                 if seen and t.device != seen[first].device:

@@ -206,8 +206,11 @@ PACK_QUANTIZED = _checks.Contract(
     may_alias=[("g", "x")],
     internal=["nonfinite"],
 )
-#: dequantize's arguments: codes, scales and out pairwise distinct.
-DEQUANTIZE = _checks.Contract("lc_dequantize", _checks.Buffer("out", _checks.PARAM_DTYPES), *_WIRE)
+#: dequantize's arguments: codes, scales and out pairwise distinct (codes first: the public
+#: function makes out on codes' device when it is not given).
+DEQUANTIZE = _checks.Contract(
+    "lc_dequantize", *_WIRE, _checks.Buffer("out", _checks.PARAM_DTYPES, numel=None)
+)
 #: reduce_quantized's arguments: M rows of codes and scales in, one row out, all distinct.
 REDUCE_QUANTIZED = _checks.Contract(
     "lc_reduce_quantized",
@@ -283,7 +286,7 @@ def _dequantize_impl(
     codes: torch.Tensor, scales: torch.Tensor, out: torch.Tensor, fmt: str, block: int, backend: str | None
 ) -> None:
     f, block = _check_fmt_block(fmt, block)
-    DEQUANTIZE.check(out=out, codes=codes, scales=scales)
+    DEQUANTIZE.check(codes=codes, scales=scales, out=out)
     _check_wire(f, block, out.numel(), codes, scales, out.device)
     b = _dispatch.resolve(backend, out.device, "lc_dequantize")
     if out.numel():
@@ -296,7 +299,7 @@ _dequantize_op = torch.library.custom_op("lowcomm::dequantize", _dequantize_impl
 
 @_dequantize_op.register_fake
 def _(codes, scales, out, fmt, block, backend):
-    DEQUANTIZE.same_device(out=out, codes=codes, scales=scales)
+    DEQUANTIZE.same_device(codes=codes, scales=scales, out=out)
 
 
 def _reduce_quantized_impl(

@@ -100,7 +100,7 @@ SCATTER_QUANTIZED = _checks.Contract(
     _IDX,
     _checks.Buffer("codes", CODES_DTYPES, shown="avg.codes", numel=None),
     _checks.Buffer("scales", SCALES_DTYPES, shown="avg.scales", numel=None),
-    _checks.Buffer("sent", _checks.like("x"), numel="idx"),
+    _checks.Buffer("sent", _checks.master_of("x"), numel="idx"),
     _checks.Real("beta", lo=0.0),
     _checks.Flag("check_values"),
 )
@@ -222,12 +222,15 @@ def sparse_scatter_merge_(
     overwrites with the average. Only the k selected elements of x are read and written.
 
     Args:
-        x: fp32/fp64, any shape, contiguous. Mutated at idx only.
+        x: fp32/fp64, or bf16/fp16 (whose master dtype is float32), any shape, contiguous.
+            Mutated at idx only.
         idx: (k,) int64 on x's device, contiguous, strictly increasing (as mask_indices returns
             it; with a duplicate the result would depend on write order), entries in [0, x.numel()).
-        avg: (k,) of x's dtype or bfloat16 (the wire dtype), contiguous. Read only.
-            Or a ``Quantized`` (codes, scales, fmt, block) of k values, dequantized inside the merge.
-        sent: (k,) of x's dtype, contiguous: x[idx] when it was sent. Read only.
+        avg: (k,) of x's master dtype or bfloat16 (the narrow wire dtype), contiguous.
+            Read only. Or a ``Quantized`` (codes, scales, fmt, block) of k values, dequantized
+            inside the merge.
+        sent: (k,) of x's master dtype (x's own for fp32/fp64 x), contiguous: x[idx] when it was
+            sent. Read only.
         beta: finite, >= 0.
         backend: 'ref' | 'cpu' | 'triton' | 'cuda' (default by device, see ``_dispatch``).
         check_values: True (the default) checks idx's entries (strictly increasing, in range)
@@ -258,7 +261,8 @@ def sparse_scatter_merge_(
 def sparse_scatter_merge_quantized_ref(
     x: torch.Tensor, idx: torch.Tensor, avg: Quantized, sent: torch.Tensor, *, beta: float = 1.0
 ) -> None:
-    """``sparse_scatter_merge_ref`` with avg = dequantize_ref(avg) (k values) in x's dtype."""
+    """``sparse_scatter_merge_ref`` with avg = dequantize_ref(avg) (k values) in sent's dtype (x's
+    master dtype)."""
     f = as_format(avg.fmt)
     a = dequantize_ref(avg.codes, avg.scales, f, avg.block, idx.numel(), out_dtype=sent.dtype)
     sparse_scatter_merge_ref(x, idx, a, sent, beta=beta)
@@ -302,7 +306,7 @@ def _scatter_merge_quantized_impl(
         if b in ("ref", "cpu", "cuda"):
             launch("sparse_scatter_merge_quantized", b, x, idx, codes, scales, f.name, block, sent, beta)
             return
-        avg = torch.empty(idx.numel(), dtype=x.dtype, device=x.device)  # k values: small
+        avg = torch.empty(idx.numel(), dtype=sent.dtype, device=x.device)  # k values: small
         dequantize_launch(b, codes, scales, avg, f.name, block)
         launch("sparse_scatter_merge", b, x, idx, avg, sent, beta)
 

@@ -270,7 +270,7 @@ ENCODE = _checks.Contract(
     "lc_topk_encode",
     _checks.Buffer("e", _checks.FLOAT_DTYPES),
     _checks.Buffer("delta", _checks.like("e")),
-    _PAYLOAD,
+    _checks.Buffer("payload", _PAYLOAD.dtypes, shown="payload_out", dim=1, numel=None),
     _checks.Real("beta", lo=0.0, hi=1.0),
     _checks.Flag("check_values"),
     internal=["nonfinite"],
@@ -279,10 +279,10 @@ ENCODE = _checks.Contract(
 DECODE_ADD = _checks.Contract("lc_topk_decode_add", _checks.Buffer("out", _checks.FLOAT_DTYPES), _PAYLOAD)
 
 
-def _check_payload(payload: torch.Tensor, fmt: TopKFormat, n: int) -> None:
+def _check_payload(payload: torch.Tensor, fmt: TopKFormat, n: int, name: str = "payload") -> None:
     if payload.numel() != fmt.payload_bytes(n):
         raise ValueError(
-            f"payload has {payload.numel()} bytes; n = {n} values with k = {fmt.k}, chunk = {fmt.chunk}, "
+            f"{name} has {payload.numel()} bytes; n = {n} values with k = {fmt.k}, chunk = {fmt.chunk}, "
             f"bits = {fmt.bits} take {fmt.payload_bytes(n)}"
         )
 
@@ -301,7 +301,7 @@ def _encode_impl(
     """Check, choose the backend, launch. Returns the 0-d int64 non-finite count."""
     fmt = TopKFormat(*check_format(k, chunk, bits))
     beta = ENCODE.check(e=e, delta=delta, payload=payload, beta=beta, check_values=check_values)["beta"]
-    _check_payload(payload, fmt, e.numel())
+    _check_payload(payload, fmt, e.numel(), "payload_out")
     if check_values:
         for name, t in (("delta", delta), ("e", e)):
             if not bool(torch.isfinite(t).all()):

@@ -174,8 +174,36 @@ def test_a_malformed_contract_or_call_is_refused():
             _checks.Buffer("s", _checks.FLOAT_DTYPES, optional=True),
             _checks.Buffer("d", _checks.FLOAT_DTYPES, numel="s"),
         )
+    with pytest.raises(TypeError, match="refers to an optional buffer"):  # a dtype rule too
+        _checks.Contract(
+            "lc_pack",
+            _checks.Buffer("g", _checks.FLOAT_DTYPES),
+            _checks.Buffer("s", _checks.FLOAT_DTYPES, optional=True),
+            _checks.Buffer("d", _checks.like("s")),
+        )
+    with pytest.raises(TypeError, match="refers to a buffer declared after it"):
+        _checks.Contract(
+            "lc_pack",
+            _checks.Buffer("g", _checks.FLOAT_DTYPES),
+            _checks.Buffer("d", _checks.like("s")),
+            _checks.Buffer("s", _checks.FLOAT_DTYPES),
+        )
+    with pytest.raises(TypeError, match="declared twice"):
+        _checks.Contract("lc_pack", _checks.Buffer("g", _checks.FLOAT_DTYPES), _checks.Real("g"))
     with pytest.raises(TypeError, match="the contract's arguments are"):
         DEMO.check(g=torch.zeros(4))
+
+
+def test_errors_use_the_public_functions_names():
+    from lowcomm_kernels.ops import dequantize, quantize, topk_encode
+
+    with pytest.raises(ValueError, match="^payload_out has 3 bytes"):
+        topk_encode(
+            torch.zeros(64), torch.zeros(64), k=4, chunk=32, payload_out=torch.zeros(3, dtype=torch.uint8)
+        )
+    codes, scales = quantize(torch.zeros(8), "int8", 4)
+    with pytest.raises(ValueError, match="^codes is a meta tensor"):  # not the out it would make there
+        dequantize(codes.to("meta"), scales.to("meta"), "int8", 4, 8)
 
 
 def test_pack_quantized_takes_x_aliasing_g_as_documented():

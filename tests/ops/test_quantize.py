@@ -417,6 +417,28 @@ def test_sparse_scatter_merge_quantized(backend, rng):
     assert torch.equal(x, ref)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("xd", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_sparse_scatter_merge_quantized_low_precision_x(backend, xd, rng):
+    """bf16 / fp16 x: sent is x's float32 master, as for the dense scatter (the kernels read it so);
+    the merge matches the dense spec on the dequantized average bit for bit. A sent of x's own
+    dtype is refused before anything is written (it was once accepted and read as float32)."""
+    n, k, block = 5000, 1501, 32
+    x = torch.randn(n, generator=rng).to(xd)
+    idx = torch.randperm(n, generator=rng)[:k].sort().values
+    sent = x[idx].float() - 1e-2 * torch.randn(k, generator=rng)
+    codes, scales = quantize(torch.randn(k, generator=rng), "int8", block)
+    ref = x.clone()
+    avg = Quantized(codes, scales, "int8", block)
+    sparse_scatter_merge_(x, idx, avg, sent, beta=0.5, backend=backend)
+    sparse_scatter_merge_ref(ref, idx, dequantize_ref(codes, scales, "int8", block, k), sent, beta=0.5)
+    assert torch.equal(x.view(torch.int16), ref.view(torch.int16))
+    before = x.clone()
+    with pytest.raises(TypeError, match="^sent has dtype"):
+        sparse_scatter_merge_(x, idx, avg, sent.to(xd), beta=0.5, backend=backend)
+    assert torch.equal(x.view(torch.int16), before.view(torch.int16))
+
+
 def test_wire_sizes():
     assert FORMATS["int8"].wire_bytes(1000, 32) == 1000 + 4 * 32
     assert FORMATS["int4"].wire_bytes(1001, 32) == 501 + 4 * 32
