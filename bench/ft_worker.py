@@ -169,6 +169,10 @@ def main() -> None:
             f.write(json.dumps(rec) + "\n")
             f.flush()
             if 0 <= a.die_at <= strat.step_count:
+                # the replica's ranks die together, each with its step done: group rank 0 hosts the
+                # ManagerServer whose answers the other ranks may still be reading
+                if dist.is_initialized():
+                    dist.barrier()
                 os.kill(os.getpid(), signal.SIGKILL)
             if strat.step_count == a.hold_at:
                 while not os.path.exists(a.hold_for):
