@@ -372,7 +372,20 @@ def test_loscar_commit_failure_applies_nowhere(lighthouse, tmp_path):
     assert all(rec[s]["g"] == r[s]["g"] for rec in recs for s in good if s in rec)
 
 
-_DIE_AT_12 = {False: (), True: ("--die-at", "12")}  # the killed replica's extra arguments
+def _dp_run_killed_at_12(lh, out: Path, replicas: int, steps: int, extra: tuple, killed: int) -> dict:
+    """`replicas` replicas of 2 ranks started together (``_start_together``), each with `extra`;
+    replica `killed` (both ranks) SIGKILLs itself right after step 12. Returns the processes by
+    (replica, group rank)."""
+    gate = ("--start-gate", str(out / "go"))
+    procs = {}
+    for i in range(replicas):
+        port, die = _free_port(), ("--die-at", "12") if i == killed else ()
+        for r in range(2):
+            procs[i, r] = _start_dp(lh, i, r, port, out, steps, *extra, *gate, *die, replicas=replicas)
+    _start_together(procs, out)
+    for r in range(2):
+        _killed(procs[killed, r], out, f"{killed}_{r}", 12, procs.values())
+    return procs
 
 
 def _start_dp(lh, i, r, port, out: Path, steps: int, *extra: str, replicas: int = 2) -> subprocess.Popen:
@@ -397,19 +410,10 @@ def test_replica_is_a_data_parallel_group(lighthouse, tmp_path):
     the other replica). Kill replica 1 (both ranks) mid-run and restart it: it heals rank by rank, then
     all four ranks hold the same g, and the two ranks of a replica the same parameters, at every step."""
     steps = 40
-    ports = [_free_port(), _free_port()]
-    gate = ("--start-gate", str(tmp_path / "go"))
-    procs = {
-        (i, r): _start_dp(lighthouse, i, r, ports[i], tmp_path, steps, *gate, *_DIE_AT_12[i == 1])
-        for i in range(2)
-        for r in range(2)
-    }
-    _start_together(procs, tmp_path)
+    procs = _dp_run_killed_at_12(lighthouse, tmp_path, 2, steps, (), killed=1)
+    port = _free_port()  # the restarted replica's
     for r in range(2):
-        _killed(procs[1, r], tmp_path, f"1_{r}", 12, procs.values())
-    ports[1] = _free_port()
-    for r in range(2):
-        procs[1, r] = _start_dp(lighthouse, 1, r, ports[1], tmp_path, steps)
+        procs[1, r] = _start_dp(lighthouse, 1, r, port, tmp_path, steps)
     _finish(list(procs.values()))
     recs = {key: _last(_records(tmp_path, f"{key[0]}_{key[1]}")) for key in procs}
     _fresh_start(tmp_path, [f"{i}_{r}" for i, r in procs], 2)
@@ -436,31 +440,12 @@ def test_replica_data_parallel_group_agrees(lighthouse, tmp_path, method):
     decisions (CoCoDC: N and fragment schedule, on all four ranks) and the same averages as the
     other replica (CoCoDC: g; LOSCAR: the merged x[S], and the round)."""
     steps = 40
-    ports = [_free_port(), _free_port()]
     extra = ("--method", method, "--skew")
-    procs = {
-        (i, r): _start_dp(
-            lighthouse,
-            i,
-            r,
-            ports[i],
-            tmp_path,
-            steps,
-            *extra,
-            "--start-gate",
-            str(tmp_path / "go"),
-            *_DIE_AT_12[i == 1],
-        )
-        for i in range(2)
-        for r in range(2)
-    }
-    _start_together(procs, tmp_path)
-    for r in range(2):
-        _killed(procs[1, r], tmp_path, f"1_{r}", 12, procs.values())
+    procs = _dp_run_killed_at_12(lighthouse, tmp_path, 2, steps, extra, killed=1)
     killed_at = 12
-    ports[1] = _free_port()
+    port = _free_port()  # the restarted replica's
     for r in range(2):
-        procs[1, r] = _start_dp(lighthouse, 1, r, ports[1], tmp_path, steps, *extra)
+        procs[1, r] = _start_dp(lighthouse, 1, r, port, tmp_path, steps, *extra)
     _finish(list(procs.values()))
     recs = {key: _last(_records(tmp_path, f"{key[0]}_{key[1]}")) for key in procs}
     _fresh_start(tmp_path, [f"{i}_{r}" for i, r in procs], 2)
@@ -512,34 +497,14 @@ def test_replica_data_parallel_heals_from_two_sources(lighthouse, tmp_path, meth
     CoCoDC, decisions) as the others."""
     steps, hold = 40, 24
     ready = tmp_path / "ready"
-    ports = [_free_port() for _ in range(3)]
     run = ("--method", method)
     held = (*run, "--hold-at", str(hold), "--hold-for", str(ready))
-    procs = {
-        (i, r): _start_dp(
-            lighthouse,
-            i,
-            r,
-            ports[i],
-            tmp_path,
-            steps,
-            *held,
-            "--start-gate",
-            str(tmp_path / "go"),
-            *_DIE_AT_12[i == 2],
-            replicas=3,
-        )
-        for i in range(3)
-        for r in range(2)
-    }
-    _start_together(procs, tmp_path)
-    for r in range(2):
-        _killed(procs[2, r], tmp_path, f"2_{r}", 12, procs.values())
+    procs = _dp_run_killed_at_12(lighthouse, tmp_path, 3, steps, held, killed=2)
     _wait_step(tmp_path, "0_0", hold, procs.values())
-    ports[2] = _free_port()
+    port = _free_port()  # the restarted replica's
     for r in range(2):
         extra = (*run, "--ready-file", str(ready)) if r == 1 else run  # the last one up releases them
-        procs[2, r] = _start_dp(lighthouse, 2, r, ports[2], tmp_path, steps, *extra, replicas=3)
+        procs[2, r] = _start_dp(lighthouse, 2, r, port, tmp_path, steps, *extra, replicas=3)
     _finish(list(procs.values()))
     recs = {key: _last(_records(tmp_path, f"{key[0]}_{key[1]}")) for key in procs}
     _fresh_start(tmp_path, [f"{i}_{r}" for i, r in procs], 3)
