@@ -263,7 +263,7 @@ def test_bad_arguments_are_refused_by_name(backend):
         topk_encode(d.double(), e, backend=backend)
     with pytest.raises(ValueError, match="^delta has 99 elements"):
         topk_encode(d[:99], e, backend=backend)
-    with pytest.raises(ValueError, match="^payload has 5 bytes"):
+    with pytest.raises(ValueError, match="^payload_out has 5 bytes"):
         topk_encode(d, e, payload_out=torch.empty(5, dtype=torch.uint8), backend=backend)
     with pytest.raises(ValueError, match="^delta and e share memory"):
         topk_encode(e, e, backend=backend)
