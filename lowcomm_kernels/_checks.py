@@ -305,11 +305,11 @@ class Contract:
         if any(set(p) - set(self._labels) for p in self.may_alias):
             raise TypeError(f"{entry}: may_alias names no buffer")
         # the size reference of each buffer, resolved once (checks run once per fragment per sync)
-        self._numel_ref = {
-            b.name: (first.name if b.numel == _FIRST else b.numel)
-            for b in self.buffers
-            if b.numel is not None and (first.name if b.numel == _FIRST else b.numel) != b.name
-        }
+        self._numel_ref = {}
+        for b in self.buffers:
+            ref = first.name if b.numel == _FIRST else b.numel
+            if ref is not None and ref != b.name:
+                self._numel_ref[b.name] = ref
 
     def check(self, **values: object) -> dict[str, float | bool]:
         """Check one call's arguments (every declared one, by name; a missing optional buffer is

@@ -35,13 +35,12 @@ from ..profiling import nvtx_range
 from ._common import code, compiling, declare, launch, launcher, native, traced_call, triton
 from .quant_format import (
     _FMT_CODE,
-    CODES_DTYPES,
-    SCALES_DTYPES,
     Quantized,
     _check_fmt_block,
     _check_wire,
     as_format,
     as_quantized,
+    wire_buffers,
 )
 from .quant_ref import dequantize_ref
 from .quantize import dequantize_launch
@@ -374,14 +373,14 @@ native(
 )
 
 
+_DELTA_AVG_WIRE = wire_buffers(prefix="delta_avg.")  # Δ̄ as (codes, scales)
 #: outer_merge_quantized_'s arguments: outer_merge_'s with Δ̄ as (codes, scales) of a quantized
 #: format (their sizes: ``_check_wire``).
 QUANTIZED_CONTRACT = _checks.Contract(
     "lc_outer_merge_quantized",
     _checks.Buffer("g", _checks.FLOAT_DTYPES),
     _checks.Buffer("u", _checks.like("g")),
-    _checks.Buffer("codes", CODES_DTYPES, shown="delta_avg.codes", numel=None),
-    _checks.Buffer("scales", SCALES_DTYPES, shown="delta_avg.scales", numel=None),
+    *_DELTA_AVG_WIRE,
     _checks.Buffer("x", _checks.PARAM_DTYPES, params_of="g"),
     _checks.Buffer("x_sent", _checks.like("g"), optional=True),
     *_MERGE_SCALARS,
@@ -398,7 +397,7 @@ def _outer_merge_quantized_impl(
     step = dict(lr=lr, momentum=momentum, nesterov=nesterov, alpha=alpha, beta=beta, lam=lam)
     c = QUANTIZED_CONTRACT.check(g=g, u=u, codes=codes, scales=scales, x=x, x_sent=x_sent, **step)
     lr, momentum, alpha, beta, lam = c["lr"], c["momentum"], c["alpha"], c["beta"], c["lam"]
-    _check_wire(f, block, g.numel(), codes, scales, g.device, prefix="delta_avg.")
+    _check_wire(f, block, g.numel(), codes, scales, _DELTA_AVG_WIRE)
     _check_lam(x_sent, beta, lam, lam_mode)
     b = _dispatch.resolve(backend, g.device, "lc_outer_merge_quantized")
     if g.numel() == 0:

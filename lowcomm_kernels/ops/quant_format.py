@@ -256,36 +256,40 @@ def _check_fmt_block(fmt: object, block: object) -> tuple[QuantFormat, int]:
     return f, block
 
 
-#: The dtypes of a quantized buffer's two tensors on the wire.
-CODES_DTYPES, SCALES_DTYPES = (torch.uint8,), (torch.float32,)
+def wire_buffers(
+    codes: str = "codes",
+    scales: str = "scales",
+    *,
+    prefix: str = "",
+    suffix: str = "",
+    dim: int | None = None,
+) -> tuple[_checks.Buffer, _checks.Buffer]:
+    """A quantized buffer's two tensors as an op's contract declares them: uint8 codes and fp32
+    scales (their sizes for a format and block: ``_check_wire``), named ``{prefix}{codes}{suffix}``
+    and ``{prefix}{scales}{suffix}`` in errors."""
+    return (
+        _checks.Buffer(codes, (torch.uint8,), shown=prefix + codes + suffix, numel=None, dim=dim),
+        _checks.Buffer(scales, (torch.float32,), shown=prefix + scales + suffix, numel=None, dim=dim),
+    )
 
 
 def _check_wire(
     f: QuantFormat,
     block: int,
     n: int,
-    codes: object,
-    scales: object,
-    device,
-    prefix: str = "",
-    suffix: str = "",
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    wire: tuple[_checks.Buffer, _checks.Buffer],
 ) -> None:
-    """codes: uint8 of f.payload_bytes(n); scales: fp32 of f.num_scales(n, block); on `device`.
-    Errors name them ``{prefix}codes{suffix}`` and ``{prefix}scales{suffix}``."""
-    cname, sname = f"{prefix}codes{suffix}", f"{prefix}scales{suffix}"
-    c = _checks.tensor(cname, codes, dtypes=CODES_DTYPES)
-    s = _checks.tensor(sname, scales, dtypes=SCALES_DTYPES)
-    if c.numel() != f.payload_bytes(n):
+    """The sizes of (codes, scales), checked by their contract as `wire` (``wire_buffers``):
+    f.payload_bytes(n) codes and f.num_scales(n, block) scales."""
+    cname, sname = wire[0].label, wire[1].label
+    if codes.numel() != f.payload_bytes(n):
         raise ValueError(
-            f"{cname} has {c.numel()} bytes; {f.name} codes of n = {n} elements take {f.payload_bytes(n)}"
+            f"{cname} has {codes.numel()} bytes; {f.name} codes of n = {n} elements take {f.payload_bytes(n)}"
         )
-    if s.numel() != f.num_scales(n, block):
-        raise ValueError(
-            f"{sname} has {s.numel()} elements; n = {n} in blocks of {block} takes {f.num_scales(n, block)}"
-        )
-    for name, t in ((cname, c), (sname, s)):
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device} but the data is on {device}")
+    if scales.numel() != (m := f.num_scales(n, block)):
+        raise ValueError(f"{sname} has {scales.numel()} elements; n = {n} in blocks of {block} takes {m}")
 
 
 def _check_seed(sr: object, seed: object, round: object) -> tuple[bool, int, int]:

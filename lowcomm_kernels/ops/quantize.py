@@ -25,11 +25,9 @@ from ._common import code, compiling, declare, launch, launcher, native, refusin
 from .quant_format import (
     _FMT_CODE,
     _KEY,
-    CODES_DTYPES,
     FORMATS,
     GAMMA,
     MAX_BLOCK,
-    SCALES_DTYPES,
     QuantFormat,
     Quantized,
     _check_fmt_block,
@@ -41,6 +39,7 @@ from .quant_format import (
     check_block,
     code_values,
     sr_key,
+    wire_buffers,
 )
 from .quant_ref import dequantize_ref, pack_quantized_ref, quantize_ref, reduce_quantized_ref, sr_uniform_ref
 
@@ -180,11 +179,7 @@ def _(codes, scales, out_codes, out_scales, fmt, block, n, scale):
 # ---- implementations (the registered ops' bodies and the eager paths) ------------------------------
 
 
-# A quantized buffer's two tensors; their sizes for a format and block: ``_check_wire``.
-_WIRE = (
-    _checks.Buffer("codes", CODES_DTYPES, numel=None),
-    _checks.Buffer("scales", SCALES_DTYPES, numel=None),
-)
+_WIRE = wire_buffers()
 #: quantize's arguments: lowcomm::pack_quantized with x (and so residual and snapshot) None.
 QUANTIZE = _checks.Contract(
     "lc_pack_quantized",
@@ -192,17 +187,17 @@ QUANTIZE = _checks.Contract(
     *_WIRE,
     internal=["x", "residual", "snapshot", "nonfinite"],
 )
+# named as pack_quantized's keywords: its codes and scales are the caller's codes_out and scales_out,
+# or new ones, which overlap nothing
+_WIRE_OUT = wire_buffers(suffix="_out")
 #: pack_quantized's arguments: g and x may alias each other (e = 0); the outputs alias nothing.
-#: (Named as pack_quantized's keywords: its codes and scales are the caller's codes_out and
-#: scales_out, or new ones, which overlap nothing.)
 PACK_QUANTIZED = _checks.Contract(
     "lc_pack_quantized",
     _checks.Buffer("g", _checks.FLOAT_DTYPES),
     _checks.Buffer("x", _checks.PARAM_DTYPES, params_of="g"),
     _checks.Buffer("residual", _checks.like("g"), optional=True),
     _checks.Buffer("snapshot", _checks.like("g"), shown="snapshot_out", optional=True),
-    _checks.Buffer("codes", CODES_DTYPES, shown="codes_out", numel=None),
-    _checks.Buffer("scales", SCALES_DTYPES, shown="scales_out", numel=None),
+    *_WIRE_OUT,
     may_alias=[("g", "x")],
     internal=["nonfinite"],
 )
@@ -211,13 +206,12 @@ PACK_QUANTIZED = _checks.Contract(
 DEQUANTIZE = _checks.Contract(
     "lc_dequantize", *_WIRE, _checks.Buffer("out", _checks.PARAM_DTYPES, numel=None)
 )
+_WIRE_SUM = wire_buffers("out_codes", "out_scales")
 #: reduce_quantized's arguments: M rows of codes and scales in, one row out, all distinct.
 REDUCE_QUANTIZED = _checks.Contract(
     "lc_reduce_quantized",
-    _checks.Buffer("codes", CODES_DTYPES, dim=2, numel=None),
-    _checks.Buffer("scales", SCALES_DTYPES, dim=2, numel=None),
-    _checks.Buffer("out_codes", CODES_DTYPES, numel=None),
-    _checks.Buffer("out_scales", SCALES_DTYPES, numel=None),
+    *wire_buffers(dim=2),
+    *_WIRE_SUM,
     _checks.Real("scale"),
 )
 
@@ -247,7 +241,7 @@ def _pack_quantized_impl(
         QUANTIZE.check(g=g, codes=codes, scales=scales)
     else:
         PACK_QUANTIZED.check(g=g, x=x, residual=residual, snapshot=snapshot, codes=codes, scales=scales)
-    _check_wire(f, block, g.numel(), codes, scales, g.device, suffix="" if x is None else "_out")
+    _check_wire(f, block, g.numel(), codes, scales, _WIRE if x is None else _WIRE_OUT)
     b = _dispatch.resolve(backend, g.device, "lc_pack_quantized")
     nonfinite = torch.zeros((), dtype=torch.int64, device=g.device)
     if g.numel():
@@ -287,7 +281,7 @@ def _dequantize_impl(
 ) -> None:
     f, block = _check_fmt_block(fmt, block)
     DEQUANTIZE.check(codes=codes, scales=scales, out=out)
-    _check_wire(f, block, out.numel(), codes, scales, out.device)
+    _check_wire(f, block, out.numel(), codes, scales, _WIRE)
     b = _dispatch.resolve(backend, out.device, "lc_dequantize")
     if out.numel():
         with nvtx_range("dequantize"):
@@ -325,7 +319,7 @@ def _reduce_quantized_impl(
         raise ValueError(
             f"scales must be ({c.shape[0]}, {f.num_scales(n, block)}) (M rows as codes), got {tuple(s.shape)}"
         )
-    _check_wire(f, block, n, out_codes, out_scales, c.device, prefix="out_")
+    _check_wire(f, block, n, out_codes, out_scales, _WIRE_SUM)
     b = _dispatch.resolve(backend, c.device, "lc_reduce_quantized")
     if n:
         with nvtx_range("reduce_quantized"):

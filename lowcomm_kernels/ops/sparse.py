@@ -19,13 +19,12 @@ from ..profiling import nvtx_range
 from ._common import code, compiling, declare, launch, launcher, native, traced_call, triton
 from .quant_format import (
     _FMT_CODE,
-    CODES_DTYPES,
-    SCALES_DTYPES,
     Quantized,
     _check_fmt_block,
     _check_wire,
     as_format,
     as_quantized,
+    wire_buffers,
 )
 from .quant_ref import dequantize_ref
 from .quantize import dequantize_launch
@@ -92,14 +91,14 @@ SCATTER = _checks.Contract(
     _checks.Real("beta", lo=0.0),
     _checks.Flag("check_values"),
 )
+_AVG_WIRE = wire_buffers(prefix="avg.")  # avg as (codes, scales)
 #: sparse_scatter_merge_quantized_'s arguments: the scatter's with avg as (codes, scales) of a
 #: quantized format (their sizes: ``_check_wire``).
 SCATTER_QUANTIZED = _checks.Contract(
     "lc_sparse_scatter_merge_quantized",
     _X,
     _IDX,
-    _checks.Buffer("codes", CODES_DTYPES, shown="avg.codes", numel=None),
-    _checks.Buffer("scales", SCALES_DTYPES, shown="avg.scales", numel=None),
+    *_AVG_WIRE,
     _checks.Buffer("sent", _checks.master_of("x"), numel="idx"),
     _checks.Real("beta", lo=0.0),
     _checks.Flag("check_values"),
@@ -297,7 +296,7 @@ def _scatter_merge_quantized_impl(
     f, block = _check_fmt_block(fmt, block)
     tensors = dict(x=x, idx=idx, codes=codes, scales=scales, sent=sent)
     beta = SCATTER_QUANTIZED.check(**tensors, beta=beta, check_values=check_values)["beta"]
-    _check_wire(f, block, idx.numel(), codes, scales, x.device, prefix="avg.")
+    _check_wire(f, block, idx.numel(), codes, scales, _AVG_WIRE)
     _check_idx(x, idx, check_values, strictly_increasing=True)
     b = _dispatch.resolve(backend, x.device, "lc_sparse_scatter_merge_quantized")
     if idx.numel() == 0:

@@ -270,7 +270,7 @@ ENCODE = _checks.Contract(
     "lc_topk_encode",
     _checks.Buffer("e", _checks.FLOAT_DTYPES),
     _checks.Buffer("delta", _checks.like("e")),
-    _checks.Buffer("payload", _PAYLOAD.dtypes, shown="payload_out", dim=1, numel=None),
+    dataclasses.replace(_PAYLOAD, shown="payload_out"),
     _checks.Real("beta", lo=0.0, hi=1.0),
     _checks.Flag("check_values"),
     internal=["nonfinite"],
