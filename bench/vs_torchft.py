@@ -14,6 +14,9 @@ whole period: the first sync and its allocations happen there), then times ``--s
 multiple of H, so every configuration times the same number of syncs). A run's step time is the
 timed wall clock over the timed steps (syncs included) on rank 0. Reported per configuration: the
 median over rounds, and for ours the ratio ours / torchft taken within each round, then its median.
+Beside them, from the same rounds: the floor plain / torchft (a wrapped step is never faster than the
+bare loop, so no wrapper's ratio can fall below it) and the step time each wrapper adds to the bare
+loop, (ours - plain) / (torchft - plain).
 torchft's manager talks to an in-process Lighthouse; ours needs none (a fixed gloo group).
 
     .venv/bin/python bench/vs_torchft.py                 # 8 x Linear(768), 300 steps, 5 rounds
@@ -282,7 +285,33 @@ def summarize(results: list[dict], configs: list[str]) -> dict:
                     "by_round": ratios,
                 }  # fmt: skip
         summary[f"{key}_ms"], summary["ratio" if key == "step" else f"{key}_ratio"] = ms, ratio
+    summary["floor"], summary["added_ratio"] = _against_the_bare_loop(results)
     return summary
+
+
+def _against_the_bare_loop(results: list[dict]) -> tuple[dict, dict]:
+    """Per pair, within each round that has all three runs: the floor, plain / torchft (no wrapper
+    can make a step faster than the loop it wraps, so no ours / torchft can fall below it), and the
+    step time each wrapper adds to the loop, (ours - plain) / (torchft - plain)."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r in results:
+        by_round.setdefault(r["round"], {})[r["config"]] = r["step_s"]
+    floor: dict = {}
+    added: dict = {}
+    for name, (ours, theirs) in PAIRS.items():
+        rounds = [v for v in by_round.values() if {"plain", ours, theirs} <= v.keys()]
+        for table, vals in (
+            (floor, [v["plain"] / v[theirs] for v in rounds if v[theirs] > 0]),
+            (
+                added,
+                [(v[ours] - v["plain"]) / (v[theirs] - v["plain"]) for v in rounds if v[theirs] > v["plain"]],
+            ),
+        ):
+            if vals:
+                table[name] = {
+                    "median": statistics.median(vals), "min": min(vals), "max": max(vals), "by_round": vals,
+                }  # fmt: skip
+    return floor, added
 
 
 def markdown(res: dict) -> str:
@@ -315,6 +344,23 @@ def markdown(res: dict) -> str:
         for key in ("hook", "cpu", "hook_cpu"):
             cells += [f"{s[f'{key}_ms'].get(cfg, {}).get('median', 0.0):.3f}", ratio(s[f"{key}_ratio"], cfg)]
         lines.append(f"| {cfg} | " + " | ".join(cells) + " |")
+    if s.get("floor"):
+        lines += [
+            "",
+            "Against the bare loop, same-round medians (min-max). The floor, plain / torchft: the lowest",
+            "ours / torchft any wrapper can reach, since a wrapped step cannot be faster than the loop it",
+            "wraps. The step time each wrapper adds to the loop, (ours - plain) / (torchft - plain):",
+            "",
+            "| method | floor: plain / torchft | added step time: ours / torchft |",
+            "| --- | ---: | ---: |",
+        ]
+        for name, label in (("diloco", "DiLoCo"), ("streaming", "Streaming DiLoCo")):
+            cells = []
+            for table in (s["floor"], s["added_ratio"]):
+                q = table.get(name)
+                cells.append(f"{q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})" if q else "")
+            if any(cells):
+                lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -51,12 +51,13 @@ def test_quick_run_writes_a_well_formed_summary(tmp_path):
     assert set(s["step_ms"]) == set(CONFIGS) and all(v["n"] == 2 for v in s["step_ms"].values())
     for key in ("hook", "cpu", "hook_cpu"):
         assert set(s[f"{key}_ms"]) == set(CONFIGS) and set(s[f"{key}_ratio"]) == {"diloco", "streaming"}
-    assert set(s["ratio"]) == {"diloco", "streaming"}
-    tables = [s[k] for k in ("ratio", "hook_ratio", "cpu_ratio", "hook_cpu_ratio")]
+    assert set(s["ratio"]) == {"diloco", "streaming"} and set(s["floor"]) == {"diloco", "streaming"}
+    tables = [s[k] for k in ("ratio", "hook_ratio", "cpu_ratio", "hook_cpu_ratio", "floor")]
     for q in [q for t in tables for q in t.values()]:
         assert len(q["by_round"]) == 2 and q["min"] <= q["median"] <= q["max"]
     table = md.read_text()
     assert "| ours-streaming |" in table and "| torchft-diloco |" in table
+    assert "| DiLoCo | " in table and "| Streaming DiLoCo | " in table  # the floor's table
     assert table in proc.stdout
 
 
@@ -71,6 +72,35 @@ def test_summary_takes_same_round_ratios():
     assert s["ratio"]["diloco"]["median"] == 0.5  # not median(ours) / median(torchft) = 2 / 4
     assert s["step_ms"]["ours-diloco"]["median"] == 2000.0 and "streaming" not in s["ratio"]
     assert s["hook_ms"] == {} and s["hook_ratio"] == {}  # runs without hook times
+
+
+def test_the_floor_and_the_added_step_time_come_from_the_same_round():
+    runs = [
+        {"round": r, "config": c, "step_s": v}
+        for r, vals in enumerate([(1.0, 1.5, 2.0), (2.0, 2.0, 4.0), (1.0, 3.0, 1.0)])
+        for c, v in zip(["plain", "ours-diloco", "torchft-diloco"], vals, strict=True)
+    ]
+    runs.append({"round": 3, "config": "ours-diloco", "step_s": 9.0})  # no plain run: not a pair
+    s = _module().summarize(runs, ["plain", "ours-diloco", "torchft-diloco"])
+    assert s["floor"]["diloco"]["by_round"] == [0.5, 0.5, 1.0]
+    # round 2: torchft adds nothing to the loop, so no added-time ratio is taken from it
+    assert s["added_ratio"]["diloco"]["by_round"] == [0.5, 0.0]
+    assert "streaming" not in s["floor"] and "streaming" not in s["added_ratio"]
+    table = _module().markdown({"summary": s, "args": _ARGS, "load_before": [], "load_after": []})
+    assert "| DiLoCo | 0.500 (0.500-1.000) | 0.250 (0.000-0.500) |" in table
+    assert "| Streaming DiLoCo |" not in table
+
+
+_ARGS = {
+    "layers": 2,
+    "dim": 4,
+    "batch": 1,
+    "sync_every": 2,
+    "fragments": 2,
+    "tau": 0,
+    "steps": 2,
+    "rounds": 3,
+}
 
 
 @pytest.mark.parametrize(
