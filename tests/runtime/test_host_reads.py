@@ -33,6 +33,7 @@ ALLOWED = {  # (module, function) -> why a host read is fine there
     ("base", "tensor_hash"): "consistency guard and agreement (construction / every guard_every syncs)",
     ("base", "check_consistency"): "consistency guard, opt-in every guard_every syncs",
     ("base", "_poisoned"): "only after a skipped sync (recovery)",
+    ("base", "nonfinite_tensors"): "only when every tensor is on the CPU, where a read waits for no stream",
     ("base", "save_checkpoint"): "checkpoint",
     ("dense", "_state"): "checkpoint",
     ("dense", "_load_state"): "checkpoint restore",
