@@ -16,7 +16,7 @@ timed wall clock over the timed steps (syncs included) on rank 0. Reported per c
 median over rounds, and for ours the ratio ours / torchft taken within each round, then its median.
 Beside them, from the same rounds: the floor plain / torchft (a wrapped step is never faster than the
 bare loop, so no wrapper's ratio can fall below it) and the step time each wrapper adds to the bare
-loop, (ours - plain) / (torchft - plain).
+loop (ours - plain and torchft - plain within each round, their medians, and the ratio of those).
 torchft's manager talks to an in-process Lighthouse; ours needs none (a fixed gloo group).
 
     .venv/bin/python bench/vs_torchft.py                 # 8 x Linear(768), 300 steps, 5 rounds
@@ -290,27 +290,28 @@ def summarize(results: list[dict], configs: list[str]) -> dict:
 
 
 def _against_the_bare_loop(results: list[dict]) -> tuple[dict, dict]:
-    """Per pair, within each round that has all three runs: the floor, plain / torchft (no wrapper
-    can make a step faster than the loop it wraps, so no ours / torchft can fall below it), and the
-    step time each wrapper adds to the loop, (ours - plain) / (torchft - plain)."""
+    """Per pair, from the rounds that have all three runs: the floor, plain / torchft within each
+    round (no wrapper makes a step faster than the loop it wraps, so no ours / torchft can fall
+    below it), and the step time each wrapper adds to the loop, ours - plain and torchft - plain
+    within each round, then their medians and the ratio of those (a ratio per round would divide by
+    torchft's added time, which is near zero in some rounds on a noisy machine)."""
     by_round: dict[int, dict[str, float]] = {}
     for r in results:
         by_round.setdefault(r["round"], {})[r["config"]] = r["step_s"]
     floor: dict = {}
     added: dict = {}
     for name, (ours, theirs) in PAIRS.items():
-        rounds = [v for v in by_round.values() if {"plain", ours, theirs} <= v.keys()]
-        for table, vals in (
-            (floor, [v["plain"] / v[theirs] for v in rounds if v[theirs] > 0]),
-            (
-                added,
-                [(v[ours] - v["plain"]) / (v[theirs] - v["plain"]) for v in rounds if v[theirs] > v["plain"]],
-            ),
-        ):
-            if vals:
-                table[name] = {
-                    "median": statistics.median(vals), "min": min(vals), "max": max(vals), "by_round": vals,
-                }  # fmt: skip
+        rounds = [v for v in by_round.values() if {"plain", ours, theirs} <= v.keys() and v[theirs] > 0]
+        if not rounds:
+            continue
+        ratios = [v["plain"] / v[theirs] for v in rounds]
+        floor[name] = {
+            "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "by_round": ratios,
+        }  # fmt: skip
+        ours_ms = statistics.median((v[ours] - v["plain"]) * 1e3 for v in rounds)
+        theirs_ms = statistics.median((v[theirs] - v["plain"]) * 1e3 for v in rounds)
+        ratio = ours_ms / theirs_ms if theirs_ms > 0 else None
+        added[name] = {"ours_ms": ours_ms, "torchft_ms": theirs_ms, "ratio": ratio}
     return floor, added
 
 
@@ -347,20 +348,23 @@ def markdown(res: dict) -> str:
     if s.get("floor"):
         lines += [
             "",
-            "Against the bare loop, same-round medians (min-max). The floor, plain / torchft: the lowest",
-            "ours / torchft any wrapper can reach, since a wrapped step cannot be faster than the loop it",
-            "wraps. The step time each wrapper adds to the loop, (ours - plain) / (torchft - plain):",
+            "Against the bare loop. The floor, plain / torchft within each round, median (min-max): the",
+            "lowest ours / torchft any wrapper can reach, since a wrapped step cannot be faster than the",
+            "loop it wraps. The step time each wrapper adds to the loop: ours - plain and torchft - plain",
+            "within each round, their medians, and the ratio of those medians.",
             "",
-            "| method | floor: plain / torchft | added step time: ours / torchft |",
-            "| --- | ---: | ---: |",
+            "| method | floor: plain / torchft | ours adds ms/step | torchft adds ms/step | ours / torchft |",
+            "| --- | ---: | ---: | ---: | ---: |",
         ]
         for name, label in (("diloco", "DiLoCo"), ("streaming", "Streaming DiLoCo")):
-            cells = []
-            for table in (s["floor"], s["added_ratio"]):
-                q = table.get(name)
-                cells.append(f"{q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f})" if q else "")
-            if any(cells):
-                lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            q, d = s["floor"].get(name), s["added_ratio"].get(name)
+            if q is None or d is None:
+                continue
+            ratio = "" if d["ratio"] is None else f"{d['ratio']:.3f}"
+            lines.append(
+                f"| {label} | {q['median']:.3f} ({q['min']:.3f}-{q['max']:.3f}) | {d['ours_ms']:.3f} "
+                f"| {d['torchft_ms']:.3f} | {ratio} |"
+            )
     return "\n".join(lines) + "\n"
 
 

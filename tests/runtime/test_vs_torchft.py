@@ -52,6 +52,7 @@ def test_quick_run_writes_a_well_formed_summary(tmp_path):
     for key in ("hook", "cpu", "hook_cpu"):
         assert set(s[f"{key}_ms"]) == set(CONFIGS) and set(s[f"{key}_ratio"]) == {"diloco", "streaming"}
     assert set(s["ratio"]) == {"diloco", "streaming"} and set(s["floor"]) == {"diloco", "streaming"}
+    assert set(s["added_ratio"]) == {"diloco", "streaming"}
     tables = [s[k] for k in ("ratio", "hook_ratio", "cpu_ratio", "hook_cpu_ratio", "floor")]
     for q in [q for t in tables for q in t.values()]:
         assert len(q["by_round"]) == 2 and q["min"] <= q["median"] <= q["max"]
@@ -82,13 +83,24 @@ def test_the_floor_and_the_added_step_time_come_from_the_same_round():
     ]
     runs.append({"round": 3, "config": "ours-diloco", "step_s": 9.0})  # no plain run: not a pair
     s = _module().summarize(runs, ["plain", "ours-diloco", "torchft-diloco"])
-    assert s["floor"]["diloco"]["by_round"] == [0.5, 0.5, 1.0]
-    # round 2: torchft adds nothing to the loop, so no added-time ratio is taken from it
-    assert s["added_ratio"]["diloco"]["by_round"] == [0.5, 0.0]
+    assert s["floor"]["diloco"]["by_round"] == [0.5, 0.5, 1.0] and s["floor"]["diloco"]["median"] == 0.5
+    # added per round: ours 0.5, 0, 2 s; torchft 1, 2, 0 s; medians 0.5 and 1 s
+    assert s["added_ratio"]["diloco"] == {"ours_ms": 500.0, "torchft_ms": 1000.0, "ratio": 0.5}
     assert "streaming" not in s["floor"] and "streaming" not in s["added_ratio"]
     table = _module().markdown({"summary": s, "args": _ARGS, "load_before": [], "load_after": []})
-    assert "| DiLoCo | 0.500 (0.500-1.000) | 0.250 (0.000-0.500) |" in table
+    assert "| DiLoCo | 0.500 (0.500-1.000) | 500.000 | 1000.000 | 0.500 |" in table
     assert "| Streaming DiLoCo |" not in table
+
+
+def test_torchft_adding_nothing_gives_no_ratio():
+    runs = [
+        {"round": 0, "config": c, "step_s": v}
+        for c, v in (("plain", 1.0), ("ours-diloco", 1.2), ("torchft-diloco", 1.0))
+    ]
+    s = _module().summarize(runs, ["plain", "ours-diloco", "torchft-diloco"])
+    assert s["added_ratio"]["diloco"]["ratio"] is None
+    table = _module().markdown({"summary": s, "args": _ARGS, "load_before": [], "load_after": []})
+    assert "| DiLoCo | 1.000 (1.000-1.000) | 200.000 | 0.000 |  |" in table
 
 
 _ARGS = {
