@@ -107,10 +107,10 @@ def nonfinite_tensors(tensors: list[torch.Tensor], device: torch.device) -> torc
 
     On the CPU, one fused pass over all of them first: their total 2-norm is finite exactly when
     every value is, unless the sum of squares passes the dtype's range (values past about 1e19), so
-    only a total that is not finite sends each tensor through the exact min/max pass. For an AdamW
-    state of 4.7M parameters that is 1.5 ms where a min/max pass per tensor takes 6.3 ms, and the
-    check runs at every sync. Off the CPU a host read would stall the stream: every tensor takes the
-    min/max pass there, which a GPU does in microseconds."""
+    only a total that is not finite sends each tensor through the exact min/max pass. The check runs
+    at every sync: for the AdamW state of 4.7M parameters, two replicas on two cores, it took 3.8 ms
+    where a min/max pass per tensor took 5.3 ms. Off the CPU a host read would stall the stream:
+    every tensor takes the min/max pass there, which a GPU does in microseconds."""
     total = torch.zeros((), dtype=torch.float64, device=device)
     if not tensors:
         return total
