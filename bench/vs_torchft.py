@@ -260,13 +260,24 @@ def _load() -> list[float]:
         return []
 
 
+def _by_round(results: list[dict], field: str) -> dict[int, dict[str, float]]:
+    """{round: {config: its ``field``}} over the runs that recorded it."""
+    by_round: dict[int, dict[str, float]] = {}
+    for r in results:
+        if field in r:
+            by_round.setdefault(r["round"], {})[r["config"]] = r[field]
+    return by_round
+
+
+def _spread(ratios: list[float]) -> dict:
+    """Same-round ratios: their median, min, max and every round's value."""
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "by_round": ratios}
+
+
 def summarize(results: list[dict], configs: list[str]) -> dict:
     summary: dict = {}
     for key, field in (("step", "step_s"), ("hook", "hook_s"), ("cpu", "cpu_s"), ("hook_cpu", "hook_cpu_s")):
-        by_round: dict[int, dict[str, float]] = {}
-        for r in results:
-            if field in r:
-                by_round.setdefault(r["round"], {})[r["config"]] = r[field]
+        by_round = _by_round(results, field)
         ms: dict = {}
         for cfg in configs:
             vals = [v[cfg] for v in by_round.values() if cfg in v]
@@ -280,34 +291,25 @@ def summarize(results: list[dict], configs: list[str]) -> dict:
             pairs = [(v[ours], v[theirs]) for v in by_round.values() if ours in v and theirs in v]
             ratios = [x / y for x, y in pairs if y > 0]
             if ratios:
-                ratio[name] = {
-                    "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-                    "by_round": ratios,
-                }  # fmt: skip
+                ratio[name] = _spread(ratios)
         summary[f"{key}_ms"], summary["ratio" if key == "step" else f"{key}_ratio"] = ms, ratio
-    summary["floor"], summary["added_ratio"] = _against_the_bare_loop(results)
+    summary["floor"], summary["added_ratio"] = _against_the_bare_loop(_by_round(results, "step_s"))
     return summary
 
 
-def _against_the_bare_loop(results: list[dict]) -> tuple[dict, dict]:
+def _against_the_bare_loop(by_round: dict[int, dict[str, float]]) -> tuple[dict, dict]:
     """Per pair, from the rounds that have all three runs: the floor, plain / torchft within each
     round (no wrapper makes a step faster than the loop it wraps, so no ours / torchft can fall
     below it), and the step time each wrapper adds to the loop, ours - plain and torchft - plain
     within each round, then their medians and the ratio of those (a ratio per round would divide by
     torchft's added time, which is near zero in some rounds on a noisy machine)."""
-    by_round: dict[int, dict[str, float]] = {}
-    for r in results:
-        by_round.setdefault(r["round"], {})[r["config"]] = r["step_s"]
     floor: dict = {}
     added: dict = {}
     for name, (ours, theirs) in PAIRS.items():
         rounds = [v for v in by_round.values() if {"plain", ours, theirs} <= v.keys() and v[theirs] > 0]
         if not rounds:
             continue
-        ratios = [v["plain"] / v[theirs] for v in rounds]
-        floor[name] = {
-            "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios), "by_round": ratios,
-        }  # fmt: skip
+        floor[name] = _spread([v["plain"] / v[theirs] for v in rounds])
         ours_ms = statistics.median((v[ours] - v["plain"]) * 1e3 for v in rounds)
         theirs_ms = statistics.median((v[theirs] - v["plain"]) * 1e3 for v in rounds)
         ratio = ours_ms / theirs_ms if theirs_ms > 0 else None
